@@ -1,0 +1,264 @@
+"""The attention spec: a small, frozen description of one kernel variant.
+
+A `Spec` is pure data. It knows which combinations are legal (and says why
+when one is not), how much shared memory its tiles need, and its own stable,
+readable name. Everything downstream (codegen, compiler, launch, ops) takes a
+Spec and nothing else to decide what to build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+DTYPES = ("fp16", "bf16")
+MASKS = ("none", "causal")
+VERSIONS = (1, 2)
+NUM_WARPS = (1, 2, 4, 8)
+MAX_STAGES = 4
+MAX_HEAD_DIM = 256
+
+# Tensor-core tile (mma.sync m16n8k16): rows of a warp's Q slice and the K/V
+# block must come in multiples of 16.
+MMA_M = 16
+MMA_K = 16
+
+# Each shared-memory row is padded by 8 halves (16 bytes) so that the 8 rows
+# an ldmatrix phase touches start in different bank groups.
+SMEM_ROW_PAD = 8
+ELEMENT_BYTES = 2  # fp16 and bf16
+
+# Largest dynamic shared memory one thread block may opt in to, per arch
+# (CUDA C Programming Guide, "Features and Technical Specifications").
+SMEM_LIMIT_BYTES = {
+    "sm_80": 166912,
+    "sm_86": 101376,
+    "sm_87": 166912,
+    "sm_89": 101376,
+    "sm_90": 232448,
+    "sm_90a": 232448,
+    "sm_100": 232448,
+    "sm_120": 101376,
+}
+DEFAULT_ARCHS = ("sm_80", "sm_90")
+
+
+def default_tiles(head_dim: int, version: int = 2) -> dict:
+    """The fallback tile table by head dim: used when nothing is tuned.
+
+    Sizes follow FlashAttention-2's choices for A100/H100 forward kernels,
+    kept small enough that Q plus double-buffered K and V fit on sm_80.
+    """
+    if head_dim <= 64:
+        block_m, block_n = 128, 64
+    elif head_dim <= 128:
+        block_m, block_n = 128, 32
+    else:
+        block_m, block_n = 64, 32
+    return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 2}
+
+
+def check_dropout_p(dropout_p) -> float:
+    """Validate a dropout probability; returns it as a float."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+def smem_limit(arch: str) -> int:
+    if arch not in SMEM_LIMIT_BYTES:
+        known = ", ".join(SMEM_LIMIT_BYTES)
+        raise ValueError(f"unknown arch {arch!r}; known archs: {known}")
+    return SMEM_LIMIT_BYTES[arch]
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Byte offsets of the tiles a forward thread block keeps in shared memory."""
+
+    row_elems: int  # padded row length in elements
+    q_offset: int
+    k_offset: int  # stage s of K starts at k_offset + s * kv_stage_bytes
+    v_offset: int
+    kv_stage_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One attention kernel variant.
+
+    head_dim     d, a multiple of 8 up to 256
+    dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32)
+    version      1 = FlashAttention-1 (m, l statistics), 2 = FlashAttention-2 (L)
+    block_m      rows of Q per tile (B_r)
+    block_n      rows of K/V per tile (B_c)
+    num_warps    warps per thread block; they split the block_m rows of Q
+    num_stages   depth of the K/V copy pipeline
+    mask         "none" or "causal" (bottom-right aligned when Nq != Nk)
+    key_padding  per-batch key lengths (seqlens_k) mask the tail of K/V
+    dropout      the kernel applies Philox dropout (p is a run-time argument)
+    deterministic  the backward pass uses no atomics
+    """
+
+    head_dim: int
+    dtype: str = "fp16"
+    version: int = 2
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    mask: str = "none"
+    key_padding: bool = False
+    dropout: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self):
+        self._check_head_dim()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}")
+        if self.mask not in MASKS:
+            raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
+        if self.version not in VERSIONS:
+            raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
+        for flag in ("key_padding", "dropout", "deterministic"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        # Unset tile fields take the fallback table's values.
+        for key, value in default_tiles(self.head_dim, self.version).items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        self._check_tiles()
+        self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))
+
+    # -- validation -------------------------------------------------------
+    def _check_head_dim(self):
+        d = self.head_dim
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise ValueError(f"head_dim must be an int, got {d!r}")
+        if d <= 0 or d % 8 != 0:
+            raise ValueError(f"head_dim must be a positive multiple of 8, got {d}")
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+
+    def _check_tiles(self):
+        for key in ("block_m", "block_n", "num_warps", "num_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{key} must be a positive int, got {value!r}")
+        if self.num_warps not in NUM_WARPS:
+            raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {self.num_warps}")
+        if self.block_n % MMA_K != 0:
+            raise ValueError(
+                f"block_n must be a multiple of {MMA_K} (the mma.sync k and n tiles), got {self.block_n}")
+        if self.block_m % MMA_M != 0:
+            raise ValueError(
+                f"block_m must be a multiple of {MMA_M} (the mma.sync m tile), got {self.block_m}")
+        rows_per_split = MMA_M * self.num_warps
+        if self.block_m % rows_per_split != 0:
+            raise ValueError(
+                f"block_m={self.block_m} cannot be split across num_warps={self.num_warps}: "
+                f"each warp owns a multiple of {MMA_M} rows, so block_m must be a multiple of "
+                f"{rows_per_split}")
+        if not 1 <= self.num_stages <= MAX_STAGES:
+            raise ValueError(f"num_stages must be in 1..{MAX_STAGES}, got {self.num_stages}")
+
+    def check_arch(self, arch: str) -> None:
+        """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory."""
+        allowed = smem_limit(arch)
+        needed = self.shared_layout.total_bytes
+        if needed > allowed:
+            raise ValueError(
+                f"{self.name} needs {needed} bytes of shared memory per block "
+                f"(block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
+                f"num_stages={self.num_stages}); {arch} allows at most {allowed}")
+
+    # -- derived facts ----------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
+
+    @property
+    def shared_layout(self) -> SharedLayout:
+        row = self.head_dim + SMEM_ROW_PAD
+        q_bytes = self.block_m * row * ELEMENT_BYTES
+        stage = self.block_n * row * ELEMENT_BYTES
+        k_offset = q_bytes
+        v_offset = k_offset + self.num_stages * stage
+        total = v_offset + self.num_stages * stage
+        return SharedLayout(row, 0, k_offset, v_offset, stage, total)
+
+    @property
+    def tiles(self) -> dict:
+        return {k: getattr(self, k) for k in ("block_m", "block_n", "num_warps", "num_stages")}
+
+    @property
+    def family(self) -> str:
+        """The name without tile sizes: `fa2_d64_causal_bf16`."""
+        parts = [f"fa{self.version}", f"d{self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        parts.append(self.dtype)
+        if self.key_padding:
+            parts.append("pad")
+        if self.dropout:
+            parts.append("drop")
+        if self.deterministic:
+            parts.append("det")
+        return "_".join(parts)
+
+    @property
+    def name(self) -> str:
+        """Stable readable name; tile sizes appear only when they differ from the table."""
+        if self.tiles == default_tiles(self.head_dim, self.version):
+            return self.family
+        t = self.tiles
+        return f"{self.family}_m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Spec":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown Spec fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "Spec":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_sram(cls, sram_elements: int, head_dim: int, **fields) -> "Spec":
+        """FlashAttention-1's block rule for an on-chip memory of M elements.
+
+        B_c = ceil(M / 4d) and B_r = min(ceil(M / 4d), d), then rounded down
+        to what the tensor-core tiles and the warp split can use: block_n to a
+        multiple of 16, block_m to a multiple of 16 * num_warps (with the
+        largest power-of-two num_warps up to 4 that the rows allow).
+        """
+        if isinstance(sram_elements, bool) or not isinstance(sram_elements, int) or sram_elements <= 0:
+            raise ValueError(f"M (SRAM size in elements) must be a positive int, got {sram_elements!r}")
+        if isinstance(head_dim, int) and head_dim > 0:
+            block_c = math.ceil(sram_elements / (4 * head_dim))
+            block_r = min(block_c, head_dim)
+        else:
+            block_c = block_r = MMA_M
+        block_n = max(MMA_K, min(256, block_c) // MMA_K * MMA_K)
+        num_warps = fields.pop("num_warps", None)
+        if num_warps is None:
+            num_warps = 4
+            while num_warps > 1 and block_r < MMA_M * num_warps:
+                num_warps //= 2
+        rows = MMA_M * num_warps
+        block_m = max(rows, block_r // rows * rows)
+        fields.setdefault("num_stages", 1)
+        return cls(head_dim=head_dim, block_m=block_m, block_n=block_n, num_warps=num_warps, **fields)
