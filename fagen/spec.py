@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 DTYPES = ("fp16", "bf16")
@@ -232,6 +233,33 @@ class Spec:
         if unknown:
             raise ValueError(f"unknown Spec fields: {sorted(unknown)}")
         return cls(**data)
+
+    @classmethod
+    def from_name(cls, name: str) -> "Spec":
+        """Parse a name like `fa2_d64_causal_bf16` or `fa1_d128_fp16_pad_m64n32w4s2`."""
+        fields: dict = {}
+        parts = name.split("_")
+        flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
+                 "drop": ("dropout", True), "det": ("deterministic", True)}
+        tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
+        if tiles:
+            parts.pop()
+            fields.update(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, tiles.groups())))
+        if len(parts) < 3 or not re.fullmatch(r"fa[12]", parts[0]) or not re.fullmatch(r"d\d+", parts[1]):
+            raise ValueError(f"not a spec name: {name!r} (expected e.g. fa2_d64_causal_bf16)")
+        fields.update(version=int(parts[0][2]), head_dim=int(parts[1][1:]))
+        for part in parts[2:]:
+            if part in DTYPES:
+                fields["dtype"] = part
+            elif part in flags:
+                key, value = flags[part]
+                fields[key] = value
+            else:
+                raise ValueError(f"not a spec name: {name!r} (unknown part {part!r})")
+        spec = cls(**fields)
+        if spec.name != name:
+            raise ValueError(f"not a canonical spec name: {name!r} (did you mean {spec.name!r}?)")
+        return spec
 
     def replace(self, **changes) -> "Spec":
         return dataclasses.replace(self, **changes)

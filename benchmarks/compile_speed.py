@@ -1,0 +1,53 @@
+"""Compile speed: cold NVRTC seconds per kernel and warm cache-hit milliseconds.
+
+    python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20]
+
+Cold: a fresh cache directory, so every variant is compiled by NVRTC. Warm:
+the same variants again from the disk cache (memory cache cleared) and from
+the in-process memory cache. Prints one line per variant and the medians.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+from fagen import compiler
+from fagen.build import default_specs
+from fagen.codegen import render
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["FAGEN_CACHE_DIR"] = cache
+        compiler.clear_memory_cache()
+        cold, disk, memory = [], [], []
+        for spec in default_specs():
+            start = time.perf_counter()
+            source = render(spec)
+            render_s = time.perf_counter() - start
+            kernel = compiler.compile_source(source, args.arch)
+            assert kernel.cache == "miss"
+            cold.append(kernel.compile_seconds)
+            for _ in range(args.repeat):
+                compiler.clear_memory_cache()
+                start = time.perf_counter()
+                assert compiler.compile_source(source, args.arch).cache == "disk"
+                disk.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                assert compiler.compile_source(source, args.arch).cache == "memory"
+                memory.append(time.perf_counter() - start)
+            print(f"{spec.name:<28} render {render_s * 1e3:6.1f} ms  cold NVRTC {kernel.compile_seconds:5.2f} s")
+    print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} kernels")
+    print(f"cold compile per kernel: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s")
+    print(f"warm disk-cache hit:     median {statistics.median(disk) * 1e3:.2f} ms")
+    print(f"warm memory-cache hit:   median {statistics.median(memory) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Compile rendered CUDA with NVRTC, for explicit archs, with no GPU needed.
+
+NVRTC is called through NVIDIA's `cuda.bindings.nvrtc` (cuda-bindings 12 or
+13), which works without a driver. Results are cached twice: in memory for the
+process, and on disk under the user's cache directory, keyed by the source
+hash, the arch, the NVRTC version and the options. Disk entries are single
+JSON files written to a temporary name and renamed into place, so concurrent
+builders of the same variant both succeed and readers never see half a file.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .codegen import Source, include_dir
+from .spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES
+
+CACHE_FORMAT = 1
+ARCH_ENV = "FAGEN_ARCH"
+CACHE_ENV = "FAGEN_CACHE_DIR"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a source; the message carries its log."""
+
+
+@dataclass(frozen=True)
+class ResourceReport:
+    """What ptxas says one kernel uses on one arch."""
+
+    kernel: str
+    arch: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    static_shared_bytes: int
+    barriers: int = 0
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+
+@dataclass
+class CompiledKernel:
+    """A cubin for one arch, its ptxas report, and how it was obtained."""
+
+    arch: str
+    cubin: bytes
+    log: str
+    resources: dict[str, ResourceReport]
+    nvrtc_version: str
+    compile_seconds: float
+    cache: str = field(default="miss")  # "miss", "disk" or "memory"
+
+
+# -- toolchain discovery ---------------------------------------------------
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise CompileError(
+            "NVRTC is not available: install fagen with the cuda12 or cuda13 extra "
+            "(pip install 'fagen[cuda12]')") from exc
+    return nvrtc
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> str:
+    err, major, minor = _nvrtc().nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_header_dir() -> Path:
+    """Directory holding cuda_fp16.h for NVRTC (the CUDA runtime headers)."""
+    candidates = []
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            candidates.append(Path(found))
+    except Exception:  # noqa: BLE001 - pathfinder is optional; fall through to CUDA_HOME
+        pass
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for path in candidates:
+        if (path / "cuda_fp16.h").is_file():
+            return path
+    raise CompileError(
+        "cannot find cuda_fp16.h for NVRTC: install nvidia-cuda-runtime-cu12 (the cuda12 extra) "
+        "or set CUDA_HOME")
+
+
+def parse_archs(text: str) -> list[str]:
+    """'sm_80,sm_90' -> ['sm_80', 'sm_90'] with a clear error for unknown archs."""
+    archs = [a.strip() for a in text.split(",") if a.strip()]
+    if not archs:
+        raise ValueError("empty arch list; expected e.g. sm_80,sm_90")
+    for arch in archs:
+        if arch not in SMEM_LIMIT_BYTES:
+            raise ValueError(f"unknown arch {arch!r}; known archs: {', '.join(SMEM_LIMIT_BYTES)}")
+    return archs
+
+
+def default_archs() -> list[str]:
+    """The visible GPU's arch, else $FAGEN_ARCH, else sm_80 and sm_90."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return [f"sm_{major}{minor}"]
+    except Exception:  # noqa: BLE001 - no torch CUDA: fall back to the env or defaults
+        pass
+    if os.environ.get(ARCH_ENV):
+        return parse_archs(os.environ[ARCH_ENV])
+    return list(DEFAULT_ARCHS)
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fagen"
+
+
+# -- ptxas report ----------------------------------------------------------
+
+_ENTRY_RE = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED_RE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_log(log: str, arch: str) -> dict[str, ResourceReport]:
+    """Per-kernel registers, spills, stack and static shared memory from `ptxas -v`."""
+    reports: dict[str, ResourceReport] = {}
+    kernel, values = None, {}
+    for line in log.splitlines():
+        if m := _ENTRY_RE.search(line):
+            kernel, values = m.group(1), {}
+        elif kernel and (m := _FRAME_RE.search(line)):
+            values.update(stack=int(m.group(1)), stores=int(m.group(2)), loads=int(m.group(3)))
+        elif kernel and (m := _USED_RE.search(line)):
+            reports[kernel] = ResourceReport(
+                kernel=kernel, arch=arch, registers=int(m.group(1)),
+                spill_store_bytes=values.get("stores", 0), spill_load_bytes=values.get("loads", 0),
+                stack_bytes=values.get("stack", 0), static_shared_bytes=int(m.group(3) or 0),
+                barriers=int(m.group(2) or 0))
+            kernel = None
+    return reports
+
+
+# -- NVRTC -----------------------------------------------------------------
+
+def nvrtc_options(arch: str) -> list[str]:
+    return [f"-arch={arch}", "-std=c++17", "--ptxas-options=-v",
+            f"-I{include_dir()}", f"-I{cuda_header_dir()}"]
+
+
+def _check(result, what: str, prog=None):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        log = _program_log(prog) if prog is not None else ""
+        raise CompileError(f"NVRTC {what} failed ({err}):\n{log}")
+    return result
+
+
+def _program_log(prog) -> str:
+    nvrtc = _nvrtc()
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.rstrip(b"\x00").decode(errors="replace")
+
+
+def nvrtc_compile(code: str, arch: str, filename: str = "kernel.cu") -> tuple[bytes, str]:
+    """Compile `code` to a cubin for `arch`. Returns (cubin, log)."""
+    nvrtc = _nvrtc()
+    _, prog = _check(nvrtc.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []), "create")
+    try:
+        opts = [o.encode() for o in nvrtc_options(arch)]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile for {arch}", prog)
+        log = _program_log(prog)
+        _, size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "get cubin")
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+# -- caches ----------------------------------------------------------------
+
+_memory_cache: dict[str, CompiledKernel] = {}
+_memory_lock = threading.Lock()
+
+
+def cache_key(source_hash: str, arch: str) -> str:
+    parts = [str(CACHE_FORMAT), source_hash, arch, nvrtc_version(), " ".join(nvrtc_options(arch)[:3])]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / "cubin" / f"{key}.json"
+
+
+def _read_disk(path: Path) -> CompiledKernel | None:
+    try:
+        data = json.loads(path.read_text())
+        resources = {k: ResourceReport(**v) for k, v in data["resources"].items()}
+        return CompiledKernel(arch=data["arch"], cubin=base64.b64decode(data["cubin"]), log=data["log"],
+                              resources=resources, nvrtc_version=data["nvrtc_version"],
+                              compile_seconds=data["compile_seconds"], cache="disk")
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"ignoring corrupt fagen cache entry {path}: {exc}", stacklevel=3)
+        return None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_disk(path: Path, kernel: CompiledKernel) -> None:
+    data = {"arch": kernel.arch, "cubin": base64.b64encode(kernel.cubin).decode(), "log": kernel.log,
+            "resources": {k: asdict(v) for k, v in kernel.resources.items()},
+            "nvrtc_version": kernel.nvrtc_version, "compile_seconds": kernel.compile_seconds}
+    write_atomic(path, json.dumps(data).encode())
+
+
+def compile_source(source: Source | str, arch: str, *, use_cache: bool = True) -> CompiledKernel:
+    """Compile a rendered source for one arch, through the memory and disk caches."""
+    code = source.code if isinstance(source, Source) else source
+    if isinstance(source, Source):
+        source.spec.check_arch(arch)
+    key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
+    if use_cache:
+        with _memory_lock:
+            hit = _memory_cache.get(key)
+        if hit is not None:
+            return CompiledKernel(**{**hit.__dict__, "cache": "memory"})
+        hit = _read_disk(_cache_path(key))
+        if hit is not None:
+            with _memory_lock:
+                _memory_cache[key] = hit
+            return hit
+    start = time.perf_counter()
+    cubin, log = nvrtc_compile(code, arch)
+    kernel = CompiledKernel(arch=arch, cubin=cubin, log=log, resources=parse_ptxas_log(log, arch),
+                            nvrtc_version=nvrtc_version(),
+                            compile_seconds=time.perf_counter() - start)
+    if use_cache:
+        _write_disk(_cache_path(key), kernel)
+        with _memory_lock:
+            _memory_cache[key] = kernel
+    return kernel
+
+
+def clear_memory_cache() -> None:
+    with _memory_lock:
+        _memory_cache.clear()
+
+
+# -- disassembly -----------------------------------------------------------
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel, if installed."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import cuda.pathfinder as pathfinder
+
+        return pathfinder.find_nvidia_binary_utility("cuobjdump")
+    except Exception:  # noqa: BLE001 - optional tool
+        return None
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin (needs cuobjdump and nvdisasm, e.g. from PyPI wheels)."""
+    tool = find_cuobjdump()
+    if tool is None:
+        raise CompileError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        env = dict(os.environ)
+        env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
+        result = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise CompileError(f"cuobjdump failed: {result.stderr.strip()}")
+    return result.stdout

@@ -1,0 +1,134 @@
+"""One launcher interface, two backends.
+
+A loaded kernel is called as `fn(grid, block, args, shared_mem=...)`, where
+`args` holds, per kernel parameter, a torch tensor (passed as a pointer) or a
+NumPy scalar whose type is the parameter's C type. That is CuPy's RawKernel
+calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
+
+- CUDA tensors: NVRTC cubin for the device's arch, loaded with CuPy and
+  launched on torch's current stream; dynamic shared memory above 48 KB is
+  opted in per kernel.
+- CPU tensors: the generated source is compiled for the host and run by the
+  SIMT emulator.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from .codegen import Entry, Source
+from .compiler import compile_source
+
+DEFAULT_SHARED_LIMIT = 48 * 1024
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class KernelFunction(Protocol):
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None: ...
+
+
+class LoadedSource:
+    """The kernels of one source, loaded for one device."""
+
+    def __init__(self, source: Source, device: torch.device, functions: dict[str, KernelFunction],
+                 pointer: Callable[[torch.Tensor], Any]):
+        self.source = source
+        self.device = device
+        self.functions = functions
+        self._pointer = pointer
+
+    def args(self, entry: Entry, values: dict[str, Any]) -> tuple:
+        """Order and type the arguments of `entry` from a name -> value dict."""
+        args = []
+        for param in entry.params:
+            value = values[param.name]
+            if param.kind == "tensor":
+                args.append(self._pointer(value))
+            else:
+                args.append(np.dtype(param.kind).type(value))
+        return tuple(args)
+
+    def launch(self, entry: Entry, grid: tuple, values: dict[str, Any]) -> None:
+        self.functions[entry.name](grid, entry.block, self.args(entry, values),
+                                   shared_mem=entry.shared_bytes)
+
+
+# -- CUDA backend ------------------------------------------------------------
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError("CUDA tensors need CuPy: pip install 'fagen[cuda12]' or 'fagen[cuda13]'") from exc
+    return cupy
+
+
+class _CudaFunction:
+    """A CuPy driver function launched on torch's current stream."""
+
+    def __init__(self, function, device_index: int):
+        self.function = function
+        self.device_index = device_index
+        self.shared_opt_in = DEFAULT_SHARED_LIMIT
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        cupy = _cupy()
+        with cupy.cuda.Device(self.device_index):
+            if shared_mem > self.shared_opt_in:
+                cupy.cuda.driver.funcSetAttribute(
+                    self.function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+                self.shared_opt_in = shared_mem
+            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+            self.function(grid, block, args, shared_mem=shared_mem,
+                          stream=cupy.cuda.ExternalStream(stream))
+
+
+def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
+    cupy = _cupy()
+    major, minor = torch.cuda.get_device_capability(device)
+    compiled = compile_source(source, f"sm_{major}{minor}")
+    with cupy.cuda.Device(device.index):
+        module = cupy.cuda.function.Module()
+        module.load(compiled.cubin)
+        functions = {e.name: _CudaFunction(module.get_function(e.name), device.index)
+                     for e in source.entries}
+    return LoadedSource(source, device, functions, pointer=lambda t: np.uint64(t.data_ptr()))
+
+
+# -- CPU (emulator) backend --------------------------------------------------
+
+def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
+    from . import emulate
+
+    module = emulate.load_module(source.code)
+    functions = {e.name: module.get_function(e.name) for e in source.entries}
+    return LoadedSource(source, device, functions, pointer=lambda t: t)
+
+
+# -- cache -------------------------------------------------------------------
+
+_loaded: dict[tuple[str, str], LoadedSource] = {}
+_lock = threading.Lock()
+
+
+def load(source: Source, device: torch.device) -> LoadedSource:
+    """Load a source's kernels for a device, once per process."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (source.hash, str(device))
+    loaded = _loaded.get(key)
+    if loaded is not None:
+        return loaded
+    with _lock:
+        if key not in _loaded:
+            if device.type == "cuda":
+                _loaded[key] = _load_cuda(source, device)
+            elif device.type == "cpu":
+                _loaded[key] = _load_emulated(source, device)
+            else:
+                raise ValueError(f"fagen runs on CUDA or CPU tensors, not on {device.type!r}")
+        return _loaded[key]

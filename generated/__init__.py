@@ -1,0 +1,1 @@
+"""Kernels and op modules written by `fagen build`."""

@@ -1,0 +1,25 @@
+// fagen/numeric.cuh — element types and the float conversions every kernel uses.
+//
+// Kernels compute in fp32 and store fp16 or bf16. The conversions round to
+// nearest even on the GPU and in the emulator alike (the emulator uses the
+// same cuda_fp16.h / cuda_bf16.h on the host).
+#pragma once
+
+namespace fagen {
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// +infinity without <math.h>, which NVRTC does not provide.
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * log2(e))
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back from log2 units to natural log
+
+}  // namespace fagen
