@@ -129,11 +129,9 @@ def cmd_verify(args) -> int:
         spec = Spec.from_name(args.spec)
     else:
         spec = _specs_from_args(args)[0] if args.head_dim is not None else None
-    results = identities.run(identities.for_spec(spec) if spec else None)
+    results = identities.run(spec=spec)
     print(identities.format_table(results))
-    failed = [r for r in results if not r.ok]
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    return 0 if all(r.ok for r in results) else 1
 
 
 def make_parser() -> argparse.ArgumentParser:

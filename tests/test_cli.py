@@ -67,3 +67,27 @@ def test_console_script_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "fagen.cli", "list", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 0 and "no fagen variants" in result.stdout
+
+
+def test_verify_proves_every_identity(capsys):
+    assert main(["verify"]) == 0
+    table = capsys.readouterr().out
+    assert "softmax" in table.lower() and "FAILED" not in table
+
+
+def test_verify_for_a_spec_checks_a_subset(capsys):
+    assert main(["verify", "--spec", "fa1_d64_fp16"]) == 0
+    subset = capsys.readouterr().out
+    main(["verify"])
+    everything = capsys.readouterr().out
+    assert len(subset.splitlines()) < len(everything.splitlines())
+
+
+def test_verify_exits_1_on_a_failing_identity(monkeypatch, capsys):
+    from fagen import identities
+
+    wrong = identities.Identity(name="deliberately wrong", shapes="N=1", check=lambda: False,
+                                relied_on_by=lambda spec: True)
+    monkeypatch.setattr(identities, "IDENTITIES", [*identities.IDENTITIES, wrong])
+    assert main(["verify"]) == 1
+    assert "deliberately wrong" in capsys.readouterr().out
