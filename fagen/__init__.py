@@ -1,1 +1,15 @@
+"""fagen: a code-generating kernel compiler for exact attention.
+
+    import fagen
+    out = fagen.flash_attn_func(q, k, v, causal=True, dropout_p=0.1)   # (B, N, H, d)
+    out = fagen.attention(q, k, v, causal=True)                        # (B, H, N, d)
+    spec = fagen.autotune(fagen.Spec(64, mask="causal"), seqlen_q=4096, batch=4, heads=32)
+"""
+
 __version__ = "0.1.0"
+
+from .ops import attention, flash_attn_func  # noqa: E402
+from .spec import Spec  # noqa: E402
+from .tuning import autotune  # noqa: E402
+
+__all__ = ["Spec", "attention", "autotune", "flash_attn_func", "__version__"]

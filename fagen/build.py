@@ -53,8 +53,9 @@ def manifest(source: Source, compiled: dict[str, CompiledKernel]) -> dict:
         "source_sha256": source.hash,
         "fagen_version": __version__,
         "nvrtc_version": nvrtc_version(),
-        "kernels": [{"name": e.name, "threads": e.threads, "block_rows": e.block_rows,
-                     "dynamic_shared_bytes": e.shared_bytes} for e in source.entries],
+        "kernels": [{"name": e.name, "threads": e.threads, "rows_per_block": e.rows_per_block,
+                     "rows_from": e.rows_from, "dynamic_shared_bytes": e.shared_bytes}
+                    for e in source.entries],
         "resources": {arch: {name: asdict(report) for name, report in sorted(k.resources.items())}
                       for arch, k in compiled.items()},
     }

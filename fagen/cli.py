@@ -1,4 +1,4 @@
-"""The `fagen` command line: build | list | show | verify."""
+"""The `fagen` command line: build | list | show | verify | tune | bench."""
 
 from __future__ import annotations
 
@@ -161,7 +161,21 @@ def make_parser() -> argparse.ArgumentParser:
     verify.add_argument("--spec", help="only the identities this spec relies on, e.g. fa2_d64_causal_bf16")
     _add_spec_args(verify, many=False)
     verify.set_defaults(func=cmd_verify)
+
+    from .tuning import add_tune_parser
+
+    add_tune_parser(sub)
+
+    bench = sub.add_parser("bench", help="GPU checks and benchmarks (see `fagen bench gpu-check --help`)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m fagen.bench")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args) -> int:
+    from .bench.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
 
 
 def main(argv=None) -> int:

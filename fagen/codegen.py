@@ -50,16 +50,35 @@ class Entry:
 
     name: str
     params: tuple[Param, ...]
-    threads: int       # threads per block (x dimension)
-    block_rows: int    # query rows one block covers: grid.x = ceil(seqlen_q / block_rows)
-    shared_bytes: int  # dynamic shared memory per block
+    threads: int               # threads per block (x dimension)
+    rows_per_block: int | None  # rows of `rows_from` one block covers, or None: one block per batch*head
+    rows_from: str             # "q" (query rows) or "k" (key rows)
+    shared_bytes: int          # dynamic shared memory per block
 
-    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        return (math.ceil(seqlen_q / self.block_rows), batch * heads, 1)
+    def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        rows = seqlen_q if self.rows_from == "q" else seqlen_k
+        blocks = 1 if self.rows_per_block is None else math.ceil(rows / self.rows_per_block)
+        return (blocks, batch * heads, 1)
 
     @property
     def block(self) -> tuple[int, int, int]:
         return (self.threads, 1, 1)
+
+
+@dataclass(frozen=True)
+class Entries:
+    """The kernels of one variant, by role."""
+
+    forward: Entry
+    bwd_preprocess: Entry
+    bwd_main: Entry
+    bwd_dq: Entry | None          # deterministic specs: the dQ pass without atomics
+    bwd_dq_convert: Entry | None  # other specs: fp32 atomics accumulator -> dQ
+
+    @property
+    def all(self) -> tuple[Entry, ...]:
+        return tuple(e for e in (self.forward, self.bwd_preprocess, self.bwd_main, self.bwd_dq,
+                                 self.bwd_dq_convert) if e is not None)
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,11 @@ class Source:
 
     spec: Spec
     code: str
-    entries: tuple[Entry, ...]
+    kernels: Entries
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return self.kernels.all
 
     @functools.cached_property
     def hash(self) -> str:
@@ -78,11 +101,6 @@ class Source:
     def short_hash(self) -> str:
         return self.hash[:12]
 
-    def entry(self, name_suffix: str) -> Entry:
-        for entry in self.entries:
-            if entry.name.endswith(name_suffix):
-                return entry
-        raise KeyError(f"{self.spec.name} has no kernel ending in {name_suffix!r}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,62 +113,128 @@ def environment() -> jinja2.Environment:
     )
 
 
-def _strides(tensor: str) -> list[Param]:
-    return [Param(f"{tensor}_stride_{axis}", "long long", "int64") for axis in ("b", "n", "h")]
+def _strides(*tensors: str) -> list[Param]:
+    return [Param(f"{t}_stride_{axis}", "long long", "int64") for t in tensors for axis in ("b", "n", "h")]
 
 
-def forward_params(spec: Spec) -> tuple[Param, ...]:
+def _tensor(name: str, ctype: str, const: bool = False) -> Param:
+    return Param(name, f"{'const ' if const else ''}{ctype}* __restrict__", "tensor")
+
+
+def _stats(spec: Spec, const: bool) -> list[Param]:
+    names = ("lse",) if spec.version == 2 else ("row_max", "row_sum")
+    if not const and spec.version == 1:
+        names = ("row_max_out", "row_sum_out")
+    return [_tensor(n, "float", const) for n in names]
+
+
+def _sizes(spec: Spec) -> list[Param]:
+    params = [_tensor("seqlens_k", "int", const=True)] if spec.key_padding else []
+    return params + [Param(n, "int", "int32") for n in ("heads", "kv_heads", "seqlen_q", "seqlen_k")]
+
+
+def _dropout(spec: Spec) -> list[Param]:
+    if not spec.dropout:
+        return []
+    return [Param("seed", "unsigned long long", "uint64"), Param("philox_offset", "unsigned int", "uint32"),
+            Param("keep_threshold", "unsigned int", "uint32"), Param("keep_scale", "float", "float32")]
+
+
+def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
     elem = ELEM_CTYPE[spec.dtype]
-    params = [
-        Param("q", f"const {elem}* __restrict__", "tensor"),
-        Param("k", f"const {elem}* __restrict__", "tensor"),
-        Param("v", f"const {elem}* __restrict__", "tensor"),
-        Param("out", f"{elem}* __restrict__", "tensor"),
-    ]
-    if spec.version == 2:
-        params.append(Param("lse", "float* __restrict__", "tensor"))
-    else:
-        params += [Param("row_max_out", "float* __restrict__", "tensor"),
-                   Param("row_sum_out", "float* __restrict__", "tensor")]
-    if spec.key_padding:
-        params.append(Param("seqlens_k", "const int* __restrict__", "tensor"))
-    params += [Param(name, "int", "int32") for name in ("heads", "kv_heads", "seqlen_q", "seqlen_k")]
-    for tensor in ("q", "k", "v", "o"):
-        params += _strides(tensor)
+    params = [_tensor(n, elem, const=True) for n in ("q", "k", "v")] + [_tensor("out", elem)]
+    params += _stats(spec, const=False)
+    if spec.version == 1:
+        params.append(_tensor("o_accum", "float"))  # FA-1 keeps O in HBM between steps
+    params += _sizes(spec) + _strides("q", "k", "v", "o")
     params.append(Param("softmax_scale_log2", "float", "float32"))
+    params += _dropout(spec)
+    return tuple(params + _debug(spec, debug, "tiles_visited"))
+
+
+def _debug(spec: Spec, debug: bool, *counters: str) -> list[Param]:
+    """Test instrumentation: counters, and the dropout keep mask a kernel used."""
+    if not debug:
+        return []
+    params = [_tensor(name, "int") for name in counters]
     if spec.dropout:
-        params += [Param("seed", "unsigned long long", "uint64"),
-                   Param("philox_offset", "unsigned int", "uint32"),
-                   Param("keep_threshold", "unsigned int", "uint32"),
-                   Param("keep_scale", "float", "float32")]
-    return tuple(params)
+        params.append(_tensor("keep_mask", "unsigned char"))
+    return params
 
 
-def kernel_entries(spec: Spec) -> tuple[Entry, ...]:
+def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, ...]]:
+    elem = ELEM_CTYPE[spec.dtype]
+    scales = [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
+    dq_accum = [] if spec.deterministic else [_tensor("dq_accum", "float")]
+    inputs = [_tensor(n, elem, const=True) for n in ("q", "k", "v", "dout")] + _stats(spec, const=True)
+    inputs.append(_tensor("delta", "float", const=True))
+    params = {
+        "bwd_preprocess": [_tensor("out", elem, const=True), _tensor("dout", elem, const=True),
+                           _tensor("delta", "float")] + dq_accum
+                          + [Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")]
+                          + _strides("o", "do"),
+        "bwd_main": inputs + dq_accum + [_tensor("dk_out", elem), _tensor("dv_out", elem)] + _sizes(spec)
+                    + _strides("q", "k", "v", "do", "dk", "dv") + scales + _dropout(spec)
+                    + _debug(spec, debug),
+    }
+    if spec.deterministic:
+        params["bwd_dq"] = (inputs + [_tensor("dq", elem)] + _sizes(spec)
+                            + _strides("q", "k", "v", "do", "dq") + scales + _dropout(spec))
+    else:
+        params["bwd_dq_convert"] = [_tensor("dq_accum", "float", const=True), _tensor("dq", elem),
+                                    Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")] \
+                                   + _strides("dq") + [Param("softmax_scale", "float", "float32")]
+    return {role: tuple(p) for role, p in params.items()}
+
+
+FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2"}
+
+
+def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     """The kernels a spec's source defines, with their signatures and geometry.
 
     Pure Python: generated op modules call this to launch a committed .cu file
     without rendering any template.
     """
-    forward = Entry(
-        name=f"{spec.name}_fwd",
-        params=forward_params(spec),
-        threads=spec.threads,
-        block_rows=spec.block_m,
-        shared_bytes=spec.shared_layout.total_bytes,
+    bwd = spec.backward_tiles
+    params = backward_params(spec, debug)
+    name = spec.name
+
+    def entry(role, params, threads, rows, rows_from, smem):
+        return Entry(f"{name}_{role}", params, threads, rows, rows_from, smem)
+
+    return Entries(
+        forward=entry("fwd", forward_params(spec, debug), spec.threads,
+                      spec.block_m if spec.version == 2 else None, "q", spec.shared_layout.total_bytes),
+        bwd_preprocess=entry("bwd_preprocess", params["bwd_preprocess"], 128, bwd.block_m, "q", 0),
+        bwd_main=entry("bwd", params["bwd_main"], bwd.threads, bwd.block_n, "k",
+                       spec.backward_layout.total_bytes),
+        bwd_dq=entry("bwd_dq", params["bwd_dq"], 2 * bwd.block_m, bwd.block_m, "q",
+                     spec.dq_layout.total_bytes) if spec.deterministic else None,
+        bwd_dq_convert=None if spec.deterministic else
+        entry("bwd_dq_convert", params["bwd_dq_convert"], 128, bwd.block_m, "q", 0),
     )
-    return (forward,)
 
 
-def render(spec: Spec) -> Source:
-    """Render every kernel of `spec` into one translation unit."""
-    (forward,) = entries = kernel_entries(spec)
-    template = environment().get_template("fwd_simple.cu.j2")
-    code = template.render(
+def render(spec: Spec, debug: bool = False) -> Source:
+    """Render every kernel of `spec` (forward and backward) into one translation unit.
+
+    `debug` adds instrumentation for tests: the forward kernel records how many
+    K/V tiles each thread block visits (`tiles_visited`), and with dropout the
+    forward and backward kernels write the keep mask they used (`keep_mask`).
+    """
+    entries = kernel_entries(spec, debug)
+    code = environment().get_template("variant.cu.j2").render(
         spec=spec,
-        entry=forward.name,
-        params=forward.params,
+        entries=entries,
+        forward_template=FORWARD_TEMPLATES[spec.version],
         layout=spec.shared_layout,
+        bwd=spec.backward_tiles,
+        bwd_layout=spec.backward_layout,
+        dq_layout=spec.dq_layout,
+        head_dim_pad=spec.head_dim_pad,
+        row_tiles=spec.block_m // (16 * spec.num_warps),
         elem_ctype=ELEM_CTYPE[spec.dtype],
+        debug=debug,
     )
-    return Source(spec=spec, code=code, entries=entries)
+    return Source(spec=spec, code=code, kernels=entries)

@@ -319,3 +319,52 @@ def disassemble(cubin: bytes) -> str:
     if result.returncode != 0:
         raise CompileError(f"cuobjdump failed: {result.stderr.strip()}")
     return result.stdout
+
+
+# -- SASS facts --------------------------------------------------------------
+
+_FUNCTION_RE = re.compile(r"Function : (\w+)")
+_INSTR_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH_RE = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class SassReport:
+    """What the machine code of one kernel does, counted from `cuobjdump -sass`."""
+
+    kernel: str
+    tensor_core_ops: int      # HMMA
+    tensor_core_in_loop: int  # HMMA inside a backward branch's range (a loop body)
+    ldmatrix_ops: int         # LDSM
+    global_loads_128: int     # 16-byte global loads, plain (LDG.128) or async to shared (LDGSTS.128)
+    global_stores_128: int    # STG.128
+
+
+def sass_reports(sass: str) -> dict[str, SassReport]:
+    """Per-kernel instruction facts from a cubin's SASS listing."""
+    functions: dict[str, list[tuple[int, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        if m := _FUNCTION_RE.search(line):
+            current = functions.setdefault(m.group(1), [])
+        elif current is not None and (m := _INSTR_RE.search(line)):
+            current.append((int(m.group(1), 16), m.group(2)))
+    return {name: _sass_report(name, instrs) for name, instrs in functions.items()}
+
+
+def _sass_report(name: str, instrs: list[tuple[int, str]]) -> SassReport:
+    loops = [(int(m.group(1), 16), addr) for addr, text in instrs
+             if (m := _BRANCH_RE.search(text)) and int(m.group(1), 16) < addr]
+
+    def in_loop(addr):
+        return any(start <= addr <= end for start, end in loops)
+
+    hmma = [addr for addr, text in instrs if "HMMA" in text]
+    return SassReport(
+        kernel=name,
+        tensor_core_ops=len(hmma),
+        tensor_core_in_loop=sum(1 for addr in hmma if in_loop(addr)),
+        ldmatrix_ops=sum(1 for _, text in instrs if "LDSM" in text),
+        global_loads_128=sum(1 for _, t in instrs if re.search(r"\bLDG(STS)?\.[A-Z0-9.]*128\b", t)),
+        global_stores_128=sum(1 for _, t in instrs if re.search(r"\bSTG\.[A-Z0-9.]*128\b", t)),
+    )

@@ -53,6 +53,8 @@ class LoadedSource:
         return tuple(args)
 
     def launch(self, entry: Entry, grid: tuple, values: dict[str, Any]) -> None:
+        if 0 in grid:
+            return  # nothing to do (e.g. batch 0); CUDA rejects an empty grid
         self.functions[entry.name](grid, entry.block, self.args(entry, values),
                                    shared_mem=entry.shared_bytes)
 

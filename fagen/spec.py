@@ -48,16 +48,17 @@ DEFAULT_ARCHS = ("sm_80", "sm_90")
 def default_tiles(head_dim: int, version: int = 2) -> dict:
     """The fallback tile table by head dim: used when nothing is tuned.
 
-    Sizes follow FlashAttention-2's choices for A100/H100 forward kernels,
-    kept small enough that Q plus double-buffered K and V fit on sm_80.
+    Sizes follow FlashAttention-2's forward kernels, adjusted so that the fp32
+    O accumulator fits in registers without spills and Q plus double-buffered
+    K and V fit in sm_80's shared memory.
     """
     if head_dim <= 64:
-        block_m, block_n = 128, 64
+        block_m, block_n, num_warps = 128, 64, 4   # two 16-row mma tiles per warp
     elif head_dim <= 128:
-        block_m, block_n = 128, 32
+        block_m, block_n, num_warps = 128, 64, 8   # one per warp keeps O in registers
     else:
-        block_m, block_n = 64, 32
-    return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 2}
+        block_m, block_n, num_warps = 64, 32, 4
+    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": 2}
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -78,13 +79,71 @@ def smem_limit(arch: str) -> int:
 
 @dataclass(frozen=True)
 class SharedLayout:
-    """Byte offsets of the tiles a forward thread block keeps in shared memory."""
+    """Byte offsets of the tiles a forward thread block keeps in shared memory.
+
+    Version 2 keeps one Q tile and pipelines K/V through `kv_stages` buffers;
+    version 1 (K/V-outer) keeps one K/V tile and pipelines Q through `q_stages`.
+    Stage s of Q starts at q_offset + s * q_stage_bytes, likewise for K and V.
+    """
 
     row_elems: int  # padded row length in elements
     q_offset: int
-    k_offset: int  # stage s of K starts at k_offset + s * kv_stage_bytes
+    q_stages: int
+    q_stage_bytes: int
+    k_offset: int
     v_offset: int
+    kv_stages: int
     kv_stage_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """Tiles of the backward kernels, derived from the head dim.
+
+    The main backward kernel owns block_n keys (K_j, V_j stay on chip) and
+    loops over Q blocks of block_m rows. Its warps form key_groups x dim_split:
+    each warp owns 16 keys and a 1/dim_split slice of the head dim for its dK
+    and dV accumulators (splitting d keeps them in registers at d > 128).
+    The deterministic dQ kernel uses the same block_m with warps splitting Q.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dim_split: int
+    dq_block_n: int  # keys per K/V tile of the deterministic dQ kernel
+    head_dim: int = 0  # d (set by Spec.backward_tiles)
+
+    @property
+    def head_dim_pad(self) -> int:
+        """d rounded up so that each of the dim_split slices is whole 16-wide mma steps."""
+        step = 16 * self.dim_split
+        return -(-self.head_dim // step) * step
+
+    @property
+    def key_groups(self) -> int:
+        return self.num_warps // self.dim_split
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+
+@dataclass(frozen=True)
+class BackwardLayout:
+    """Byte offsets of the backward kernel's shared tiles (rows padded like the forward)."""
+
+    row_elems: int
+    k_offset: int
+    v_offset: int
+    q_offset: int      # stage s at q_offset + s * qdo_stage_bytes
+    do_offset: int     # stage s at do_offset + s * qdo_stage_bytes
+    qdo_stage_bytes: int
+    ds_offset: int     # dS (block_m x block_n), for dQ = dS K
+    ds_row_elems: int
+    stats_offset: int  # fp32 L_i (log2 units) then D_i of the current Q block
     total_bytes: int
 
 
@@ -176,6 +235,11 @@ class Spec:
                 f"{self.name} needs {needed} bytes of shared memory per block "
                 f"(block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
                 f"num_stages={self.num_stages}); {arch} allows at most {allowed}")
+        backward = self.backward_layout.total_bytes
+        if backward > allowed:
+            raise ValueError(
+                f"{self.name}'s backward kernel needs {backward} bytes of shared memory per block; "
+                f"{arch} allows at most {allowed}")
 
     # -- derived facts ----------------------------------------------------
     @property
@@ -187,14 +251,62 @@ class Spec:
         return self.mask == "causal"
 
     @property
+    def head_dim_pad(self) -> int:
+        """head_dim rounded up to the mma k-step (16); the extra columns are zeros."""
+        return -(-self.head_dim // MMA_K) * MMA_K
+
+    @property
     def shared_layout(self) -> SharedLayout:
-        row = self.head_dim + SMEM_ROW_PAD
-        q_bytes = self.block_m * row * ELEMENT_BYTES
-        stage = self.block_n * row * ELEMENT_BYTES
-        k_offset = q_bytes
-        v_offset = k_offset + self.num_stages * stage
-        total = v_offset + self.num_stages * stage
-        return SharedLayout(row, 0, k_offset, v_offset, stage, total)
+        row = self.head_dim_pad + SMEM_ROW_PAD
+        q_stages, kv_stages = (1, self.num_stages) if self.version == 2 else (self.num_stages, 1)
+        q_stage = self.block_m * row * ELEMENT_BYTES
+        kv_stage = self.block_n * row * ELEMENT_BYTES
+        k_offset = q_stages * q_stage
+        v_offset = k_offset + kv_stages * kv_stage
+        total = v_offset + kv_stages * kv_stage
+        return SharedLayout(row, 0, q_stages, q_stage, k_offset, v_offset, kv_stages, kv_stage, total)
+
+    @property
+    def backward_tiles(self) -> BackwardTiles:
+        """Backward tiles by head dim, sized so dK, dV, S^T and dP^T stay in registers."""
+        return dataclasses.replace(self._backward_tile_table(), head_dim=self.head_dim)
+
+    def _backward_tile_table(self) -> BackwardTiles:
+        if self.head_dim <= 64:
+            return BackwardTiles(block_m=64, block_n=64, num_warps=4, num_stages=2, dim_split=1,
+                                 dq_block_n=64)
+        if self.head_dim <= 128:
+            return BackwardTiles(block_m=64, block_n=64, num_warps=8, num_stages=2, dim_split=2,
+                                 dq_block_n=64)
+        return BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4,
+                             dq_block_n=32)
+
+    @property
+    def backward_layout(self) -> BackwardLayout:
+        t = self.backward_tiles
+        row = t.head_dim_pad + SMEM_ROW_PAD
+        kv_bytes = t.block_n * row * ELEMENT_BYTES
+        stage = t.block_m * row * ELEMENT_BYTES
+        q_offset = 2 * kv_bytes
+        do_offset = q_offset + t.num_stages * stage
+        ds_offset = do_offset + t.num_stages * stage
+        ds_row = t.block_n + SMEM_ROW_PAD
+        stats_offset = ds_offset + t.block_m * ds_row * ELEMENT_BYTES
+        total = stats_offset + 2 * t.block_m * 4
+        return BackwardLayout(row, 0, kv_bytes, q_offset, do_offset, stage, ds_offset, ds_row,
+                              stats_offset, total)
+
+    @property
+    def dq_layout(self) -> SharedLayout:
+        """The deterministic dQ kernel: Q_i and dO_i (q stages 0 and 1), K/V pipelined."""
+        t = self.backward_tiles
+        row = self.head_dim_pad + SMEM_ROW_PAD
+        q_stage = t.block_m * row * ELEMENT_BYTES
+        kv_stage = t.dq_block_n * row * ELEMENT_BYTES
+        k_offset = 2 * q_stage
+        v_offset = k_offset + t.num_stages * kv_stage
+        total = v_offset + t.num_stages * kv_stage
+        return SharedLayout(row, 0, 2, q_stage, k_offset, v_offset, t.num_stages, kv_stage, total)
 
     @property
     def tiles(self) -> dict:

@@ -2,6 +2,7 @@
 
     from generated.fa2_d128_bf16 import attention
     out = attention(q, k, v)   # q (B, Nq, H, 128), k/v (B, Nk, Hk, 128), bf16
+    out.sum().backward()       # autograd: the backward kernels of the same source
 
 The kernel source is fa2_d128_bf16.cu beside this file. It is read and
 compiled on first use (NVRTC for CUDA tensors, the CPU emulator for CPU
@@ -13,7 +14,7 @@ from pathlib import Path
 from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
- 'block_n': 32,
+ 'block_n': 64,
  'deterministic': False,
  'dropout': False,
  'dtype': 'bf16',
@@ -21,15 +22,16 @@ SPEC = Spec.from_dict({'block_m': 128,
  'key_padding': False,
  'mask': 'none',
  'num_stages': 2,
- 'num_warps': 4,
+ 'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "042a23fdb020a09f7e6ceea3275a8c78e789d8e91b1e44b8d56c0941163d5fb8"
+SOURCE_SHA256 = "bd660e2e8e049dce9782adf43c8474e73eeb37304f873066e693efa857abdbb2"
 
 
-def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0):
-    """Attention with this module's fixed spec; returns the output (B, Nq, H, d)."""
+def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):
+    """Attention with this module's fixed spec (none mask, version 2); returns the
+    output (B, Nq, H, d), and L (B, H, Nq) with return_lse."""
     from fagen.ops import run_generated
 
     return run_generated(SPEC, SOURCE_PATH, SOURCE_SHA256, q, k, v, softmax_scale=softmax_scale,
-                         seqlens_k=seqlens_k, dropout_p=dropout_p)
+                         seqlens_k=seqlens_k, dropout_p=dropout_p, return_lse=return_lse)

@@ -2,6 +2,7 @@
 
     from generated.fa2_d128_fp16 import attention
     out = attention(q, k, v)   # q (B, Nq, H, 128), k/v (B, Nk, Hk, 128), fp16
+    out.sum().backward()       # autograd: the backward kernels of the same source
 
 The kernel source is fa2_d128_fp16.cu beside this file. It is read and
 compiled on first use (NVRTC for CUDA tensors, the CPU emulator for CPU
@@ -13,7 +14,7 @@ from pathlib import Path
 from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
- 'block_n': 32,
+ 'block_n': 64,
  'deterministic': False,
  'dropout': False,
  'dtype': 'fp16',
@@ -21,15 +22,16 @@ SPEC = Spec.from_dict({'block_m': 128,
  'key_padding': False,
  'mask': 'none',
  'num_stages': 2,
- 'num_warps': 4,
+ 'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "5ad341c4d7536507b9464038f2e6cbf78a50b1667dc12a70c4a985ec0d53446e"
+SOURCE_SHA256 = "6664ed875e683c1e5742d2ece964032c07e81ad400eb044a74ade1deb5baaaa3"
 
 
-def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0):
-    """Attention with this module's fixed spec; returns the output (B, Nq, H, d)."""
+def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):
+    """Attention with this module's fixed spec (none mask, version 2); returns the
+    output (B, Nq, H, d), and L (B, H, Nq) with return_lse."""
     from fagen.ops import run_generated
 
     return run_generated(SPEC, SOURCE_PATH, SOURCE_SHA256, q, k, v, softmax_scale=softmax_scale,
-                         seqlens_k=seqlens_k, dropout_p=dropout_p)
+                         seqlens_k=seqlens_k, dropout_p=dropout_p, return_lse=return_lse)

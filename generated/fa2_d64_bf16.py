@@ -2,6 +2,7 @@
 
     from generated.fa2_d64_bf16 import attention
     out = attention(q, k, v)   # q (B, Nq, H, 64), k/v (B, Nk, Hk, 64), bf16
+    out.sum().backward()       # autograd: the backward kernels of the same source
 
 The kernel source is fa2_d64_bf16.cu beside this file. It is read and
 compiled on first use (NVRTC for CUDA tensors, the CPU emulator for CPU
@@ -24,12 +25,13 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "2c0127c02d919668dbc52a06e43e086091752e12c31b5d29f7d9abef2866a12f"
+SOURCE_SHA256 = "2c4630c9c40892dc38f281bb00abc16b1e124040852eb4d12200f21009c12233"
 
 
-def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0):
-    """Attention with this module's fixed spec; returns the output (B, Nq, H, d)."""
+def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):
+    """Attention with this module's fixed spec (none mask, version 2); returns the
+    output (B, Nq, H, d), and L (B, H, Nq) with return_lse."""
     from fagen.ops import run_generated
 
     return run_generated(SPEC, SOURCE_PATH, SOURCE_SHA256, q, k, v, softmax_scale=softmax_scale,
-                         seqlens_k=seqlens_k, dropout_p=dropout_p)
+                         seqlens_k=seqlens_k, dropout_p=dropout_p, return_lse=return_lse)

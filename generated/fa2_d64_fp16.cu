@@ -1,7 +1,11 @@
 // ============================================================================
 // fagen generated kernel source: fa2_d64_fp16
-// kernel: forward, SIMPLE kernel (fp32 math on CUDA cores, no tensor cores)
-// The simple reference kernel of the foundation issue: correct, not fast.
+//
+// kernels:
+//   fa2_d64_fp16_fwd  (128 threads, 55296 B shared memory)
+//   fa2_d64_fp16_bwd_preprocess  (128 threads, 0 B shared memory)
+//   fa2_d64_fp16_bwd  (128 threads, 65024 B shared memory)
+//   fa2_d64_fp16_bwd_dq_convert  (128 threads, 0 B shared memory)
 //
 // spec:
 //   head_dim       64
@@ -20,52 +24,41 @@
 // (`fagen build` rewrites it). Algorithm line labels refer to the
 // FlashAttention (Dao et al. 2022) and FlashAttention-2 (Dao 2023) papers.
 // ============================================================================
-//
-// One thread block per (query block, batch*head). The Q tile is staged in
-// shared memory; the block walks the K/V tiles in lockstep (they are shared),
-// while each warp owns one query row at a time: lane l scores keys l, l+32,
-// ... of the tile, and accumulates output columns l, l+32, ... of its row.
 #include <fagen/prelude.cuh>
 #include <fagen/numeric.cuh>
+#include <fagen/warp_tile.cuh>
+#include <fagen/online_softmax.cuh>
 
 typedef __half elem_t;
 
-namespace {
+// ---------------------------------------------------------------------------
+// Forward: FlashAttention-2 (Dao 2023, Algorithm 1) on tensor cores.
+// Per thread block: Q_i stays in shared memory; K_j, V_j stream through a
+// 2-stage cp.async pipeline. Each warp owns 32 rows of Q_i and
+// computes S = Q K^T and O += P V with mma.sync m16n8k16 (fp16 in, fp32
+// accumulate), so no reduction crosses warps. O stays unscaled until one
+// final rescale; the kernel writes O and L = m + log(l).
+// ---------------------------------------------------------------------------
 
-constexpr int kBlockM = 128;       // B_r: query rows per thread block
-constexpr int kBlockN = 64;       // B_c: keys per K/V tile
-constexpr int kHeadDim = 64;     // d
+namespace fwd {
+
+constexpr int kBlockM = 128;          // B_r: query rows per thread block
+constexpr int kBlockN = 64;          // B_c: keys per K/V tile
+constexpr int kHeadDim = 64;        // d
+constexpr int kHeadDimPad = 64;      // d rounded up to the mma k (16)
+constexpr int kRowElems = 72;     // padded shared-memory row (elements)
 constexpr int kWarps = 4;
-constexpr int kRowElems = 72;  // padded shared-memory row
-constexpr int kKeysPerLane = (kBlockN + 31) / 32;
-constexpr int kColsPerLane = (kHeadDim + 31) / 32;
-constexpr unsigned kFullWarp = 0xffffffffu;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStages = 2;         // K/V pipeline depth
+constexpr int kRowTiles = kBlockM / (16 * kWarps);  // 16-row mma tiles per warp
+constexpr int kKeyTiles = kBlockN / 8;              // 8-key mma tiles per K/V tile
+constexpr int kDimSteps = kHeadDimPad / 16;         // k-steps of S = Q K^T
+constexpr int kDimTiles = kHeadDimPad / 8;          // 8-column tiles of O
+constexpr int kStageElems = kBlockN * kRowElems;
 
-__device__ __forceinline__ float warp_max(float x) {
-  for (int lanes = 16; lanes > 0; lanes /= 2) x = fmaxf(x, __shfl_xor_sync(kFullWarp, x, lanes));
-  return x;
-}
+}  // namespace fwd
 
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int lanes = 16; lanes > 0; lanes /= 2) x += __shfl_xor_sync(kFullWarp, x, lanes);
-  return x;
-}
-
-// Copy `rows` rows of one head into a padded shared tile; rows past `valid`
-// are zero so that ragged tails never read out of bounds.
-__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* base, long long row_stride,
-                                          int first_row, int valid, int rows) {
-  for (int idx = threadIdx.x; idx < rows * kHeadDim; idx += blockDim.x) {
-    const int r = idx / kHeadDim, c = idx % kHeadDim;
-    const int row = first_row + r;
-    tile[r * kRowElems + c] =
-        row < valid ? base[(long long)row * row_stride + c] : fagen::from_float<elem_t>(0.f);
-  }
-}
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 fa2_d64_fp16_fwd(
     const __half* __restrict__ q,
     const __half* __restrict__ k,
@@ -89,101 +82,416 @@ fa2_d64_fp16_fwd(
     long long o_stride_n,
     long long o_stride_h,
     float softmax_scale_log2) {
+  using namespace fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem + 0);
-  elem_t* k_tile = reinterpret_cast<elem_t*>(smem + 18432);
-  elem_t* v_tile = reinterpret_cast<elem_t*>(smem + 36864);
+  elem_t* k_stages = reinterpret_cast<elem_t*>(smem + 18432);
+  elem_t* v_stages = reinterpret_cast<elem_t*>(smem + 36864);
 
   const int q_block = blockIdx.x;
   const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
-  const int kv_head = head / (heads / kv_heads);  // GQA: query heads share a K/V head
+  const int kv_head = head / (heads / kv_heads);  // GQA/MQA: index the shared K/V head, never copy it
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_row0 = warp * kRowTiles * 16;    // the warp's first row inside Q_i
+  const int row0 = q_block * kBlockM + warp_row0;  // ... and in the whole sequence
   const int keys = seqlen_k;
 
-  const elem_t* q_head = q + batch * q_stride_b + head * q_stride_h;
+  const elem_t* q_rows = q + batch * q_stride_b + head * q_stride_h + (long long)q_block * kBlockM * q_stride_n;
   const elem_t* k_head = k + batch * k_stride_b + kv_head * k_stride_h;
   const elem_t* v_head = v + batch * v_stride_b + kv_head * v_stride_h;
 
-  // Algorithm 1, line 8 / FA-2 Algorithm 1, line 4: load Q_i into SRAM.
-  load_tile(q_tile, q_head + (long long)q_block * kBlockM * q_stride_n, q_stride_n, 0,
-            seqlen_q - q_block * kBlockM, kBlockM);
+  // Keys this block visits. Causal (bottom-right aligned: row i sees key j iff
+  // j <= i + keys - seqlen_q): every K/V tile past the last row's diagonal is
+  // fully masked and skipped. From `unmasked_keys` on, a tile needs the mask.
+  int key_limit = keys, unmasked_keys = keys;
+  const int num_tiles = (key_limit + kBlockN - 1) / kBlockN;
 
-  // Keys this block needs at all. Causal (bottom-right aligned): query row i
-  // sees key j iff j <= i + keys - seqlen_q, so K/V tiles past the block's
-  // last row's diagonal are skipped entirely.
-  int block_keys = keys;
+  // FA-2 Algorithm 1, line 4: load Q_i from HBM to SRAM (it joins the first cp.async group).
+  fagen::copy_tile_async<kBlockM, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+      q_tile, q_rows, q_stride_n, seqlen_q - q_block * kBlockM, q);
+  auto load_kv = [&](int tile, int stage) {
+    const int first = tile * kBlockN;
+    fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+        k_stages + stage * kStageElems, k_head + first * k_stride_n, k_stride_n, keys - first, k);
+    fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+        v_stages + stage * kStageElems, v_head + first * v_stride_n, v_stride_n, keys - first, v);
+  };
+  for (int stage = 0; stage < kStages - 1; ++stage) {  // pipeline prologue
+    if (stage < num_tiles) load_kv(stage, stage);
+    fagen::cp_async_commit();
+  }
 
-  for (int r0 = 0; r0 < kBlockM; r0 += kWarps) {
-    const int r = r0 + warp;
-    const int row = q_block * kBlockM + r;
-    int row_keys = keys;  // keys this row may see
+  // FA-2 Algorithm 1, line 5: O_i = 0, l_i = 0, m_i = -inf (m in log2 units).
+  float o[kRowTiles][kDimTiles][4];
+  fagen::zero_fill(o);
+  float row_max[kRowTiles][2], row_sum[kRowTiles][2];
+  FAGEN_UNROLL
+  for (int rt = 0; rt < kRowTiles; ++rt)
+    FAGEN_UNROLL
+    for (int half = 0; half < 2; ++half) row_max[rt][half] = -fagen::infinity(), row_sum[rt][half] = 0.f;
 
-    // FA-2 Algorithm 1, line 5: O = 0, l = 0, m = -inf (m in log2 units).
-    float row_max = -fagen::infinity(), row_sum = 0.f;
-    float acc[kColsPerLane];
-    for (int c = 0; c < kColsPerLane; ++c) acc[c] = 0.f;
+  // FA-2 Algorithm 1, line 6: for each K/V block j.
+  for (int j = 0; j < num_tiles; ++j) {
+    // FA-2 Algorithm 1, line 7: load K_j, V_j; tile j + kStages - 1 is fetched while tile j is used.
+    if (j + kStages - 1 < num_tiles) load_kv(j + kStages - 1, (j + kStages - 1) % kStages);
+    fagen::cp_async_commit();
+    fagen::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const elem_t* k_tile = k_stages + (j % kStages) * kStageElems;
+    const elem_t* v_tile = v_stages + (j % kStages) * kStageElems;
 
-    for (int n0 = 0; n0 < block_keys; n0 += kBlockN) {
-      // Line 6-7: load K_j, V_j into SRAM (all warps share the tile).
-      __syncthreads();
-      load_tile(k_tile, k_head + (long long)n0 * k_stride_n, k_stride_n, 0, keys - n0, kBlockN);
-      load_tile(v_tile, v_head + (long long)n0 * v_stride_n, v_stride_n, 0, keys - n0, kBlockN);
-      __syncthreads();
-
-      // Line 8: S_ij = tau * Q_i K_j^T, kept in log2 units (tau * log2(e) folded in).
-      float score[kKeysPerLane];
-      float tile_max = -fagen::infinity();
-      for (int t = 0; t < kKeysPerLane; ++t) {
-        const int key_in_tile = lane + 32 * t;
-        float dot = 0.f;
-        if (key_in_tile < kBlockN) {
-          for (int c = 0; c < kHeadDim; ++c)
-            dot += fagen::to_float(q_tile[r * kRowElems + c]) *
-                   fagen::to_float(k_tile[key_in_tile * kRowElems + c]);
-        }
-        const bool visible = key_in_tile < kBlockN && n0 + key_in_tile < row_keys;
-        score[t] = visible ? dot * softmax_scale_log2 : -fagen::infinity();
-        tile_max = fmaxf(tile_max, score[t]);
-      }
-      // Line 9: m_new = max(m, rowmax(S_ij)); P~_ij = exp(S_ij - m_new).
-      const float new_max = fmaxf(row_max, warp_max(tile_max));
-      if (new_max == -fagen::infinity()) continue;  // nothing visible yet: no NaN from inf - inf
-      float prob[kKeysPerLane];
-      float tile_sum = 0.f;
-      for (int t = 0; t < kKeysPerLane; ++t) {
-        prob[t] = exp2f(score[t] - new_max);
-        tile_sum += prob[t];
-      }
-      // Line 9: l_new = exp(m - m_new) l + rowsum(P~_ij); O = diag(exp(m - m_new)) O + P~ V.
-      const float rescale = exp2f(row_max - new_max);
-      row_sum = row_sum * rescale + warp_sum(tile_sum);
-      for (int c = 0; c < kColsPerLane; ++c) acc[c] *= rescale;
-      for (int j = 0; j < kBlockN; ++j) {
-        const float p = __shfl_sync(kFullWarp, prob[j / 32], j % 32);
-        for (int c = 0; c < kColsPerLane; ++c) {
-          const int col = lane + 32 * c;
-          if (col < kHeadDim) acc[c] += p * fagen::to_float(v_tile[j * kRowElems + col]);
-        }
-      }
-      row_max = new_max;
+    // FA-2 Algorithm 1, line 8: S_ij = Q_i K_j^T, scaled by tau * log2(e) so exp becomes exp2.
+    float s[kRowTiles][kKeyTiles][4];
+    fagen::zero_fill(s);
+    fagen::warp_mma_abt<kRowTiles, kKeyTiles, kDimSteps, kRowElems>(s, q_tile, warp_row0, k_tile);
+    fagen::scale_scores(s, softmax_scale_log2);
+    if ((j + 1) * kBlockN > unmasked_keys) {  // only tiles crossing the diagonal or the key tail
+      FAGEN_UNROLL
+      for (int rt = 0; rt < kRowTiles; ++rt)
+        FAGEN_UNROLL
+        for (int nt = 0; nt < kKeyTiles; ++nt)
+          FAGEN_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int col = j * kBlockN + nt * 8 + 2 * (lane % 4) + (e % 2);
+            if (!(col < keys)) s[rt][nt][e] = -fagen::infinity();
+          }
     }
 
-    if (row < seqlen_q) {
-      // FA-2 Algorithm 1, line 12: O_i = diag(l)^-1 O_i. A row that sees no
-      // key has l = 0: its output is 0, not 0/0.
-      const float inv_sum = row_sum > 0.f ? 1.f / row_sum : 0.f;
-      elem_t* out_row = out + batch * o_stride_b + (long long)row * o_stride_n + head * o_stride_h;
-      for (int c = 0; c < kColsPerLane; ++c) {
-        const int col = lane + 32 * c;
-        if (col < kHeadDim) out_row[col] = fagen::from_float<elem_t>(acc[c] * inv_sum);
+    // FA-2 Algorithm 1, lines 9-10: m_new = max(m, rowmax(S)); P~ = exp(S - m_new);
+    // l = exp(m - m_new) l + rowsum(P~); O = diag(exp(m - m_new)) O (unscaled by l).
+    float rescale[kRowTiles][2];
+    fagen::online_softmax_step(s, row_max, row_sum, rescale);
+    fagen::rescale_rows(o, rescale);
+
+    // FA-2 Algorithm 1, line 10: O_i += P~_ij V_j.
+    fagen::warp_mma_pb<kRowTiles, kKeyTiles, kDimTiles, kRowElems>(o, s, v_tile, 0);
+    __syncthreads();  // every warp is done with this stage before it is refilled
+  }
+  fagen::cp_async_wait<0>();
+
+  // FA-2 Algorithm 1, lines 12-13: the one final rescale O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i).
+  // A row that saw no key has l = 0: its output is 0 and L = +inf, so the
+  // backward pass's exp(S - L) is exactly 0 there.
+  FAGEN_UNROLL
+  for (int rt = 0; rt < kRowTiles; ++rt) {
+    FAGEN_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const float total = fagen::quad_sum(row_sum[rt][half]);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int local_row = warp_row0 + rt * 16 + lane / 4 + half * 8;
+      FAGEN_UNROLL
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        // Stage O in this warp's own rows of the Q tile, for 16-byte stores below.
+        *reinterpret_cast<unsigned*>(q_tile + local_row * kRowElems + dt * 8 + 2 * (lane % 4)) =
+            fagen::pack2<elem_t>(o[rt][dt][2 * half] * inv, o[rt][dt][2 * half + 1] * inv);
       }
-      if (lane == 0) {
-        const long long stat = ((long long)batch * heads + head) * seqlen_q + row;
-        // Line 13: L_i = m_i + log(l_i), natural log; +inf marks a row with no key,
-        // so the backward pass's exp(S - L) is exactly 0 there.
-        lse[stat] = row_sum > 0.f ? row_max * fagen::kLn2 + logf(row_sum) : fagen::infinity();
+      const int row = q_block * kBlockM + local_row;
+      if (lane % 4 == 0 && row < seqlen_q) {
+        lse[((long long)batch * heads + head) * seqlen_q + row] =
+            total > 0.f ? row_max[rt][half] * fagen::kLn2 + logf(total) : fagen::infinity();
       }
+    }
+  }
+  __syncthreads();
+  // FA-2 Algorithm 1, line 14: write O_i to HBM, 16 bytes per thread per step.
+  elem_t* out_rows = out + batch * o_stride_b + head * o_stride_h + (long long)q_block * kBlockM * o_stride_n;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  for (int chunk = threadIdx.x; chunk < kBlockM * kChunksPerRow; chunk += kThreads) {
+    const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+    if (q_block * kBlockM + r < seqlen_q) {
+      *reinterpret_cast<fagen::Chunk16*>(out_rows + r * o_stride_n + col) =
+          *reinterpret_cast<const fagen::Chunk16*>(q_tile + r * kRowElems + col);
     }
   }
 }
 FAGEN_EXPORT(fa2_d64_fp16_fwd)
+
+// ---------------------------------------------------------------------------
+// Backward: FlashAttention-2 (Dao 2023, Algorithm 2) / FlashAttention-1
+// (Algorithm 4), on tensor cores. P is recomputed from the saved statistics
+// (L = m + log l), never stored.
+//
+//   fa2_d64_fp16_bwd_preprocess  D_i = rowsum(dO_i * O_i); zeroes the fp32 dQ accumulator
+//   fa2_d64_fp16_bwd  one block per (K/V block j, batch*head): dK_j, dV_j, and dQ by fp32 atomics
+//   fa2_d64_fp16_bwd_dq_convert  dQ = tau * dq_accum, converted to fp16
+// ---------------------------------------------------------------------------
+
+namespace bwd {
+
+constexpr int kBlockM = 64;             // query rows per Q block
+constexpr int kBlockN = 64;             // keys per K/V block
+constexpr int kHeadDim = 64;
+constexpr int kHeadDimPad = 64;    // d padded to whole mma steps per d slice
+constexpr int kRowElems = 72;
+constexpr int kDsRowElems = 72;
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStages = 2;           // Q / dO pipeline depth
+constexpr int kDimSplit = 1;          // warps splitting d for dK, dV
+constexpr int kKeyGroups = kWarps / kDimSplit;      // warps splitting the keys (16 each)
+constexpr int kSliceCols = kHeadDimPad / kDimSplit; // dK / dV columns per warp
+constexpr int kQueryTiles = kBlockM / 8;            // 8-query mma tiles of S^T
+constexpr int kDimSteps = kHeadDimPad / 16;
+constexpr int kSliceTiles = kSliceCols / 8;
+constexpr int kQStageElems = kBlockM * kRowElems;
+constexpr int kDqChunkTiles = kHeadDimPad % 32 == 0 ? 4 : 2;  // dQ is computed 32 (or 16) columns at a time
+static_assert(kKeyGroups * 16 == kBlockN, "each key group owns 16 keys");
+static_assert(kSliceCols % 16 == 0, "d slices are whole mma k-steps");
+
+// Statistic in log2 units that turns S into P: P = exp2(S * tau * log2(e) - lse_log2).
+// Rows that saw no key get +inf, so their P is exactly 0.
+__device__ __forceinline__ float lse_log2(
+    const float* lse, long long idx) {
+  return lse[idx] * fagen::kLog2e;
+}
+
+}  // namespace bwd
+
+// Algorithm 4, line 4 / FA-2 Algorithm 2, line 4: D_i = rowsum(dO_i * O_i), in fp32.
+extern "C" __global__ void __launch_bounds__(128, 1)
+fa2_d64_fp16_bwd_preprocess(
+    const __half* __restrict__ out,
+    const __half* __restrict__ dout,
+    float* __restrict__ delta,
+    float* __restrict__ dq_accum,
+    int heads,
+    int seqlen_q,
+    long long o_stride_b,
+    long long o_stride_n,
+    long long o_stride_h,
+    long long do_stride_b,
+    long long do_stride_n,
+    long long do_stride_h) {
+  using namespace bwd;
+  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kBlockM; r += blockDim.x / 32) {  // this kernel has its own block size
+    const int row = blockIdx.x * kBlockM + r;
+    if (row >= seqlen_q) break;
+    const elem_t* o_row = out + batch * o_stride_b + (long long)row * o_stride_n + head * o_stride_h;
+    const elem_t* do_row = dout + batch * do_stride_b + (long long)row * do_stride_n + head * do_stride_h;
+    float partial = 0.f;
+    for (int c = lane; c < kHeadDim; c += 32) partial += fagen::to_float(o_row[c]) * fagen::to_float(do_row[c]);
+    for (int lanes = 16; lanes > 0; lanes /= 2) partial += __shfl_xor_sync(0xffffffffu, partial, lanes);
+    const long long stat = ((long long)batch * heads + head) * seqlen_q + row;
+    if (lane == 0) delta[stat] = partial;
+    for (int c = lane; c < kHeadDim; c += 32) dq_accum[stat * kHeadDim + c] = 0.f;  // dQ = 0 (line 5)
+  }
+}
+FAGEN_EXPORT(fa2_d64_fp16_bwd_preprocess)
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+fa2_d64_fp16_bwd(
+    const __half* __restrict__ q,
+    const __half* __restrict__ k,
+    const __half* __restrict__ v,
+    const __half* __restrict__ dout,
+    const float* __restrict__ lse,
+    const float* __restrict__ delta,
+    float* __restrict__ dq_accum,
+    __half* __restrict__ dk_out,
+    __half* __restrict__ dv_out,
+    int heads,
+    int kv_heads,
+    int seqlen_q,
+    int seqlen_k,
+    long long q_stride_b,
+    long long q_stride_n,
+    long long q_stride_h,
+    long long k_stride_b,
+    long long k_stride_n,
+    long long k_stride_h,
+    long long v_stride_b,
+    long long v_stride_n,
+    long long v_stride_h,
+    long long do_stride_b,
+    long long do_stride_n,
+    long long do_stride_h,
+    long long dk_stride_b,
+    long long dk_stride_n,
+    long long dk_stride_h,
+    long long dv_stride_b,
+    long long dv_stride_n,
+    long long dv_stride_h,
+    float softmax_scale,
+    float softmax_scale_log2) {
+  using namespace bwd;
+  extern __shared__ __align__(16) unsigned char smem[];
+  elem_t* k_tile = reinterpret_cast<elem_t*>(smem + 0);
+  elem_t* v_tile = reinterpret_cast<elem_t*>(smem + 9216);
+  elem_t* q_stages = reinterpret_cast<elem_t*>(smem + 18432);
+  elem_t* do_stages = reinterpret_cast<elem_t*>(smem + 36864);
+  elem_t* ds_tile = reinterpret_cast<elem_t*>(smem + 55296);
+  float* lse_tile = reinterpret_cast<float*>(smem + 64512);  // L_i, log2 units
+  float* delta_tile = lse_tile + kBlockM;                                             // D_i
+
+  const int kv_block = blockIdx.x, n0 = kv_block * kBlockN;
+  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int kv_head = head / (heads / kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int key_group = warp % kKeyGroups, slice = warp / kKeyGroups;
+  const int key_row0 = key_group * 16;          // the warp's 16 keys inside K_j
+  const int col0 = slice * kSliceCols;          // ... and its columns of dK_j, dV_j
+  const int keys = seqlen_k;
+  const long long stat0 = ((long long)batch * heads + head) * seqlen_q;
+
+  const elem_t* q_head = q + batch * q_stride_b + head * q_stride_h;
+  const elem_t* do_head = dout + batch * do_stride_b + head * do_stride_h;
+
+  // Algorithm 4, line 7: load K_j, V_j into SRAM; they stay there for the whole Q loop.
+  fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+      k_tile, k + batch * k_stride_b + kv_head * k_stride_h + n0 * k_stride_n, k_stride_n, keys - n0, k);
+  fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+      v_tile, v + batch * v_stride_b + kv_head * v_stride_h + n0 * v_stride_n, v_stride_n, keys - n0, v);
+
+  // Causal: Q blocks that end before this block's diagonal see none of its keys.
+  const int num_q_blocks = n0 < keys ? (seqlen_q + kBlockM - 1) / kBlockM : 0;
+  int first_q_block = 0;
+  auto load_q_do = [&](int q_block, int stage) {
+    const long long first = (long long)q_block * kBlockM;
+    fagen::copy_tile_async<kBlockM, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+        q_stages + stage * kQStageElems, q_head + first * q_stride_n, q_stride_n, seqlen_q - (int)first, q);
+    fagen::copy_tile_async<kBlockM, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
+        do_stages + stage * kQStageElems, do_head + first * do_stride_n, do_stride_n, seqlen_q - (int)first, dout);
+  };
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (first_q_block + stage < num_q_blocks) load_q_do(first_q_block + stage, stage);
+    fagen::cp_async_commit();
+  }
+
+  // Line 8: dK~_j = 0, dV~_j = 0 on chip.
+  float dk[1][kSliceTiles][4], dv[1][kSliceTiles][4];
+  fagen::zero_fill(dk);
+  fagen::zero_fill(dv);
+
+  // Line 9: for each Q block i.
+  for (int q_block = first_q_block; q_block < num_q_blocks; ++q_block) {
+    const int step = q_block - first_q_block;
+    // Line 10: load Q_i, dO_i (prefetched kStages - 1 blocks ahead) and the statistics.
+    if (q_block + kStages - 1 < num_q_blocks) load_q_do(q_block + kStages - 1, (step + kStages - 1) % kStages);
+    fagen::cp_async_commit();
+    const int q0 = q_block * kBlockM;
+    // The Q block's statistics go to shared memory: each thread needs those of
+    // 2 * kQueryTiles queries, too many to hold in registers.
+    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+      const bool live = q0 + r < seqlen_q;
+      lse_tile[r] = live ? bwd::lse_log2(lse, stat0 + q0 + r) : fagen::infinity();
+      delta_tile[r] = live ? delta[stat0 + q0 + r] : 0.f;
+    }
+    fagen::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const elem_t* q_tile = q_stages + (step % kStages) * kQStageElems;
+    const elem_t* do_tile = do_stages + (step % kStages) * kQStageElems;
+
+    // Line 11: S_ij = tau Q_i K_j^T, computed transposed: this warp's 16 keys are the rows.
+    float st[1][kQueryTiles][4];
+    fagen::zero_fill(st);
+    fagen::warp_mma_abt<1, kQueryTiles, kDimSteps, kRowElems>(st, k_tile, key_row0, q_tile);
+
+    // Lines 12-13: mask, then P_ij = exp(S_ij - L_i) (FA-1: diag(l_i)^-1 exp(S_ij - m_i)).
+    const bool needs_mask = n0 + kBlockN > keys;
+    FAGEN_UNROLL
+    for (int qt = 0; qt < kQueryTiles; ++qt) {
+      FAGEN_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int local = qt * 8 + 2 * (lane % 4) + (e % 2);                // query in Q_i
+        const int col = n0 + key_row0 + lane / 4 + (e / 2) * 8;            // key
+        float p = exp2f(st[0][qt][e] * softmax_scale_log2 - lse_tile[local]);
+        if (needs_mask && !(col < keys)) p = 0.f;
+        st[0][qt][e] = p;
+      }
+    }
+
+    // Line 17: dP_ij = dO_i V_j^T (transposed: V_j dO_i^T).
+    float dpt[1][kQueryTiles][4];
+    fagen::zero_fill(dpt);
+    fagen::warp_mma_abt<1, kQueryTiles, kDimSteps, kRowElems>(dpt, v_tile, key_row0, do_tile);
+
+    // Lines 18-20: dP_ij = dP_ij * Z_ij; dS_ij = P_ij * (dP_ij - D_i).
+    FAGEN_UNROLL
+    for (int qt = 0; qt < kQueryTiles; ++qt) {
+      FAGEN_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const float d_row = delta_tile[qt * 8 + 2 * (lane % 4) + (e % 2)];
+        dpt[0][qt][e] = st[0][qt][e] * (dpt[0][qt][e] - d_row);      // dS^T
+      }
+    }
+
+    // Lines 15-16: dV~_j += (P_ij * Z_ij)^T dO_i;  line 22: dK~_j += dS_ij^T Q_i (tau at the end).
+    fagen::warp_mma_pb<1, kQueryTiles, kSliceTiles, kRowElems>(dv, st, do_tile, col0);
+    fagen::warp_mma_pb<1, kQueryTiles, kSliceTiles, kRowElems>(dk, dpt, q_tile, col0);
+
+    // Line 21: dQ_i += tau dS_ij K_j, accumulated across K/V blocks with fp32
+    // atomics. dS^T is transposed through shared memory so every warp can take
+    // whole query rows of dS; tau is applied by the convert kernel.
+    if (slice == 0) {
+      FAGEN_UNROLL
+      for (int qt = 0; qt < kQueryTiles; ++qt)
+        FAGEN_UNROLL
+        for (int e = 0; e < 4; ++e)
+          ds_tile[(qt * 8 + 2 * (lane % 4) + (e % 2)) * kDsRowElems + key_row0 + lane / 4 + (e / 2) * 8] =
+              fagen::from_float<elem_t>(dpt[0][qt][e]);
+    }
+    __syncthreads();
+    for (int task = warp; task < (kBlockM / 16) * (kHeadDimPad / (8 * kDqChunkTiles)); task += kWarps) {
+      const int row_tile = task % (kBlockM / 16), chunk_col = (task / (kBlockM / 16)) * 8 * kDqChunkTiles;
+      float dq[1][kDqChunkTiles][4];
+      fagen::zero_fill(dq);
+      fagen::warp_mma_ab<1, kDqChunkTiles, kBlockN / 16, kDsRowElems, kRowElems>(
+          dq, ds_tile, row_tile * 16, k_tile, chunk_col);
+      FAGEN_UNROLL
+      for (int dt = 0; dt < kDqChunkTiles; ++dt)
+        FAGEN_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int row = q0 + row_tile * 16 + lane / 4 + (e / 2) * 8;
+          const int col = chunk_col + dt * 8 + 2 * (lane % 4) + (e % 2);
+          if (row < seqlen_q && col < kHeadDim) atomicAdd(dq_accum + (stat0 + row) * kHeadDim + col, dq[0][dt][e]);
+        }
+    }
+    __syncthreads();  // Q_i, dO_i and dS are replaced next
+  }
+  fagen::cp_async_wait<0>();
+
+  // Line 24: write dK_j = tau * dK~_j and dV_j to HBM (per query head; the op
+  // sums the heads that share a K/V head).
+  FAGEN_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + key_row0 + lane / 4 + half * 8;
+    if (key >= seqlen_k) continue;
+    elem_t* dk_row = dk_out + batch * dk_stride_b + (long long)key * dk_stride_n + head * dk_stride_h;
+    elem_t* dv_row = dv_out + batch * dv_stride_b + (long long)key * dv_stride_n + head * dv_stride_h;
+    FAGEN_UNROLL
+    for (int dt = 0; dt < kSliceTiles; ++dt) {
+      const int col = col0 + dt * 8 + 2 * (lane % 4);
+      if (col >= kHeadDim) continue;
+      *reinterpret_cast<unsigned*>(dk_row + col) =
+          fagen::pack2<elem_t>(dk[0][dt][2 * half] * softmax_scale, dk[0][dt][2 * half + 1] * softmax_scale);
+      *reinterpret_cast<unsigned*>(dv_row + col) = fagen::pack2<elem_t>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
+    }
+  }
+}
+FAGEN_EXPORT(fa2_d64_fp16_bwd)
+
+// dQ = tau * dq_accum, converted to fp16 (after every K/V block has added its part).
+extern "C" __global__ void __launch_bounds__(128, 1)
+fa2_d64_fp16_bwd_dq_convert(
+    const float* __restrict__ dq_accum,
+    __half* __restrict__ dq,
+    int heads,
+    int seqlen_q,
+    long long dq_stride_b,
+    long long dq_stride_n,
+    long long dq_stride_h,
+    float softmax_scale) {
+  using namespace bwd;
+  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const long long stat0 = ((long long)batch * heads + head) * seqlen_q;
+  for (int idx = threadIdx.x; idx < kBlockM * kHeadDim; idx += blockDim.x) {
+    const int row = blockIdx.x * kBlockM + idx / kHeadDim, col = idx % kHeadDim;
+    if (row >= seqlen_q) break;
+    dq[batch * dq_stride_b + (long long)row * dq_stride_n + head * dq_stride_h + col] =
+        fagen::from_float<elem_t>(dq_accum[(stat0 + row) * kHeadDim + col] * softmax_scale);
+  }
+}
+FAGEN_EXPORT(fa2_d64_fp16_bwd_dq_convert)
+

@@ -24,12 +24,32 @@ def test_source_names_its_spec_and_kernel():
     source = render(spec)
     assert source.code.startswith("// ====")
     assert f"fagen generated kernel source: {spec.name}" in source.code
-    assert "SIMPLE kernel" in source.code
-    assert [e.name for e in source.entries] == [f"{spec.name}_fwd"]
-    assert source.entries[0].shared_bytes == spec.shared_layout.total_bytes
-    assert source.entries[0].grid(batch=2, heads=3, seqlen_q=200) == (2, 6, 1)
-    assert source.entries[0].block == (spec.threads, 1, 1)
-    assert "Algorithm 1, line" in source.code
+    names = [e.name for e in source.entries]
+    assert names == [f"{spec.name}_{role}" for role in ("fwd", "bwd_preprocess", "bwd", "bwd_dq_convert")]
+    for name in names:  # the header lists every kernel, and each is exported
+        assert f"//   {name}  (" in source.code and f"FAGEN_EXPORT({name})" in source.code
+    forward = source.kernels.forward
+    assert forward.shared_bytes == spec.shared_layout.total_bytes
+    assert forward.grid(batch=2, heads=3, seqlen_q=200) == (2, 6, 1)
+    assert forward.block == (spec.threads, 1, 1)
+    assert source.kernels.bwd_main.grid(batch=2, heads=3, seqlen_q=10, seqlen_k=130) == (3, 6, 1)
+    for label in ("FA-2 Algorithm 1, line 8: S_ij = Q_i K_j^T", "Algorithm 4, line 7", "Line 21: dQ_i"):
+        assert label in source.code
+
+
+def test_deterministic_specs_swap_atomics_for_a_dq_pass():
+    atomic = render(Spec(64)).kernels
+    deterministic = render(Spec(64, deterministic=True)).kernels
+    assert atomic.bwd_dq is None and atomic.bwd_dq_convert is not None
+    assert deterministic.bwd_dq is not None and deterministic.bwd_dq_convert is None
+    assert "atomicAdd" not in render(Spec(64, deterministic=True)).code
+    assert "atomicAdd" in render(Spec(64)).code
+
+
+def test_version_1_is_kv_outer():
+    code = render(Spec(64, version=1)).code
+    assert "K/V-outer, Q-inner" in code and "o_accum" in code
+    assert render(Spec(64, version=1)).kernels.forward.grid(batch=2, heads=3, seqlen_q=500) == (1, 6, 1)
 
 
 def test_signature_matches_params():
@@ -45,4 +65,4 @@ def test_environment_is_strict():
     env = codegen.environment()
     assert env.undefined is jinja2.StrictUndefined
     with pytest.raises(jinja2.UndefinedError):
-        env.get_template("fwd_simple.cu.j2").render(spec=Spec(64))
+        env.get_template("variant.cu.j2").render(spec=Spec(64))

@@ -8,6 +8,7 @@ with the code generator it checks.
               Spec's block sizes, each counting its HBM traffic (hbm.IOCount)
   standard    the FlashAttention-1 paper's Algorithm 0, with its HBM traffic
   philox      Philox4x32-10 in NumPy and the dropout keep mask
+  same_dtype  plain PyTorch in fp16/bf16: the yardstick of the tolerance rule
   empty_rows  the convention for rows that see no key (m = -inf, l = 0, L = +inf, O = 0)
 
 All functions take q (B, Nq, H, d) and k, v (B, Nk, Hk, d) of any float dtype
@@ -21,11 +22,12 @@ from .hbm import IOCount
 from .naive import attention_backward, attention_forward, row_statistics
 from .philox import (dropout_key, dropout_keep_mask, dropout_threshold, dropout_words,
                      philox4x32_10, philox4x32_round)
+from .same_dtype import attention_same_dtype
 from .standard import standard_forward
 
 __all__ = [
     "EMPTY_ROW_LSE", "EMPTY_ROW_MAX", "EMPTY_ROW_SUM", "IOCount",
-    "attention_backward", "attention_forward", "dropout_keep_mask", "dropout_key",
+    "attention_backward", "attention_forward", "attention_same_dtype", "dropout_keep_mask", "dropout_key",
     "dropout_threshold", "dropout_words", "fa1_backward", "fa1_forward", "fa2_backward",
     "fa2_forward", "lse_from_stats", "philox4x32_10", "philox4x32_round", "row_statistics",
     "standard_forward",

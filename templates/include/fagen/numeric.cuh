@@ -5,6 +5,14 @@
 // same cuda_fp16.h / cuda_bf16.h on the host).
 #pragma once
 
+// Full unrolling of loops over register arrays: an array indexed by a loop
+// that is not unrolled lives in local memory (stack), not registers.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define FAGEN_UNROLL _Pragma("unroll")
+#else
+#define FAGEN_UNROLL
+#endif
+
 namespace fagen {
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -18,6 +26,12 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 
 // +infinity without <math.h>, which NVRTC does not provide.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
+// Sixteen bytes moved as one unit: with 16-byte alignment the compiler emits
+// one 128-bit load or store (LDG.128 / STG.128 / LDS.128).
+struct __align__(16) Chunk16 {
+  unsigned w[4];
+};
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * log2(e))
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): back from log2 units to natural log

@@ -140,7 +140,12 @@ FAGEN_HOST_DEVICE bool dropout_keep(unsigned long long seed, unsigned int offset
                                     unsigned int h, unsigned int num_heads, unsigned int i,
                                     unsigned int j, unsigned int threshold) {
   const PhiloxWords words = dropout_words(seed, offset, b, h, num_heads, i, j);
-  return words.w[dropout_word_index(i, j)] < threshold;
+  // Select the word without indexing the array by a run-time value, which
+  // would put `words` in local memory (a stack frame) on the GPU.
+  const unsigned int index = dropout_word_index(i, j);
+  const unsigned int word = index < 2 ? (index == 0 ? words.w[0] : words.w[1])
+                                      : (index == 2 ? words.w[2] : words.w[3]);
+  return word < threshold;
 }
 
 }  // namespace fagen

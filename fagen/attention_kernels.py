@@ -1,0 +1,100 @@
+"""Run a rendered variant's kernels on tensors: the forward pass and the backward pass.
+
+This is where tensors become kernel arguments: outputs and workspaces are
+allocated, strides and scales filled in, and the kernels of `codegen.Entries`
+launched in order through `launch`. Inputs are assumed valid; `ops` checks them.
+Shapes: q (B, Nq, H, d), k and v (B, Nk, Hk, d); statistics (B, H, Nq) fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import launch
+from .codegen import Source
+
+LOG2E = 1.4426950408889634
+
+
+def _empty(*shape, dtype, device) -> torch.Tensor:
+    """Every buffer a kernel writes is allocated here (tests poison them through it)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _strides_of(values: dict, **tensors) -> None:
+    for name, t in tensors.items():
+        values.update({f"{name}_stride_b": t.stride(0), f"{name}_stride_n": t.stride(1),
+                       f"{name}_stride_h": t.stride(2)})
+
+
+def dropout_args(dropout_p: float, seed: int, philox_offset: int) -> dict:
+    """The kernel arguments that make Philox dropout replay exactly (fagen/philox.cuh)."""
+    from .reference import dropout_threshold
+
+    return {"seed": seed, "philox_offset": philox_offset, "keep_threshold": dropout_threshold(dropout_p),
+            "keep_scale": 1.0 / (1.0 - dropout_p)}
+
+
+def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
+            seed=0, philox_offset=0, debug=None):
+    """Launch `source`'s forward kernel. Returns (out, stats) where stats is
+    (lse,) for version 2 and (m, l) for version 1."""
+    spec = source.spec
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    out = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
+    stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
+    values = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "heads": heads,
+              "kv_heads": kv_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+              "softmax_scale_log2": scale * LOG2E, **dict(zip(stat_names, stats))}
+    _strides_of(values, q=q, k=k, v=v, o=out)
+    if spec.version == 1:
+        values["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
+    if spec.dropout:
+        values.update(dropout_args(dropout_p, seed, philox_offset))
+    values.update(debug or {})  # instrumentation tensors of a debug render
+    entry = source.kernels.forward
+    launch.load(source, q.device).launch(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values)
+    return out, tuple(stats)
+
+
+def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
+             dropout_args=None, debug=None):
+    """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
+
+    dK and dV are computed per query head; with GQA/MQA the query heads that
+    share a K/V head are summed here (in fp32).
+    """
+    spec, kernels = source.spec, source.kernels
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    device = q.device
+    f32 = dict(dtype=torch.float32, device=device)
+    dq = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=device)
+    dk = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
+    dv = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
+    values = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
+              "delta": _empty(batch, heads, seqlen_q, **f32), "seqlens_k": seqlens_k,
+              "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+              "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E, **(dropout_args or {}),
+              **(debug or {})}
+    if spec.version == 2:
+        values["lse"] = stats[0]
+    else:
+        values["row_max"], values["row_sum"] = stats
+    if not spec.deterministic:
+        values["dq_accum"] = _empty(batch, heads, seqlen_q, head_dim, **f32)
+    _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
+    loaded = launch.load(source, device)
+    for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert):
+        loaded.launch(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values)
+    if heads != kv_heads:
+        group = heads // kv_heads
+        dk = dk.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)
+        dv = dv.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)
+    return dq, dk, dv

@@ -1,0 +1,219 @@
+"""Correctness on the hardware: the `gpu` pytest run, and compute-sanitizer.
+
+Both run as subprocesses with a hard time cap: a hung kernel or a slow
+sanitizer cannot take the rest of the GPU check with it. Each subprocess gets
+its own process session so that, on timeout, we end exactly the processes we
+started (its process group), and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+SUMMARY_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)")
+PER_TEST_TIMEOUT_S = 120
+
+
+def run_capped(cmd: list[str], *, timeout_s: float, env: dict | None = None,
+               cwd: str | None = None) -> dict:
+    """Run `cmd`, killing its process group after `timeout_s`. Returns
+    returncode (None on timeout), combined output, seconds, timed_out."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=max(1.0, timeout_s))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group we created above, and only it
+        output, _ = proc.communicate()
+        timed_out = True
+    except BaseException:
+        # We are being stopped (the wrapper's timeout, Ctrl-C): take our child along.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return {"returncode": None if timed_out else proc.returncode, "output": output or "",
+            "seconds": time.monotonic() - start, "timed_out": timed_out}
+
+
+def child_env(repo_root: Path) -> dict:
+    """The environment for subprocesses: fagen importable from the tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# -- pytest -m gpu ----------------------------------------------------------------
+
+def parse_pytest_summary(output: str) -> dict:
+    """Counts from pytest's last summary line ("2 failed, 10 passed in 3.1s")."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "deselected": 0,
+              "xfailed": 0, "xpassed": 0}
+    line = ""
+    for candidate in reversed(output.strip().splitlines()):
+        if SUMMARY_RE.search(candidate) and (" in " in candidate or "no tests ran" in candidate):
+            line = candidate.strip("= ").strip()
+            break
+    for number, word in SUMMARY_RE.findall(line):
+        key = {"error": "errors", "warning": "warnings", "warnings": "warnings"}.get(word, word)
+        if key in counts:
+            counts[key] = int(number)
+    return {"summary": line, "counts": counts}
+
+
+def parse_junit(path: Path) -> dict:
+    """Failed tests with their first message line, and skip reasons with counts."""
+    failures, skips = [], {}
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {"failures": failures, "skips": skips}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                message = (node.get("message") or node.text or "").strip().splitlines()
+                failures.append({"test": name, "kind": tag, "message": (message[0] if message else "")[:400]})
+        node = case.find("skipped")
+        if node is not None:
+            reason = (node.get("message") or "").strip()[:200]
+            skips[reason] = skips.get(reason, 0) + 1
+    return {"failures": failures, "skips": skips}
+
+
+def run_gpu_tests(repo_root: Path, timeout_s: float, *, marker: str = "gpu",
+                  max_failures: int = 25) -> dict:
+    """`python -m pytest -m gpu tests/` with a time cap; counts and failures.
+
+    Not `-x`: a lease is too short to rerun, so one run should report every
+    failing case (up to `max_failures`), not just the first.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", f"--maxfail={max_failures}",
+               "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}", str(repo_root / "tests")]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            cmd.append(f"--timeout={PER_TEST_TIMEOUT_S}")
+        run = run_capped(cmd, timeout_s=timeout_s, env=child_env(repo_root), cwd=str(repo_root))
+        details = parse_junit(junit)
+    parsed = parse_pytest_summary(run["output"])
+    counts = parsed["counts"]
+    if run["timed_out"]:
+        status = "timed out"
+    elif run["returncode"] == 0:
+        status = "passed"
+    elif run["returncode"] == 5:
+        status = "no tests"
+    else:
+        status = "failed"
+    return {"status": status, "command": " ".join(cmd), "returncode": run["returncode"],
+            "seconds": run["seconds"], "summary": parsed["summary"] or f"(no summary; {status})",
+            "counts": counts, "failures": details["failures"], "skips": details["skips"],
+            "output_tail": run["output"][-6000:]}
+
+
+# -- compute-sanitizer ----------------------------------------------------------------
+
+SANITIZER_SCRIPT = """\
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from fagen.bench.peers import fagen_attention_func
+
+attention = fagen_attention_func()
+torch.manual_seed(0)
+# A ragged length (not a multiple of any tile) is where out-of-bounds bugs live.
+shape = (1, 200, 2, 64)
+q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+for version in (2, 1):
+    for causal in (False, True):
+        try:
+            out = attention(q, k, v, causal=causal, version=version)
+            if out.requires_grad and out.grad_fn is not None:
+                torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            else:
+                print(f"fagen v{{version}} causal={{causal}}: forward only (no backward)")
+        except Exception as exc:  # the sanitizer's summary is the result; go on
+            print(f"fagen v{{version}} causal={{causal}}: {{type(exc).__name__}}: {{exc}}")
+torch.cuda.synchronize()
+print("FAGEN SANITIZER SCRIPT DONE")
+"""
+
+MEMCHECK_RE = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+RACECHECK_RE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
+def find_compute_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for candidate in ("/usr/local/cuda/bin/compute-sanitizer",
+                      "/usr/local/cuda/compute-sanitizer/compute-sanitizer"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def parse_sanitizer(tool: str, output: str) -> dict:
+    """Error count from compute-sanitizer's summary line (None if absent)."""
+    if tool == "racecheck":
+        m = RACECHECK_RE.search(output)
+        if m:
+            return {"errors": int(m.group(2)), "warnings": int(m.group(3)), "summary": m.group(0)}
+    m = MEMCHECK_RE.search(output)
+    if m:
+        return {"errors": int(m.group(1)), "summary": m.group(0)}
+    return {"errors": None, "summary": ""}
+
+
+def run_sanitizers(repo_root: Path, *, timeout_s: float, tools=("memcheck", "racecheck"),
+                   deadline=None) -> dict:
+    tool_path = find_compute_sanitizer()
+    if tool_path is None:
+        return {"status": "skipped", "note": "compute-sanitizer not found on PATH or in /usr/local/cuda"}
+    section: dict = {"status": "ok", "note": "", "path": tool_path, "runs": {}}
+    env = child_env(repo_root)
+    # Without torch's caching allocator every tensor is its own cudaMalloc, so
+    # memcheck sees an out-of-bounds access instead of a hit in pooled memory.
+    env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "sanitize_fagen.py"
+        script.write_text(SANITIZER_SCRIPT.format(root=str(repo_root)))
+        for tool in tools:
+            cap = timeout_s if deadline is None else min(timeout_s, deadline.remaining())
+            if cap < 10:
+                section["runs"][tool] = {"status": "skipped", "note": "time guard"}
+                continue
+            cmd = [tool_path, "--tool", tool, "--print-limit", "20", sys.executable, str(script)]
+            run = run_capped(cmd, timeout_s=cap, env=env, cwd=str(repo_root))
+            parsed = parse_sanitizer(tool, run["output"])
+            finished = "FAGEN SANITIZER SCRIPT DONE" in run["output"]
+            if run["timed_out"]:
+                status = "timed out"
+            elif parsed["errors"] == 0 and finished and run["returncode"] == 0:
+                status = "clean"
+            elif parsed["errors"]:
+                status = "errors"
+            else:
+                status = "failed"
+            section["runs"][tool] = {"status": status, "returncode": run["returncode"],
+                                     "seconds": run["seconds"], **parsed,
+                                     "script_finished": finished,
+                                     "output_tail": run["output"][-3000:]}
+    if any(r["status"] not in ("clean",) for r in section["runs"].values()):
+        section["status"] = "problems"
+        section["note"] = ", ".join(f"{t}: {r['status']}" for t, r in section["runs"].items())
+    return section

@@ -1,0 +1,222 @@
+"""What the GPU check runs: sections, sizes, systems, and a time estimate.
+
+Pure data and arithmetic (no torch), so `--dry-run` and the CPU tests can
+print and check the plan on any machine.
+
+Sizes follow the FlashAttention-2 paper's benchmark: sequence lengths 512 to
+16k with the batch set so that every batch holds 16k tokens, hidden size 2048,
+head dim 64 or 128 (so 32 or 16 heads). Every point therefore moves the same
+amount of Q/K/V (64 MiB per tensor in 16-bit types, above the H200's 60 MB L2,
+so back-to-back repeats do not time the cache), while the FLOPs grow with N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .flops import PASSES, attention_flops
+
+# Every system the speed sweep knows, in table order. fagen first, then the
+# peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
+# then FlexAttention).
+SYSTEMS = ("fagen_v2", "fagen_v1", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
+           "flex")
+FAGEN_SYSTEMS = ("fagen_v2", "fagen_v1")
+SYSTEM_LABELS = {
+    "fagen_v2": "fagen v2", "fagen_v1": "fagen v1", "sdpa_flash": "SDPA flash",
+    "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient", "sdpa_math": "SDPA math",
+    "flex": "FlexAttention",
+}
+# Column headings of the printed table (kept narrow so the whole table fits in
+# the last 12,000 characters of output the device tool returns).
+SYSTEM_SHORT = {
+    "fagen_v2": "v2", "fagen_v1": "v1", "sdpa_flash": "flsh", "sdpa_cudnn": "cdnn",
+    "sdpa_efficient": "eff", "sdpa_math": "math", "flex": "flex",
+}
+PASS_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
+
+# Sections in the order they run. Correctness first: a fast wrong kernel is
+# worth nothing, and a kernel that faults shows up there, in a subprocess,
+# before it can take down the sweep's CUDA context. The sanitizers (also
+# subprocesses, with fixed caps) run before the sweep, so the sweep can use
+# every second they leave over; memory last, since it pushes the allocator
+# to out-of-memory on purpose.
+SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "memory", "report")
+# Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
+GPU_TEST_VARIANTS = 16
+OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "memory")
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """One panel of the speed plots: all passes and sequence lengths share it."""
+
+    dtype: str
+    head_dim: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} d={self.head_dim} {'causal' if self.causal else 'non-causal'}"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The one shape the memory sweep grows: B = 1, forward + backward."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    heads: int = 16
+    batch: int = 1
+    causal: bool = False
+    seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    systems: tuple = ("fagen_v2", "sdpa_math", "sdpa_flash")
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str = "full"
+    dtypes: tuple = ("bf16", "fp16")
+    head_dims: tuple = (128, 64)
+    causal: tuple = (False, True)
+    seqlens: tuple = (512, 1024, 2048, 4096, 8192, 16384)
+    tokens_per_batch: int = 16384
+    hidden_dim: int = 2048
+    passes: tuple = PASSES
+    systems: tuple = SYSTEMS
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # The whole run's budget. The shell wrapper kills at 460 s; this leaves
+    # time to write the report after the last section stops.
+    budget_s: float = 420.0
+    # Section caps (the speed sweep has none: it takes what the others leave,
+    # at least min_speed_s) and the time kept back to write the report.
+    precompile_cap_s: float = 90.0
+    min_speed_s: float = 60.0
+    correctness_cap_s: float = 150.0
+    memory_cap_s: float = 45.0
+    sanitizer_cap_s: float = 45.0  # each of memcheck and racecheck
+    report_reserve_s: float = 10.0
+    # FlexAttention compiles with Inductor (tens of seconds per graph); it may
+    # spend at most this much of the sweep, then its remaining points are
+    # skipped with a note rather than starving every other system.
+    flex_allowance_s: float = 90.0
+    # Timing: per measurement, repeat until about target_ms of GPU time.
+    warmup: int = 1
+    min_repeats: int = 3
+    max_repeats: int = 20
+    target_ms: float = 30.0
+    # (batch, seqlen, heads) of the small problem on which each timed fagen
+    # kernel is checked against fp32 torch before its numbers are trusted.
+    sanity_shape: tuple = (2, 256, 4)
+
+    def configs(self) -> list[SpeedConfig]:
+        """Panels in priority order: if the time guard cuts the sweep, the
+        last ones (fp16, d=64) are the ones lost."""
+        return [SpeedConfig(dtype, d, causal)
+                for dtype in self.dtypes for d in self.head_dims for causal in self.causal]
+
+    def batch(self, seqlen: int) -> int:
+        return max(1, self.tokens_per_batch // seqlen)
+
+    def heads(self, head_dim: int) -> int:
+        return self.hidden_dim // head_dim
+
+    def flops(self, pass_: str, config: SpeedConfig, seqlen: int) -> float:
+        return attention_flops(pass_, batch=self.batch(seqlen), heads=self.heads(config.head_dim),
+                               seqlen=seqlen, head_dim=config.head_dim, causal=config.causal)
+
+    def timed_runs(self) -> int:
+        """Measurements in the speed sweep: configs x seqlens x passes x systems."""
+        return len(self.configs()) * len(self.seqlens) * len(self.passes) * len(self.systems)
+
+    def fagen_variants(self) -> int:
+        """Distinct fagen kernels the sweep compiles (one source per variant)."""
+        versions = sum(1 for s in self.systems if s in FAGEN_SYSTEMS)
+        return versions * len(self.dtypes) * len(self.head_dims) * len(self.causal)
+
+    def estimate_seconds(self, *, sanitizers: bool = True) -> dict[str, float]:
+        """A rough forecast per section (the guard, not this, enforces the budget).
+
+        Speed: about 0.12 s of host and GPU time per measurement (warm-up,
+        3-20 repeats of up to ~30 ms, synchronisation), plus FlexAttention's
+        compiles (about 20 s per panel, capped by its allowance) and the
+        fagen compiles (about 1.5 s each, 8 at a time on the GPU machine's 16 cores).
+        """
+        flex_panels = len(self.configs()) if "flex" in self.systems else 0
+        speed = 0.12 * self.timed_runs() + min(self.flex_allowance_s, 20.0 * flex_panels)
+        estimate = {
+            "setup": 15.0,
+            "precompile": min(self.precompile_cap_s,
+                              3.0 + 1.5 * (self.fagen_variants() + GPU_TEST_VARIANTS) / 8),
+            "peak": 5.0,
+            "correctness": 60.0,
+            "sanitizers": 2 * self.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
+            "speed": speed,
+            "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
+            "report": 5.0,
+        }
+        estimate["total"] = sum(estimate.values())
+        return estimate
+
+    def describe(self) -> str:
+        """The plan as text: what --dry-run prints and results.json records."""
+        lines = [f"plan {self.name!r}: budget {self.budget_s:.0f} s (time guard per section)"]
+        lines.append("sections, in order: " + ", ".join(SECTIONS))
+        lines.append(f"  correctness: python -m pytest -m gpu tests/ (cap {self.correctness_cap_s:.0f} s)")
+        lines.append(f"  sanitizers: compute-sanitizer memcheck and racecheck on one small forward + "
+                     f"backward if installed (cap {self.sanitizer_cap_s:.0f} s each)")
+        lines.append("  speed: passes " + ", ".join(PASS_LABELS[p] for p in self.passes)
+                     + f" (all the time the other sections leave, at least {self.min_speed_s:.0f} s)")
+        lines.append(f"    dtypes {', '.join(self.dtypes)}; head dims {', '.join(map(str, self.head_dims))}"
+                     f"; causal {' and '.join('yes' if c else 'no' for c in self.causal)}")
+        lines.append(f"    seqlens {', '.join(short_seqlen(n) for n in self.seqlens)} at "
+                     f"{self.tokens_per_batch} tokens per batch, hidden {self.hidden_dim} "
+                     f"(heads = {self.hidden_dim}/d)")
+        shapes = ", ".join(f"N={short_seqlen(n)}: B={self.batch(n)}" for n in self.seqlens)
+        lines.append(f"    batch per seqlen: {shapes}")
+        lines.append("    systems: " + ", ".join(SYSTEM_LABELS[s] for s in self.systems))
+        lines.append(f"    panels: {len(self.configs())} ("
+                     + "; ".join(c.label for c in self.configs()) + ")")
+        lines.append(f"    timed runs: {self.timed_runs()} = {len(self.configs())} panels x "
+                     f"{len(self.seqlens)} seqlens x {len(self.passes)} passes x {len(self.systems)} systems"
+                     f"; fagen variants to compile: {self.fagen_variants()} (+{GPU_TEST_VARIANTS} "
+                     "for the gpu tests), in parallel")
+        lines.append(f"    timing: CUDA events, {self.warmup} warm-up, median of {self.min_repeats}-"
+                     f"{self.max_repeats} repeats (~{self.target_ms:.0f} ms of GPU time each), fresh "
+                     "torch.randn inputs per point; FlexAttention allowance "
+                     f"{self.flex_allowance_s:.0f} s")
+        lines.append("    TFLOP/s = 4 N^2 d H B (forward), x2.5 (backward), x3.5 (both), /2 if causal; "
+                     "matmul peak: 8192^3 bf16 torch.matmul")
+        mem = self.memory
+        lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
+                     f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
+                     f"systems {', '.join(SYSTEM_LABELS[s] for s in mem.systems)} (OOM recorded)")
+        lines.append("  output: results.json, results.md, speed_fwd.png, speed_bwd.png, "
+                     "speed_fwd_bwd.png, memory.png")
+        estimate = self.estimate_seconds()
+        lines.append("estimated seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in estimate.items()))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def short_seqlen(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def full_plan() -> Plan:
+    return Plan()
+
+
+def quick_plan() -> Plan:
+    """A ~2-3 minute subset: bf16, d=128, three sequence lengths, small memory sweep."""
+    return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
+                memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=270.0,
+                correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
+                flex_allowance_s=45.0)
+
+
+def plan_named(name: str) -> Plan:
+    return {"full": full_plan, "quick": quick_plan}[name]()

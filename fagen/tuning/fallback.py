@@ -1,0 +1,84 @@
+"""The tiles used when nothing is tuned: a table by arch family and head dim.
+
+`fagen.spec.default_tiles(head_dim, version)` is the arch-independent base;
+it is sized for sm_80 (A100-class: 164 KB of shared memory per block). The
+table here only records where another arch family needs or wants something
+else, so a change to the base carries over to every arch.
+"""
+
+from __future__ import annotations
+
+from ..spec import SMEM_LIMIT_BYTES, Spec, default_tiles
+
+# Arch -> family. Members of a family share a per-block shared-memory budget,
+# which is what decides which tiles fit.
+ARCH_FAMILIES = {
+    "sm_80": "sm80", "sm_87": "sm80",                     # 163 KB per block
+    "sm_86": "sm86", "sm_89": "sm86", "sm_120": "sm86",   # 99 KB per block
+    "sm_90": "sm90", "sm_90a": "sm90", "sm_100": "sm90",  # 227 KB per block
+}
+DEFAULT_ARCH = "sm_80"
+HEAD_DIM_BUCKETS = (64, 128, 256)   # a head dim falls in the first bucket >= it
+
+# (family, head-dim bucket) -> overrides of default_tiles. Tests check that
+# every entry builds a legal Spec that fits every arch of its family.
+FALLBACK_OVERRIDES: dict[tuple[str, int], dict] = {
+    # The base d=128 tiles (128 x 64, two K/V stages) need 104448 bytes; 99 KB
+    # parts take half-height K/V tiles instead.
+    ("sm86", 128): {"block_n": 32},
+    # Hopper has 227 KB per block: a third K/V stage hides more load latency
+    # and changes no register use.
+    ("sm90", 64): {"num_stages": 3},
+    ("sm90", 128): {"num_stages": 3},
+    ("sm90", 256): {"num_stages": 3},
+}
+
+
+def arch_family(arch: str, shared_per_block_optin: int | None = None) -> str:
+    """The family of `arch`; an arch fagen does not list is placed by its shared memory."""
+    if arch in ARCH_FAMILIES:
+        return ARCH_FAMILIES[arch]
+    shared = shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)
+    if shared is None:
+        return ARCH_FAMILIES[DEFAULT_ARCH]
+    if shared >= SMEM_LIMIT_BYTES["sm_90"]:
+        return "sm90"
+    if shared >= SMEM_LIMIT_BYTES["sm_80"]:
+        return "sm80"
+    return "sm86"
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head_dim {head_dim} is above the largest bucket {HEAD_DIM_BUCKETS[-1]}")
+
+
+def fallback_tiles(head_dim: int, version: int = 2, arch: str = DEFAULT_ARCH,
+                   shared_per_block_optin: int | None = None) -> dict:
+    """block_m, block_n, num_warps, num_stages for an untuned (head dim, arch)."""
+    tiles = dict(default_tiles(head_dim, version))
+    tiles.update(FALLBACK_OVERRIDES.get((arch_family(arch, shared_per_block_optin),
+                                         head_dim_bucket(head_dim)), {}))
+    return tiles
+
+
+def fallback_spec(spec: Spec, arch: str = DEFAULT_ARCH, shared_per_block_optin: int | None = None) -> Spec:
+    """`spec` with the fallback tiles for `arch`.
+
+    If the table's forward tiles do not fit this arch's shared memory (a
+    stale entry, or a device that reports less than its arch allows), the
+    arch-independent base is used: a wrong guess here must cost speed, not
+    a failed launch. Only the forward kernel is checked: the backward
+    kernels' tiles do not depend on these.
+    """
+    limit = shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)
+    tiles = fallback_tiles(spec.head_dim, spec.version, arch, shared_per_block_optin)
+    try:
+        candidate = spec.replace(**tiles)
+    except ValueError:
+        candidate = None
+    if candidate is None or (limit is not None and candidate.shared_layout.total_bytes > limit):
+        return spec.replace(**default_tiles(spec.head_dim, spec.version))
+    return candidate

@@ -1,0 +1,102 @@
+"""Shared machinery of the kernel tests: run a variant through fagen.ops and
+hold it to FlashAttention-2's tolerance rule against the float64 oracle.
+
+The rule (DESIGN.md): the kernel's max error against the oracle is at most 2x
+(output) or 3x (dq, dk, dv) the error of a same-dtype PyTorch implementation
+against the same oracle. A small absolute floor keeps cases where PyTorch
+happens to be exact (e.g. all-masked outputs) from demanding bit-exactness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fagen import attention_kernels as ops
+from fagen.codegen import render
+from fagen.emulate import assert_written, poison_
+from fagen.reference import (attention_backward, attention_forward, attention_same_dtype,
+                             dropout_keep_mask)
+from fagen.spec import Spec
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+OUTPUT_FACTOR, GRAD_FACTOR = 2.0, 3.0
+ABS_FLOOR = 1e-5
+SEED, OFFSET, DROPOUT_P = 0x1234_5678_9ABC, 3, 0.25
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int = 2
+    kv_heads: int = 2
+
+    def __str__(self) -> str:
+        return f"B{self.batch}_q{self.seqlen_q}_k{self.seqlen_k}_h{self.heads}/{self.kv_heads}"
+
+
+def poisoned_empty(*shape, dtype, device):
+    """ops._empty for tests: every kernel-written buffer starts as NaN sentinels."""
+    return poison_(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def make_inputs(spec: Spec, shape: Shape, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPE[spec.dtype]
+    d = spec.head_dim
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    q = randn(shape.batch, shape.seqlen_q, shape.heads, d)
+    k = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
+    v = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
+    dout = randn(shape.batch, shape.seqlen_q, shape.heads, d)
+    seqlens_k = None
+    if spec.key_padding:  # one entry keeps every key, the others lose some (one loses all)
+        lengths = [shape.seqlen_k] + [(shape.seqlen_k * (i + 1)) // (shape.batch + 1)
+                                      for i in range(shape.batch - 1)]
+        seqlens_k = torch.tensor(lengths, dtype=torch.int32)
+    return q, k, v, dout, seqlens_k
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True) -> dict:
+    """Forward (and backward) of `spec` on `shape`, checked; returns the errors."""
+    q, k, v, dout, seqlens_k = make_inputs(spec, shape)
+    source = render(spec)
+    p = DROPOUT_P if spec.dropout else 0.0
+    out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
+                             philox_offset=OFFSET)
+    for name, t in (("out", out), *((f"stat{i}", s) for i, s in enumerate(stats))):
+        assert_written(t, name)
+    keep = dropout_keep_mask(SEED, OFFSET, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
+                             p) if spec.dropout else None
+    kwargs = dict(causal=spec.causal, seqlens_k=seqlens_k, dropout_p=p, keep_mask=keep)
+    ref_out, ref_lse = attention_forward(q, k, v, **kwargs)
+    pt_out, pt_dq, pt_dk, pt_dv = attention_same_dtype(q, k, v, dout, **kwargs)
+    errors = {"out": (max_error(out, ref_out), max_error(pt_out, ref_out))}
+    lse = stats[0] if spec.version == 2 else stats[0] + torch.log(stats[1])
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "rows with no key must have L = +inf (v1: l = 0)"
+    assert max_error(lse[finite], ref_lse[finite]) < 1e-3
+    if backward:
+        drop = ops.dropout_args(p, SEED, OFFSET) if spec.dropout else None
+        grads = ops.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop)
+        for name, t in zip(("dq", "dk", "dv"), grads):
+            assert_written(t, name)
+        refs = attention_backward(q, k, v, ref_out, dout, **kwargs)
+        for name, got, ref, pt in zip(("dq", "dk", "dv"), grads, refs, (pt_dq, pt_dk, pt_dv)):
+            errors[name] = (max_error(got, ref), max_error(pt, ref))
+    for name, (kernel_err, torch_err) in errors.items():
+        factor = OUTPUT_FACTOR if name == "out" else GRAD_FACTOR
+        assert kernel_err <= factor * torch_err + ABS_FLOOR, (
+            f"{spec.name} {shape}: {name} error {kernel_err:.3g} exceeds {factor}x PyTorch's "
+            f"{torch_err:.3g} (same-dtype implementation vs float64)")
+    return errors

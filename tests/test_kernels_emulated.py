@@ -1,0 +1,118 @@
+"""The generated tensor-core kernels, run on the CPU by the SIMT emulator.
+
+Every combination of version x mask x dropout x dtype x head dim is run,
+forward and backward, against the float64 oracle under FlashAttention-2's
+tolerance rule (tests/kernel_cases.py); the shapes cycle through ragged ones
+so that each is met by both versions, every mask and both dtypes.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from fagen import attention_kernels as ops
+from fagen.codegen import render
+from fagen.reference import dropout_keep_mask
+from fagen.spec import Spec
+from kernel_cases import OFFSET, SEED, Shape, make_inputs, poisoned_empty, run_and_check
+
+RAGGED = [Shape(2, 128, 128), Shape(1, 17, 200), Shape(2, 200, 17), Shape(1, 1, 77),
+          Shape(2, 130, 130, heads=4, kv_heads=1), Shape(1, 96, 64, heads=4, kv_heads=2)]
+MASKS = {"none": {}, "causal": {"mask": "causal"}, "padding": {"key_padding": True}}
+MATRIX = list(itertools.product((1, 2), MASKS, (False, True), ("fp16", "bf16"), (32, 64, 128, 256)))
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+
+
+@pytest.mark.parametrize("version, mask, dropout, dtype, head_dim", MATRIX,
+                         ids=["-".join(map(str, case)) for case in MATRIX])
+def test_kernel_matrix(version, mask, dropout, dtype, head_dim):
+    spec = Spec(head_dim=head_dim, version=version, dtype=dtype, dropout=dropout, **MASKS[mask])
+    shape = RAGGED[MATRIX.index((version, mask, dropout, dtype, head_dim)) % len(RAGGED)]
+    run_and_check(spec, shape)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (128, 128), (200, 200), (70, 250),
+                                                (250, 70)])
+@pytest.mark.parametrize("version", [1, 2])
+def test_ragged_causal_sizes(version, seqlen_q, seqlen_k):
+    run_and_check(Spec(64, version=version, mask="causal"), Shape(1, seqlen_q, seqlen_k))
+
+
+@pytest.mark.parametrize("head_dim", [96, 160, 192, 40])
+def test_other_head_dims(head_dim):
+    run_and_check(Spec(head_dim, mask="causal", dtype="bf16"), Shape(1, 90, 70, heads=2, kv_heads=1))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_gqa_and_mqa(version):
+    run_and_check(Spec(64, version=version), Shape(2, 64, 80, heads=6, kv_heads=3))
+    run_and_check(Spec(64, version=version, mask="causal"), Shape(1, 64, 80, heads=4, kv_heads=1))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_deterministic_backward_is_bit_identical(version):
+    spec = Spec(64, version=version, mask="causal", deterministic=True, dropout=True)
+    shape = Shape(1, 150, 150, heads=2, kv_heads=1)
+    run_and_check(spec, shape)
+    q, k, v, dout, _ = make_inputs(spec, shape)
+    source = render(spec)
+    out, stats = ops.forward(source, q, k, v, dropout_p=0.25, seed=SEED, philox_offset=OFFSET)
+    drop = ops.dropout_args(0.25, SEED, OFFSET)
+    first = ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop)
+    for _ in range(19):
+        again = ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop)
+        for a, b in zip(first, again):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_causal_skips_masked_tiles():
+    """FA-2 visits only K/V tiles left of each query block's diagonal."""
+    spec = Spec(64, mask="causal", block_m=64, block_n=32)
+    source = render(spec, debug=True)
+    for seqlen_q, seqlen_k in [(256, 256), (100, 300), (300, 100)]:
+        q, k, v, _, _ = make_inputs(spec, Shape(1, seqlen_q, seqlen_k, heads=1, kv_heads=1))
+        blocks = -(-seqlen_q // 64)
+        visited = torch.full((blocks,), -1, dtype=torch.int32)
+        ops.forward(source, q, k, v, debug={"tiles_visited": visited})
+        # Block i's last row is 64(i+1) - 1; it sees keys j <= 64(i+1) - 1 + Nk - Nq.
+        expected = [max(0, min(seqlen_k, 64 * (i + 1) + seqlen_k - seqlen_q) + 31) // 32
+                    for i in range(blocks)]
+        assert visited.tolist() == expected
+        full = -(-seqlen_k // 32)
+        assert sum(expected) < blocks * full  # something was skipped
+
+
+def test_fa1_causal_skips_masked_pairs():
+    spec = Spec(64, version=1, mask="causal", block_m=64, block_n=64)
+    source = render(spec, debug=True)
+    q, k, v, _, _ = make_inputs(spec, Shape(1, 256, 256, heads=1, kv_heads=1))
+    visited = torch.full((1,), -1, dtype=torch.int32)
+    ops.forward(source, q, k, v, debug={"tiles_visited": visited})
+    assert visited.item() == 4 + 3 + 2 + 1  # K/V block j meets Q blocks j..3
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_dropout_mask_is_philox_forward_and_backward(version):
+    spec = Spec(64, version=version, dropout=True, mask="causal")
+    shape = Shape(2, 70, 90, heads=2, kv_heads=1)
+    q, k, v, dout, _ = make_inputs(spec, shape)
+    source = render(spec, debug=True)
+    mask_shape = (shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k)
+    fwd_mask = torch.full(mask_shape, 7, dtype=torch.uint8)
+    bwd_mask = torch.full(mask_shape, 7, dtype=torch.uint8)
+    debug = {"tiles_visited": torch.zeros(64, dtype=torch.int32), "keep_mask": fwd_mask}
+    out, stats = ops.forward(source, q, k, v, dropout_p=0.4, seed=SEED, philox_offset=OFFSET, debug=debug)
+    ops.backward(source, q, k, v, out, stats, dout, dropout_args=ops.dropout_args(0.4, SEED, OFFSET),
+                 debug={"keep_mask": bwd_mask})
+    expected = dropout_keep_mask(SEED, OFFSET, *mask_shape, 0.4).to(torch.uint8)
+    visible = torch.ones(shape.seqlen_q, shape.seqlen_k, dtype=torch.bool).tril(shape.seqlen_k - shape.seqlen_q)
+    # Kernels draw bits only for tiles they visit; every visible element must match.
+    assert torch.equal(fwd_mask[..., visible], expected[..., visible])
+    assert torch.equal(bwd_mask[..., visible], expected[..., visible])
+    kept = expected[..., visible].float().mean().item()
+    assert abs(kept - 0.6) < 0.03

@@ -1,0 +1,230 @@
+"""The user op on CPU tensors (the emulated backend): API, autograd, torch.compile,
+opcheck, generated modules and clear errors for bad input."""
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+
+import fagen
+from fagen import attention_kernels, ops
+from fagen.reference import attention_backward, attention_forward, attention_same_dtype
+from kernel_cases import poisoned_empty
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
+
+
+def qkv(batch=2, seqlen_q=40, seqlen_k=56, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16,
+        requires_grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=gen).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    return (make(batch, seqlen_q, heads, head_dim), make(batch, seqlen_k, kv_heads, head_dim),
+            make(batch, seqlen_k, kv_heads, head_dim))
+
+
+def within_rule(got, ref, yardstick, factor):
+    err = (got.double() - ref).abs().max().item()
+    assert err <= factor * (yardstick.double() - ref).abs().max().item() + 1e-5, err
+
+
+# -- results -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_forward_backward_and_lse(version):
+    q, k, v = qkv(requires_grad=True)
+    out, lse = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True, version=version)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, ref_lse = attention_forward(q, k, v, causal=True)
+    grads = attention_backward(q, k, v, ref, dout, causal=True)
+    pt = attention_same_dtype(q, k, v, dout, causal=True)
+    within_rule(out, ref, pt[0], 2)
+    for got, r, y in zip((q.grad, k.grad, v.grad), grads, pt[1:]):
+        within_rule(got, r, y, 3)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3
+
+
+def test_attention_takes_pytorch_layout():
+    q, k, v = qkv()
+    out = fagen.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    assert out.shape == (2, 4, 40, 64)
+    torch.testing.assert_close(out.transpose(1, 2), fagen.flash_attn_func(q, k, v, causal=True))
+
+
+def test_key_padding_and_non_contiguous_inputs():
+    q, k, v = qkv(head_dim=32)
+    seqlens = torch.tensor([56, 20], dtype=torch.int32)
+    wide = torch.randn(2, 56, 2, 40).to(torch.float16)[..., 3:35]  # misaligned rows: copied, not refused
+    out = fagen.flash_attn_func(q, wide, v, seqlens_k=seqlens)
+    ref, _ = attention_forward(q, wide, v, seqlens_k=seqlens)
+    pt = attention_same_dtype(q, wide, v, torch.ones_like(q), seqlens_k=seqlens)[0]
+    within_rule(out, ref, pt, 2)
+
+
+def test_dropout_follows_torch_manual_seed():
+    q, k, v = qkv()
+    torch.manual_seed(7)
+    a = fagen.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(7)
+    b = fagen.flash_attn_func(q, k, v, dropout_p=0.3)
+    c = fagen.flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_deterministic_backward_repeats_bit_for_bit():
+    q, k, v = qkv(requires_grad=True)
+    grads = []
+    for _ in range(3):
+        torch.manual_seed(3)
+        out = fagen.flash_attn_func(q, k, v, dropout_p=0.2, deterministic=True)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+    for again in grads[1:]:
+        for a, b in zip(grads[0], again):
+            assert torch.equal(a, b)
+
+
+def test_empty_problems_are_defined():
+    q, k, v = qkv(batch=0)
+    assert fagen.flash_attn_func(q, k, v).shape == (0, 40, 4, 64)
+    q, k, v = qkv(seqlen_k=0, requires_grad=True)
+    out, lse = fagen.flash_attn_func(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse > 0).all()
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_nan_and_inf_propagate_like_pytorch():
+    q, k, v = qkv(batch=1, heads=2, kv_heads=2)
+    q[0, 3, 1, 5] = float("nan")
+    v[0, 10, 0, 2] = float("inf")
+    out = fagen.flash_attn_func(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)).transpose(1, 2)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def bad(**changes):
+    q, k, v = qkv(batch=2, seqlen_q=8, seqlen_k=8, heads=2, kv_heads=2, head_dim=32)
+    args = {"q": q, "k": k, "v": v, **changes}
+    return args.pop("q"), args.pop("k"), args.pop("v"), args
+
+
+Q, K, V = qkv(batch=2, seqlen_q=8, seqlen_k=8, heads=2, kv_heads=2, head_dim=32)
+
+
+@pytest.mark.parametrize("q, k, v, kwargs, error, message", [
+    (Q, K.to(torch.bfloat16), V, {}, TypeError, "q, k and v must share a dtype"),
+    (Q.float(), K.float(), V.float(), {}, TypeError, "q must be float16 or bfloat16, got torch.float32"),
+    (Q, K.to(torch.int32), V, {}, TypeError, "k must be float16 or bfloat16, got torch.int32"),
+    (Q, K.to("meta"), V, {}, ValueError, "must be on one device"),
+    (Q[0], K, V, {}, ValueError, r"q must have 4 dims"),
+    (Q, K[..., :16], V[..., :16], {}, ValueError, "q and k must have the same head_dim, got 32 and 16"),
+    (Q, K[:, :, :1].expand(2, 8, 1, 32), V, {}, ValueError, "k and v must have the same shape"),
+    (torch.randn(2, 8, 3, 32).half(), K, V, {}, ValueError, r"q's number of heads \(3\) must be a multiple of k's \(2\)"),
+    (torch.randn(1, 8, 2, 12).half(), torch.randn(1, 8, 2, 12).half(), torch.randn(1, 8, 2, 12).half(), {},
+     ValueError, "head_dim .* must be a multiple of 8"),
+    (torch.randn(1, 4, 1, 264).half(), torch.randn(1, 4, 1, 264).half(), torch.randn(1, 4, 1, 264).half(), {},
+     ValueError, "head_dim .* from 8 to 256, got 264"),
+    (Q, K, V, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    (Q, K, V, {"dropout_p": -0.5}, ValueError, r"dropout_p must be in \[0, 1\)"),
+    (Q, K, V, {"seqlens_k": torch.tensor([8, 8])}, TypeError, "seqlens_k must be an int32 tensor"),
+    (Q, K, V, {"seqlens_k": [8, 8]}, TypeError, "seqlens_k must be an int32 tensor"),
+    (Q, K, V, {"seqlens_k": torch.tensor([8], dtype=torch.int32)}, ValueError, r"seqlens_k must have shape \(2,\)"),
+    (Q, K, V, {"seqlens_k": torch.tensor([8, 9], dtype=torch.int32)}, ValueError, r"values must be in \[0, 8\]"),
+    (Q, K, V, {"seqlens_k": torch.tensor([-1, 3], dtype=torch.int32)}, ValueError, r"values must be in \[0, 8\]"),
+    (Q, K, V, {"version": 3}, ValueError, "version must be 1 or 2"),
+    (Q, K, V, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a float"),
+    ("q", K, V, {}, TypeError, "q must be a torch.Tensor"),
+])
+def test_bad_input_is_a_clear_error(q, k, v, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fagen.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_non_contiguous_last_dim_is_refused():
+    q = torch.randn(2, 8, 2, 64).half()[..., ::2]
+    with pytest.raises(ValueError, match="q must have a contiguous last dimension"):
+        fagen.flash_attn_func(q, K, V)
+
+
+# -- torch.compile and opcheck ------------------------------------------------------------------
+
+def test_torch_compile_fullgraph_without_graph_breaks():
+    torch._dynamo.reset()
+    q, k, v = qkv(requires_grad=True)
+
+    def step(q, k, v, dropout_p):
+        return fagen.flash_attn_func(q, k, v, causal=True, dropout_p=dropout_p).float().square().mean()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, 0.0)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager_loss = step(q, k, v, 0.0)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    torch.testing.assert_close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads):
+        torch.testing.assert_close(got, want)
+    dropped = compiled(q, k, v, 0.25)  # the Philox seed is drawn inside the graph
+    torch.autograd.grad(dropped, (q, k, v))
+    explanation = torch._dynamo.explain(step)(q, k, v, 0.25)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("version, dropout_p", [(2, 0.0), (1, 0.0), (2, 0.2)])
+def test_opcheck(version, dropout_p):
+    q, k, v = qkv(batch=1, seqlen_q=24, seqlen_k=40, heads=2, kv_heads=1, head_dim=32, requires_grad=True)
+    rng = ops._philox_state(dropout_p, q.device)
+    args = (q, k, v, None, rng, dropout_p, 1 / math.sqrt(32), True, version, False, "")
+    torch.library.opcheck(torch.ops.fagen.flash_attn_fwd.default, args)
+    out, stat, row_sum = (t.detach() for t in torch.ops.fagen.flash_attn_fwd(*args))
+    # The backward op is not itself differentiable (no double backward), as in flash-attn.
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, stat, row_sum, None, rng,
+                dropout_p, 1 / math.sqrt(32), True, version, False, "")
+    torch.library.opcheck(torch.ops.fagen.flash_attn_bwd.default, bwd_args)
+
+
+# -- generated op modules -----------------------------------------------------------------------
+
+def test_generated_module_runs_with_autograd(tmp_path, monkeypatch):
+    from fagen.cli import main
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    out_dir = tmp_path / "pkg" / "gen"
+    assert main(["build", "--d", "32", "--causal", "--dtype", "bf16", "--arch", "sm_80",
+                 "--out", str(out_dir)]) == 0
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    module = importlib.import_module("gen.fa2_d32_causal_bf16")
+    assert module.SPEC.name == "fa2_d32_causal_bf16"
+    q, k, v = qkv(head_dim=32, dtype=torch.bfloat16, requires_grad=True)
+    out = module.attention(q, k, v)
+    torch.testing.assert_close(out, fagen.flash_attn_func(q, k, v, causal=True))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    with pytest.raises(ValueError, match="takes bf16 inputs with head_dim 32"):
+        module.attention(q.half(), k.half(), v.half())
+    sys.modules.pop("gen.fa2_d32_causal_bf16", None)
+
+
+def test_generated_module_detects_an_edited_source(tmp_path, monkeypatch):
+    from fagen.cli import main
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    out_dir = tmp_path / "pkg2" / "gen2"
+    main(["build", "--d", "32", "--arch", "sm_80", "--out", str(out_dir)])
+    source = out_dir / "fa2_d32_fp16.cu"
+    source.write_text(source.read_text() + "\n// edited\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg2"))
+    module = importlib.import_module("gen2.fa2_d32_fp16")
+    q, k, v = qkv(head_dim=32)
+    with pytest.raises(RuntimeError, match="does not match its module"):
+        module.attention(q, k, v)
