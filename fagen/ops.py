@@ -111,18 +111,30 @@ def _generated_source(spec: Spec, path: str, sha256: str) -> Source:
     return source
 
 
+_call_sources: dict[tuple, tuple[int, Source]] = {}
+
+
 def _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source) -> Source:
+    """The kernels for a call: a dict lookup once a call of this shape has been seen."""
     if module_source:  # a generated op module: its own .cu file, its fixed spec
         spec_name, path, sha256 = module_source.split("|")
         return _generated_source(Spec.from_name(spec_name), path, sha256)
     from . import tuning
 
+    generation = tuning.cache.INDEX.current_generation()  # a new tuning result invalidates the memo
+    key = (q.shape, k.shape, q.dtype, q.device, seqlens_k is not None, dropout_p > 0, causal, version,
+           deterministic)
+    hit = _call_sources.get(key)
+    if hit is not None and hit[0] == generation:
+        return hit[1]
     spec = Spec(head_dim=q.shape[3], dtype=TORCH_DTYPES[q.dtype], version=version,
                 mask="causal" if causal else "none", key_padding=seqlens_k is not None,
                 dropout=dropout_p > 0, deterministic=deterministic)
     spec = tuning.lookup(spec, seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0],
-                           heads=q.shape[2], device=q.device)
-    return source_for(spec)
+                         heads=q.shape[2], device=q.device)
+    source = source_for(spec)
+    _call_sources[key] = (generation, source)
+    return source
 
 
 # -- custom ops --------------------------------------------------------------------------------

@@ -257,3 +257,26 @@ def _launch_scale_in_child(source: str) -> bool:
     x, y, scalars = scale_args()
     load_module(source).get_function("scale")((3,), (128,), (x, y, *scalars))
     return bool(torch.equal(y, x * 2 + 3 + 4))
+
+
+@pytest.mark.slow
+def test_portable_ucontext_fibers(monkeypatch):
+    """The fiber switch used where there is no hand-written one (not x86-64)."""
+    monkeypatch.setenv("FAGEN_EMULATE_CXXFLAGS", "-DFAGEN_EMU_FORCE_UCONTEXT")
+    source = (KERNELS / "warp_layouts.cu").read_text()
+    module = load_module(source)
+    out = torch.zeros(16 * 128, dtype=torch.int32)
+    module.get_function("block_private")((16,), (128,), (out, I32(3)), shared_mem=512)
+    b = torch.arange(16).view(-1, 1)
+    tid = torch.arange(128).view(1, -1)
+    expected = sum((b * 1000 + (tid + r) % 128) - (b * 1000 + (tid + 2 * r) % 128) for r in range(3))
+    assert torch.equal(out.view(16, 128), expected.to(torch.int32))
+    gen = torch.Generator().manual_seed(8)
+    A = torch.randint(-8, 9, (16, 16), generator=gen).half()
+    B = torch.randint(-8, 9, (16, 8), generator=gen).half()
+    C = torch.zeros(16, 8)
+    D = torch.empty(16, 8)
+    module.get_function("mma_f16_layout")((1,), (32,), (A, B, C, D))
+    assert torch.equal(D, (A.double() @ B.double()).float())
+    monkeypatch.delenv("FAGEN_EMULATE_CXXFLAGS")
+    assert load_module(source).library_path != module.library_path  # the flags are part of the cache key

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 RUNTIME_INCLUDE_DIR = PACKAGE_DIR / "include"
 RUNTIME_SOURCE_DIR = PACKAGE_DIR / "src"
 CXX_ENV = "FAGEN_EMULATE_CXX"
+EXTRA_FLAGS_ENV = "FAGEN_EMULATE_CXXFLAGS"  # appended to runtime and kernel builds (part of the cache key)
 
 # Both builds: C++17, position independent, only the FAGEN_EXPORT symbols
 # visible (each module keeps its own runtime and TLS), and no TLS-wrapper
@@ -161,7 +163,7 @@ def kernel_opt() -> str:
 def toolchain(checked: bool) -> Toolchain:
     """Flags shared by the runtime and kernel builds (the fast build's -O level is added per target)."""
     cxx = compiler()
-    flags = [*COMMON_FLAGS, *(CHECKED_FLAGS if checked else ())]
+    flags = [*COMMON_FLAGS, *(CHECKED_FLAGS if checked else ()), *shlex.split(os.environ.get(EXTRA_FLAGS_ENV, ""))]
     if is_gcc(cxx):
         flags.append("-fno-extern-tls-init")
     include_dirs = (str(RUNTIME_INCLUDE_DIR), str(_templates_include_dir()), str(cuda_include_dir()))

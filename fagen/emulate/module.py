@@ -11,7 +11,7 @@ np.int64 for long long, np.uint64 for unsigned long long, np.float32 for
 float). The signature is checked before the launch, including the dtype a
 pointer points to, since a wrong scalar type silently garbles a GPU launch.
 
-Environment:
+Environment (read at each launch; fagen/emulate/README.md lists the build ones):
     FAGEN_EMULATE_THREADS   OS threads that run blocks in parallel (default: all CPUs)
     FAGEN_EMULATE_SCHEDULE  "forward" (default) or "reverse": the order in
                             which a block's threads take turns; running a test

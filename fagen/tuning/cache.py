@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import math
 import threading
 import warnings
@@ -41,6 +42,9 @@ CACHE_FORMAT = 1
 TUNE_SUBDIR = "tune"
 MIN_SEQLEN_BUCKET = 16
 TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+_CACHE_ENV = ("FAGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME")  # what compiler.cache_dir() reads
 
 
 def tune_dir() -> Path:
@@ -144,6 +148,8 @@ class TuneIndex:
         self._directory: Path | None = None
         self._entries: dict[tuple[str, str], dict[ShapeBucket, TuneEntry]] = {}
         self._specs: dict[tuple, Spec] = {}   # memo of spec_for: lookups must stay cheap
+        self.generation = 0                   # bumped whenever a lookup's answer may change
+        self._env: tuple | None = None
 
     def _ensure_loaded(self) -> None:
         directory = tune_dir()
@@ -153,6 +159,7 @@ class TuneIndex:
             if directory != self._directory:
                 self._entries, self._specs = self._read_all(directory), {}
                 self._directory = directory
+                self.generation += 1
 
     @staticmethod
     def _read_all(directory: Path) -> dict:
@@ -194,6 +201,7 @@ class TuneIndex:
         with self._lock:
             self._entries.setdefault((entry.identity.key, entry.family), {})[entry.bucket] = entry
             self._specs = {}
+            self.generation += 1
         return path
 
     def all_entries(self) -> list[TuneEntry]:
@@ -204,6 +212,17 @@ class TuneIndex:
         """Drop the in-memory view; the next lookup rereads the directory."""
         with self._lock:
             self._directory, self._entries, self._specs = None, {}, {}
+            self.generation += 1
+
+    def current_generation(self) -> int:
+        """The generation, after picking up a change of cache directory. Called on every
+        op call, so it compares the environment variables that choose the directory
+        rather than building the path."""
+        env = tuple(os.environ.get(name) for name in _CACHE_ENV)
+        if env != self._env or self._directory is None:
+            self._ensure_loaded()
+            self._env = env
+        return self.generation
 
 
 def read_entry(path: Path) -> TuneEntry | None:
