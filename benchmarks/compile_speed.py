@@ -1,4 +1,8 @@
-"""Compile speed: cold NVRTC seconds per kernel and warm cache-hit milliseconds.
+"""Compile speed: cold NVRTC seconds per variant and warm cache-hit milliseconds.
+
+A variant is one translation unit holding its forward kernel and all its
+backward kernels, so "cold" is what a user waits for the first call of a new
+spec on one arch.
 
     python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20]
 
@@ -42,9 +46,10 @@ def main() -> None:
                 start = time.perf_counter()
                 assert compiler.compile_source(source, args.arch).cache == "memory"
                 memory.append(time.perf_counter() - start)
-            print(f"{spec.name:<28} render {render_s * 1e3:6.1f} ms  cold NVRTC {kernel.compile_seconds:5.2f} s")
-    print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} kernels")
-    print(f"cold compile per kernel: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s")
+            print(f"{spec.name:<28} render {render_s * 1e3:6.1f} ms  cold NVRTC {kernel.compile_seconds:5.2f} s "
+                  f"({len(kernel.resources)} kernels)")
+    print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} variants (forward + backward each)")
+    print(f"cold compile per variant: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s")
     print(f"warm disk-cache hit:     median {statistics.median(disk) * 1e3:.2f} ms")
     print(f"warm memory-cache hit:   median {statistics.median(memory) * 1e3:.3f} ms")
 
