@@ -197,6 +197,26 @@ def test_time_guard_stops_the_sweep_and_says_so():
     assert all(p["results"]["fagen_v2"]["skipped"] == GUARD_REASON for p in section["points"])
 
 
+def test_a_system_too_slow_for_the_next_point_is_skipped():
+    slow, fast = Exact("fagen_v1"), Exact("fagen_v2")
+
+    def timer(fn, **kwargs):  # fagen_v1 takes 3 s per call, fagen_v2 2 ms
+        fn()
+        ms = 3000.0 if fn_owner[0] is slow else 2.0
+        return Timing(median_ms=ms, min_ms=ms, max_ms=ms, repeats=3, host_ms=0.1)
+
+    fn_owner = [None]
+    original = slow.forward, fast.forward
+    slow.forward = lambda *a: (fn_owner.__setitem__(0, slow), original[0](*a))[1]
+    fast.forward = lambda *a: (fn_owner.__setitem__(0, fast), original[1](*a))[1]
+    section = run_speed_sweep(TINY, [slow, fast], Deadline(float("inf")), device="cpu", timer=timer,
+                              log=lambda line: None)
+    assert "tflops" in cell(section, "fagen_v1", "fwd", 32)
+    # Twice the flops at N=64: 6 s a call, times every warm-up and repeat of 3 passes > 20 s.
+    assert cell(section, "fagen_v1", "fwd", 64)["skipped"].startswith("skipped: too slow (predicted 6.0 s")
+    assert all("tflops" in cell(section, "fagen_v2", p, 128) for p in ("fwd", "bwd", "fwd_bwd"))
+
+
 def test_failure_reason_is_one_line():
     assert failure_reason(torch.OutOfMemoryError("CUDA out of memory")) == "OOM"
     assert failure_reason(ValueError("a\n  b")) == "ValueError: a b"

@@ -31,6 +31,11 @@ from .timing import Deadline, Timing, time_cuda
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 GUARD_REASON = "skipped: time guard (the section's deadline was reached)"
+# A system whose next point is predicted to need more than this (all passes,
+# warm-ups and repeats) is skipped for the rest of the panel: FlashAttention-1
+# at 16k tokens on a few heads can take seconds per call, and one cell must not
+# eat the budget of the whole sweep.
+SLOW_CELL_S = 20.0
 # A kernel fault leaves the process's CUDA context unusable: every later
 # launch fails with the same error, so the sweep stops instead of recording it
 # a thousand times. (The correctness section runs first, in a subprocess, so
@@ -206,6 +211,8 @@ def run_speed_sweep(plan: Plan, systems: list[System], deadline: Deadline, *, de
         heads = plan.heads(config.head_dim)
         sticky: dict[str, str] = {}       # system -> reason, for the rest of this panel
         oom_from: dict[str, int] = {}     # system -> seqlen that ran out of memory
+        slowest: dict[str, tuple[float, float]] = {}  # system -> (slowest pass ms, its fwd flops)
+        calls_per_cell = (plan.warmup + 1 + plan.min_repeats) * len(plan.passes)
         if not deadline.expired(5.0):
             for system in runnable:
                 if system.is_fagen:
@@ -240,6 +247,11 @@ def run_speed_sweep(plan: Plan, systems: list[System], deadline: Deadline, *, de
                     skip = sticky[system.name]
                 elif system.name in oom_from:
                     skip = f"skipped: OOM at N={short_seqlen(oom_from[system.name])}"
+                elif system.name in slowest and (
+                        slowest[system.name][0] * flops[plan.passes[0]] / slowest[system.name][1]
+                        * calls_per_cell / 1e3 > SLOW_CELL_S):
+                    predicted = slowest[system.name][0] * flops[plan.passes[0]] / slowest[system.name][1]
+                    skip = f"skipped: too slow (predicted {predicted / 1e3:.1f} s per call)"
                 elif system.name == "flex" and flex_spent > plan.flex_allowance_s:
                     skip = f"skipped: FlexAttention's time allowance ({plan.flex_allowance_s:.0f} s) is used up"
                 elif (system.name == "flex" and config not in flex_compiled_configs
@@ -267,6 +279,9 @@ def run_speed_sweep(plan: Plan, systems: list[System], deadline: Deadline, *, de
                     flex_compiled_configs.add(config)
                 for p, cell in cells.items():
                     points[p]["results"][system.name] = cell
+                timed = [c["ms"] for c in cells.values() if "ms" in c]
+                if timed:
+                    slowest[system.name] = (max(timed), flops[plan.passes[0]])
                 failures = [c for c in cells.values() if "skipped" in c]
                 lost = next((c["skipped"] for c in failures if context_lost(c["skipped"])), None)
                 if lost is not None:
