@@ -9,6 +9,7 @@ Shapes: q (B, Nq, H, d), k and v (B, Nk, Hk, d); statistics (B, H, Nq) fp32.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -29,11 +30,20 @@ def _strides_of(values: dict, **tensors) -> None:
                        f"{name}_stride_h": t.stride(2)})
 
 
+def keep_threshold(dropout_p: float) -> int:
+    """A Philox word keeps its element iff it is below floor((1 - p) * 2**32) (fagen/philox.cuh).
+
+    Computed here, not taken from fagen.reference, so that the oracle's own
+    version checks this one instead of sharing its bugs. p must be in (0, 1).
+    """
+    if not 0.0 < dropout_p < 1.0:
+        raise ValueError(f"dropout needs 0 < dropout_p < 1, got {dropout_p}")
+    return int((1 - Fraction(dropout_p)) * 2**32)  # exact: int() floors a positive Fraction
+
+
 def dropout_args(dropout_p: float, seed: int, philox_offset: int) -> dict:
     """The kernel arguments that make Philox dropout replay exactly (fagen/philox.cuh)."""
-    from .reference import dropout_threshold
-
-    return {"seed": seed, "philox_offset": philox_offset, "keep_threshold": dropout_threshold(dropout_p),
+    return {"seed": seed, "philox_offset": philox_offset, "keep_threshold": keep_threshold(dropout_p),
             "keep_scale": 1.0 / (1.0 - dropout_p)}
 
 
@@ -70,6 +80,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     share a K/V head are summed here (in fp32).
     """
     spec, kernels = source.spec, source.kernels
+    if q.device.type == "cuda":  # the compile checked only the forward's shared memory
+        spec.check_arch(launch.arch_of(q.device))
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)

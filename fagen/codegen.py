@@ -56,9 +56,11 @@ class Entry:
     shared_bytes: int          # dynamic shared memory per block
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
+        """(row blocks, heads, batch): heads and batch get a grid dimension each, so their
+        product may exceed the 65535 blocks one of grid.y / grid.z allows."""
         rows = seqlen_q if self.rows_from == "q" else seqlen_k
         blocks = 1 if self.rows_per_block is None else math.ceil(rows / self.rows_per_block)
-        return (blocks, batch * heads, 1)
+        return (blocks, heads, batch)
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -96,10 +98,6 @@ class Source:
     @functools.cached_property
     def hash(self) -> str:
         return hashlib.sha256(self.code.encode()).hexdigest()
-
-    @property
-    def short_hash(self) -> str:
-        return self.hash[:12]
 
 
 

@@ -214,8 +214,18 @@ _memory_cache: dict[str, CompiledKernel] = {}
 _memory_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=1)
+def headers_digest() -> str:
+    """Hash of the static headers every source includes: editing one must miss the cache."""
+    digest = hashlib.sha256()
+    for path in sorted(include_dir().rglob("*.cuh")):
+        digest.update(path.relative_to(include_dir()).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def cache_key(source_hash: str, arch: str) -> str:
-    parts = [str(CACHE_FORMAT), source_hash, arch, nvrtc_version(), " ".join(nvrtc_options(arch)[:3])]
+    parts = [str(CACHE_FORMAT), source_hash, headers_digest(), arch, nvrtc_version(),
+             " ".join(nvrtc_options(arch)[:3])]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -261,7 +271,7 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True) -
     """Compile a rendered source for one arch, through the memory and disk caches."""
     code = source.code if isinstance(source, Source) else source
     if isinstance(source, Source):
-        source.spec.check_arch(arch)
+        source.spec.check_arch(arch, backward=False)  # launching the backward checks its own
     key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
     if use_cache:
         with _memory_lock:
@@ -279,7 +289,11 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True) -
                             nvrtc_version=nvrtc_version(),
                             compile_seconds=time.perf_counter() - start)
     if use_cache:
-        _write_disk(_cache_path(key), kernel)
+        try:
+            _write_disk(_cache_path(key), kernel)
+        except OSError as exc:  # an unwritable cache costs a recompile next process, not this call
+            warnings.warn(f"cannot write the fagen kernel cache ({exc}); continuing without it",
+                          stacklevel=2)
         with _memory_lock:
             _memory_cache[key] = kernel
     return kernel

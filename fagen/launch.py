@@ -24,6 +24,7 @@ from .codegen import Entry, Source
 from .compiler import compile_source
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
+_SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -43,14 +44,8 @@ class LoadedSource:
 
     def args(self, entry: Entry, values: dict[str, Any]) -> tuple:
         """Order and type the arguments of `entry` from a name -> value dict."""
-        args = []
-        for param in entry.params:
-            value = values[param.name]
-            if param.kind == "tensor":
-                args.append(self._pointer(value))
-            else:
-                args.append(np.dtype(param.kind).type(value))
-        return tuple(args)
+        return tuple(self._pointer(values[p.name]) if p.kind == "tensor" else _SCALAR_TYPES[p.kind](values[p.name])
+                     for p in entry.params)
 
     def launch(self, entry: Entry, grid: tuple, values: dict[str, Any]) -> None:
         if 0 in grid:
@@ -76,6 +71,7 @@ class _CudaFunction:
         self.function = function
         self.device_index = device_index
         self.shared_opt_in = DEFAULT_SHARED_LIMIT
+        self.streams: dict[int, Any] = {}  # torch stream handle -> CuPy wrapper, made once
 
     def __call__(self, grid, block, args, shared_mem=0):
         cupy = _cupy()
@@ -84,15 +80,22 @@ class _CudaFunction:
                 cupy.cuda.driver.funcSetAttribute(
                     self.function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
                 self.shared_opt_in = shared_mem
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
-            self.function(grid, block, args, shared_mem=shared_mem,
-                          stream=cupy.cuda.ExternalStream(stream))
+            handle = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream = self.streams.get(handle)
+            if stream is None:
+                stream = self.streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+            self.function(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def arch_of(device: torch.device) -> str:
+    """The NVRTC arch of a CUDA device, e.g. sm_90."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
     cupy = _cupy()
-    major, minor = torch.cuda.get_device_capability(device)
-    compiled = compile_source(source, f"sm_{major}{minor}")
+    compiled = compile_source(source, arch_of(device))
     with cupy.cuda.Device(device.index):
         module = cupy.cuda.function.Module()
         module.load(compiled.cubin)

@@ -80,7 +80,7 @@ def _check_seqlens_k(seqlens_k, q, k) -> None:
         raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
     if torch.compiler.is_compiling() or seqlens_k.numel() == 0:
         return  # values are data: checked eagerly only (the kernels clamp them anyway)
-    low, high = int(seqlens_k.min()), int(seqlens_k.max())
+    low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
     if low < 0 or high > k.shape[1]:
         raise ValueError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
                          f"got values from {low} to {high}")
@@ -112,13 +112,13 @@ def _generated_source(spec: Spec, path: str, sha256: str) -> Source:
 
 
 _call_sources: dict[tuple, tuple[int, Source]] = {}
+MAX_CALL_SHAPES = 4096
 
 
 def _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source) -> Source:
     """The kernels for a call: a dict lookup once a call of this shape has been seen."""
     if module_source:  # a generated op module: its own .cu file, its fixed spec
-        spec_name, path, sha256 = module_source.split("|")
-        return _generated_source(Spec.from_name(spec_name), path, sha256)
+        return _module_source(module_source)
     from . import tuning
 
     generation = tuning.cache.INDEX.current_generation()  # a new tuning result invalidates the memo
@@ -130,11 +130,20 @@ def _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_s
     spec = Spec(head_dim=q.shape[3], dtype=TORCH_DTYPES[q.dtype], version=version,
                 mask="causal" if causal else "none", key_padding=seqlens_k is not None,
                 dropout=dropout_p > 0, deterministic=deterministic)
-    spec = tuning.lookup(spec, seqlen_q=q.shape[1], seqlen_k=k.shape[1], batch=q.shape[0],
-                         heads=q.shape[2], device=q.device)
+    # Empty problems (batch, Nq or Nk of 0) still pick tiles: from the smallest shape bucket.
+    spec = tuning.lookup(spec, seqlen_q=max(1, q.shape[1]), seqlen_k=max(1, k.shape[1]),
+                         batch=max(1, q.shape[0]), heads=q.shape[2], device=q.device)
     source = source_for(spec)
+    if len(_call_sources) >= MAX_CALL_SHAPES:  # many distinct shapes: start over, stay bounded
+        _call_sources.clear()
     _call_sources[key] = (generation, source)
     return source
+
+
+@functools.lru_cache(maxsize=256)
+def _module_source(module_source: str) -> Source:
+    spec_name, path, sha256 = module_source.split("|")
+    return _generated_source(Spec.from_name(spec_name), path, sha256)
 
 
 # -- custom ops --------------------------------------------------------------------------------
@@ -187,6 +196,7 @@ def _(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scal
 def _setup_context(ctx, inputs, output):
     q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic, module_source = inputs
     out, stat, row_sum = output
+    ctx.mark_non_differentiable(stat, row_sum)  # L (or m, l) has no gradient formula: say so
     ctx.save_for_backward(q, k, v, out, stat, row_sum, seqlens_k, rng)
     ctx.options = (dropout_p, softmax_scale, causal, version, deterministic, module_source)
 
@@ -202,8 +212,9 @@ torch.library.register_autograd("fagen::flash_attn_fwd", _backward, setup_contex
 
 # -- public API --------------------------------------------------------------------------------
 
-def _philox_state(dropout_p: float, device) -> torch.Tensor | None:
-    """(seed, offset) for Philox from torch's default generator: torch.manual_seed reproduces a run."""
+def _philox_state(dropout_p: float) -> torch.Tensor | None:
+    """(seed, offset) for Philox, drawn from torch's default CPU generator whatever the device:
+    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed."""
     if dropout_p == 0:
         return None
     state = torch.randint(0, 2**62, (2,), dtype=torch.int64)
@@ -232,7 +243,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, se
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    out, stat, row_sum = _fwd_op(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
+    if seqlens_k is not None:
+        seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
+    out, stat, row_sum = _fwd_op(q, k, v, seqlens_k, _philox_state(dropout_p), dropout_p,
                                  float(softmax_scale), bool(causal), int(version), bool(deterministic),
                                  _module_source)
     if not return_lse:
@@ -241,9 +254,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, se
 
 
 def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-    """L = m + log l, with +inf for rows that saw no key (l = 0)."""
+    """FlashAttention-1's (m, l) as L = m + log l, with +inf for rows that saw no key (l = 0)."""
     lse = row_max + torch.log(row_sum)
-    return torch.where(row_sum > 0, lse, torch.full_like(lse, math.inf)).detach()
+    return torch.where(row_sum > 0, lse, torch.full_like(lse, math.inf))
 
 
 def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, seqlens_k=None,

@@ -226,8 +226,13 @@ class Spec:
         if not 1 <= self.num_stages <= MAX_STAGES:
             raise ValueError(f"num_stages must be in 1..{MAX_STAGES}, got {self.num_stages}")
 
-    def check_arch(self, arch: str) -> None:
-        """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory."""
+    def check_arch(self, arch: str, backward: bool = True) -> None:
+        """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory.
+
+        The forward kernel is always checked; `backward=False` skips the
+        backward kernels, whose tiles depend on the head dim only (a variant can
+        run inference on an arch whose shared memory its backward exceeds).
+        """
         allowed = smem_limit(arch)
         needed = self.shared_layout.total_bytes
         if needed > allowed:
@@ -235,11 +240,11 @@ class Spec:
                 f"{self.name} needs {needed} bytes of shared memory per block "
                 f"(block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
                 f"num_stages={self.num_stages}); {arch} allows at most {allowed}")
-        backward = self.backward_layout.total_bytes
-        if backward > allowed:
+        needed = max(self.backward_layout.total_bytes, self.dq_layout.total_bytes)
+        if backward and needed > allowed:
             raise ValueError(
-                f"{self.name}'s backward kernel needs {backward} bytes of shared memory per block; "
-                f"{arch} allows at most {allowed}")
+                f"the backward pass of {self.name} needs {needed} bytes of shared memory per block; "
+                f"{arch} allows at most {allowed} (the forward pass fits)")
 
     # -- derived facts ----------------------------------------------------
     @property

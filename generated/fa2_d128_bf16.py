@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "bd660e2e8e049dce9782adf43c8474e73eeb37304f873066e693efa857abdbb2"
+SOURCE_SHA256 = "4668c4daa4bae4e91c65136ed6b246b500dc8a27c37e62f4c54ce82ad521e82f"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "d3b275da0e18e41f6c2214ccef3517143964217c21e078ba1e4949f8109929ad"
+SOURCE_SHA256 = "74ed27fcfefe47a61b6032e59d53636ede640b1dc198408e4608bfdc7346b0c9"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "f0ae3e06360e585b6dff3d992283eb40d44d721f430c5a392e740cf33626b267"
+SOURCE_SHA256 = "54f9d88f5ea752e79259fbf6cc6dcf53d932818e254855c1aa1815a54e3ebe9d"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

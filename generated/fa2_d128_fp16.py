@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "6664ed875e683c1e5742d2ece964032c07e81ad400eb044a74ade1deb5baaaa3"
+SOURCE_SHA256 = "6d0439c94cef1675166742288cae3e0cd3832d8a3819c2464f217d3546d1a9c1"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "2c4630c9c40892dc38f281bb00abc16b1e124040852eb4d12200f21009c12233"
+SOURCE_SHA256 = "d7cfbafc18413b34983fb45fca6fb1f8261e7ed68192050f8720d7fc41905dfc"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

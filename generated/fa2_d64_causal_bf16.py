@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "ff23077944ba8aa65a9d3f29df1fdca114fd2ff2d157ae5864bb945954dda929"
+SOURCE_SHA256 = "41cdf307a48d4980e1ee24ca982769e99e1e45973c757b5dd777b49e82fb331a"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

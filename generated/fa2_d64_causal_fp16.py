@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "a0165928889404013f5bc721c4bdd34b250ac5a94d99959a907720cfbe62205c"
+SOURCE_SHA256 = "9429ac187e3849725aaf06a98c93bd7c92323f7a64b4995d4c1088cb51aeb957"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -89,7 +89,7 @@ fa2_d64_fp16_fwd(
   elem_t* v_stages = reinterpret_cast<elem_t*>(smem + 36864);
 
   const int q_block = blockIdx.x;
-  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);  // GQA/MQA: index the shared K/V head, never copy it
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kRowTiles * 16;    // the warp's first row inside Q_i
@@ -167,7 +167,10 @@ fa2_d64_fp16_fwd(
     fagen::warp_mma_pb<kRowTiles, kKeyTiles, kDimTiles, kRowElems>(o, s, v_tile, 0);
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
-  fagen::cp_async_wait<0>();
+  // Every copy has landed (with no K/V tile, Q's copies were never committed)
+  // and every warp is past the loop before O is staged over the Q tile.
+  fagen::cp_async_wait_all();
+  __syncthreads();
 
   // FA-2 Algorithm 1, lines 12-13: the one final rescale O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i).
   // A row that saw no key has l = 0: its output is 0 and L = +inf, so the
@@ -263,7 +266,7 @@ fa2_d64_fp16_bwd_preprocess(
     long long do_stride_n,
     long long do_stride_h) {
   using namespace bwd;
-  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < kBlockM; r += blockDim.x / 32) {  // this kernel has its own block size
     const int row = blockIdx.x * kBlockM + r;
@@ -326,7 +329,7 @@ fa2_d64_fp16_bwd(
   float* delta_tile = lse_tile + kBlockM;                                             // D_i
 
   const int kv_block = blockIdx.x, n0 = kv_block * kBlockN;
-  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int key_group = warp % kKeyGroups, slice = warp / kKeyGroups;
@@ -450,7 +453,7 @@ fa2_d64_fp16_bwd(
     }
     __syncthreads();  // Q_i, dO_i and dS are replaced next
   }
-  fagen::cp_async_wait<0>();
+  fagen::cp_async_wait_all();
 
   // Line 24: write dK_j = tau * dK~_j and dV_j to HBM (per query head; the op
   // sums the heads that share a K/V head).
@@ -484,7 +487,7 @@ fa2_d64_fp16_bwd_dq_convert(
     long long dq_stride_h,
     float softmax_scale) {
   using namespace bwd;
-  const int batch = blockIdx.y / heads, head = blockIdx.y % heads;
+  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
   const long long stat0 = ((long long)batch * heads + head) * seqlen_q;
   for (int idx = threadIdx.x; idx < kBlockM * kHeadDim; idx += blockDim.x) {
     const int row = blockIdx.x * kBlockM + idx / kHeadDim, col = idx % kHeadDim;

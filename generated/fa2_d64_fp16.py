@@ -25,7 +25,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "5792a24246bcd7b324d84cfe518bc2816cdab0578ee18e0329c07a0ee9a0d13a"
+SOURCE_SHA256 = "375c817cdfc1fb4c678eb73bd193c6c32a2ad66019ca8c92bbbc21b1786d494c"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -56,9 +56,8 @@ def make_inputs(spec: Spec, shape: Shape, seed: int = 0):
     v = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
     dout = randn(shape.batch, shape.seqlen_q, shape.heads, d)
     seqlens_k = None
-    if spec.key_padding:  # one entry keeps every key, the others lose some (one loses all)
-        lengths = [shape.seqlen_k] + [(shape.seqlen_k * (i + 1)) // (shape.batch + 1)
-                                      for i in range(shape.batch - 1)]
+    if spec.key_padding:  # one entry keeps every key, one has none, the others lose some
+        lengths = [shape.seqlen_k] + [shape.seqlen_k * i // shape.batch for i in range(shape.batch - 1)]
         seqlens_k = torch.tensor(lengths, dtype=torch.int32)
     return q, k, v, dout, seqlens_k
 
@@ -67,13 +66,16 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True) -> dict:
-    """Forward (and backward) of `spec` on `shape`, checked; returns the errors."""
+def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True, device: str = "cpu") -> dict:
+    """Forward (and backward) of `spec` on `shape`, run on `device` (the CPU's emulator or a
+    GPU), checked against the oracle on the CPU; returns the errors."""
     q, k, v, dout, seqlens_k = make_inputs(spec, shape)
+    on = [t.to(device) if t is not None else None for t in (q, k, v, dout, seqlens_k)]
     source = render(spec)
     p = DROPOUT_P if spec.dropout else 0.0
-    out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
+    out, stats = ops.forward(source, *on[:3], seqlens_k=on[4], dropout_p=p, seed=SEED,
                              philox_offset=OFFSET)
+    out, stats = out.cpu(), tuple(s.cpu() for s in stats)
     for name, t in (("out", out), *((f"stat{i}", s) for i, s in enumerate(stats))):
         assert_written(t, name)
     keep = dropout_keep_mask(SEED, OFFSET, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
@@ -88,7 +90,9 @@ def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True) -> dict:
     assert max_error(lse[finite], ref_lse[finite]) < 1e-3
     if backward:
         drop = ops.dropout_args(p, SEED, OFFSET) if spec.dropout else None
-        grads = ops.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop)
+        grads = ops.backward(source, *on[:3], out.to(device), tuple(s.to(device) for s in stats), on[3],
+                             seqlens_k=on[4], dropout_args=drop)
+        grads = tuple(g.cpu() for g in grads)
         for name, t in zip(("dq", "dk", "dv"), grads):
             assert_written(t, name)
         refs = attention_backward(q, k, v, ref_out, dout, **kwargs)

@@ -30,9 +30,9 @@ def test_source_names_its_spec_and_kernel():
         assert f"//   {name}  (" in source.code and f"FAGEN_EXPORT({name})" in source.code
     forward = source.kernels.forward
     assert forward.shared_bytes == spec.shared_layout.total_bytes
-    assert forward.grid(batch=2, heads=3, seqlen_q=200) == (2, 6, 1)
+    assert forward.grid(batch=2, heads=3, seqlen_q=200) == (2, 3, 2)
     assert forward.block == (spec.threads, 1, 1)
-    assert source.kernels.bwd_main.grid(batch=2, heads=3, seqlen_q=10, seqlen_k=130) == (3, 6, 1)
+    assert source.kernels.bwd_main.grid(batch=2, heads=3, seqlen_q=10, seqlen_k=130) == (3, 3, 2)
     for label in ("FA-2 Algorithm 1, line 8: S_ij = Q_i K_j^T", "Algorithm 4, line 7", "Line 21: dQ_i"):
         assert label in source.code
 
@@ -49,7 +49,7 @@ def test_deterministic_specs_swap_atomics_for_a_dq_pass():
 def test_version_1_is_kv_outer():
     code = render(Spec(64, version=1)).code
     assert "K/V-outer, Q-inner" in code and "o_accum" in code
-    assert render(Spec(64, version=1)).kernels.forward.grid(batch=2, heads=3, seqlen_q=500) == (1, 6, 1)
+    assert render(Spec(64, version=1)).kernels.forward.grid(batch=2, heads=3, seqlen_q=500) == (1, 3, 2)
 
 
 def test_signature_matches_params():

@@ -162,7 +162,7 @@ def test_mma_with_ldmatrix_operands(backend, dtype):
 # -- ldmatrix -------------------------------------------------------------------
 
 def expected_ldmatrix(rows: np.ndarray, perm: np.ndarray, count: int, transpose: bool) -> np.ndarray:
-    """Per shared/docs/cuda-facts.md: lane 8k+r points at row r of matrix k;
+    """Per the PTX ISA (fagen/ldmatrix.cuh): lane 8k+r points at row r of matrix k;
     register k of lane l holds M_k[l/4][2(l%4)+{0,1}] (or transposed)."""
     out = np.zeros((32, 4), dtype=np.uint32)
     u16 = rows.astype(np.uint16).astype(np.uint32)

@@ -15,7 +15,6 @@ named, so they light up when it lands.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 
@@ -32,22 +31,15 @@ TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR, ABS_FLOOR = 2.0, 3.0, 1e-5
 # (batch, seqlen_q, seqlen_k, heads, kv_heads): square; ragged with GQA; more
 # queries than keys, where causal rows i < Nq - Nk see no key at all.
-SHAPES = [(2, 256, 256, 4, 4), (2, 97, 161, 4, 2), (1, 161, 97, 3, 3)]
+SHAPES = [(2, 256, 256, 4, 4), (2, 97, 161, 4, 2), (1, 161, 97, 3, 3), (1, 300, 40, 2, 1)]
 MATRIX = list(itertools.product((2, 1), ("fp16", "bf16"), (False, True), (64, 128)))
 MATRIX_IDS = [f"v{v}-{dt}-{'causal' if c else 'none'}-d{d}" for v, dt, c, d in MATRIX]
 
 
 def flash_attn_func():
-    import fagen
+    from fagen import flash_attn_func as func
 
-    func = getattr(fagen, "flash_attn_func", None)
-    if func is None:
-        from fagen.ops import flash_attn_func as func
     return func
-
-
-def accepts(func, name: str) -> bool:
-    return name in inspect.signature(func).parameters
 
 
 @pytest.fixture(autouse=True)
@@ -154,8 +146,7 @@ def test_lse_matches_reference(version, dtype, causal, head_dim):
 def test_backward_matches_reference(version, dtype, causal, head_dim, shape):
     q, k, v = inputs(shape, dtype, head_dim, seed=2, requires_grad=True)
     out = flash_attn_func()(q, k, v, causal=causal, version=version)
-    if not has_graph(out):
-        pytest.skip("flash_attn_func has no backward yet (its output has no grad_fn)")
+    assert has_graph(out), "flash_attn_func's output must carry its backward"
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     pt_out = torch_same_dtype(q, k, v, causal=causal)
@@ -202,9 +193,6 @@ def test_dropout_mask_matches_numpy_philox(version, dtype, head_dim):
     from fagen.codegen import render
     from fagen.spec import Spec
 
-    params = inspect.signature(ops.forward).parameters
-    if "seed" not in params or "philox_offset" not in params:
-        pytest.skip("fagen.ops.forward takes no explicit `seed` / `philox_offset` yet")
     batch, nq, nk, heads = 2, 100, min(head_dim, 96), 3
     seed, offset = 0x5EED_1234_ABCD, 7
     q, k, _ = inputs((batch, nq, nk, heads, heads), dtype, head_dim, seed=3)
@@ -251,8 +239,7 @@ def test_dropout_mask_is_the_same_in_forward_and_backward(version, dtype, head_d
     v = one_hot_values(batch, nk, heads, head_dim, dtype).requires_grad_()
     torch.manual_seed(1234)
     out = flash_attn_func()(q, k, v, dropout_p=DROPOUT_P, version=version)
-    if not has_graph(out):
-        pytest.skip("flash_attn_func has no backward yet (its output has no grad_fn)")
+    assert has_graph(out), "flash_attn_func's output must carry its backward"
     keep = mask_from_output(out.detach(), nk)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -269,16 +256,13 @@ def test_dropout_mask_is_the_same_in_forward_and_backward(version, dtype, head_d
 @pytest.mark.parametrize("version, causal, head_dim", list(itertools.product((2, 1), (False, True), (64, 128))))
 def test_deterministic_mode_is_bit_identical(version, causal, head_dim):
     attention = flash_attn_func()
-    if not accepts(attention, "deterministic"):
-        pytest.skip("flash_attn_func has no `deterministic` parameter yet")
     shape = (2, 384, 384, 4, 4)  # several K/V blocks per query block: where atomics would race
     q, k, v = inputs(shape, "bf16", head_dim, seed=6, requires_grad=True)
     dout = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
     runs = []
     for _ in range(3):
         out = attention(q, k, v, causal=causal, version=version, deterministic=True)
-        if not has_graph(out):
-            pytest.skip("flash_attn_func has no backward yet (its output has no grad_fn)")
+        assert has_graph(out), "flash_attn_func's output must carry its backward"
         runs.append((out.detach(), *torch.autograd.grad(out, (q, k, v), dout)))
     for name, first, *others in zip(("out", "dq", "dk", "dv"), *runs):
         for other in others:
@@ -289,3 +273,25 @@ def test_deterministic_mode_is_bit_identical(version, causal, head_dim):
     pt_grads = torch.autograd.grad(pt_out, (q, k, v), dout)
     for name, ours, pt, ref in zip(("dq", "dk", "dv"), runs[0][1:], pt_grads, refs):
         assert_fa2_rule(name, ours, pt, ref, GRAD_FACTOR)
+
+
+# -- the emulated matrix's checks, on the hardware -------------------------------------------
+
+GPU_CASES = [({"mask": "causal"}, (1, 300, 40, 2, 1)), ({"key_padding": True}, (2, 70, 90, 2, 2)),
+             ({"key_padding": True, "mask": "causal", "dropout": True}, (2, 130, 130, 4, 1)),
+             ({"mask": "causal", "num_stages": 1, "block_m": 64, "block_n": 32}, (1, 300, 40, 2, 1)),
+             ({"mask": "causal", "num_stages": 3, "block_m": 64, "block_n": 32}, (2, 200, 17, 2, 2)),
+             ({"deterministic": True, "dropout": True}, (1, 150, 150, 2, 1))]
+
+
+@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("flags, shape", GPU_CASES, ids=[f"case{i}" for i in range(len(GPU_CASES))])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kernel_cases_on_the_gpu(version, flags, shape, head_dim):
+    """tests/kernel_cases.run_and_check (poisoned outputs, FA-2's rule, key padding with an
+    entry of zero keys, dropout with the NumPy Philox mask) on CUDA tensors."""
+    from fagen.spec import Spec
+    from kernel_cases import Shape, run_and_check
+
+    spec = Spec(head_dim, version=version, dtype="bf16", **flags)
+    run_and_check(spec, Shape(*shape), device=DEVICE)

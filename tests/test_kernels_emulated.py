@@ -116,3 +116,13 @@ def test_dropout_mask_is_philox_forward_and_backward(version):
     assert torch.equal(bwd_mask[..., visible], expected[..., visible])
     kept = expected[..., visible].float().mean().item()
     assert abs(kept - 0.6) < 0.03
+
+
+@pytest.mark.parametrize("num_stages", [1, 3])
+@pytest.mark.parametrize("version", [1, 2])
+def test_pipeline_depths_with_blocks_that_see_no_key(version, num_stages):
+    """Other copy-pipeline depths (the tuning grid has 1-3; Hopper's fallback uses 3), on a
+    shape whose first query blocks see no key at all (causal, Nq > Nk)."""
+    spec = Spec(64, version=version, mask="causal", block_m=64, block_n=32, num_stages=num_stages)
+    run_and_check(spec, Shape(1, 300, 40, heads=2, kv_heads=1))
+    run_and_check(spec.replace(key_padding=True, mask="none"), Shape(2, 70, 90))

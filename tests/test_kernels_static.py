@@ -12,10 +12,12 @@ from fagen.spec import Spec
 
 ARCHS = ("sm_80", "sm_90")
 # The default set plus every head dim, both versions, and the flags that change the code.
-WIDE_SET = [Spec(d, version=v, **flags) for v in (1, 2) for d in (32, 96, 160, 192, 256)
-            for flags in ({}, {"mask": "causal", "key_padding": True, "dropout": True, "deterministic": True})]
+FLAG_SETS = ({}, {"mask": "causal", "key_padding": True, "dropout": True},
+             {"mask": "causal", "key_padding": True, "dropout": True, "deterministic": True})
+WIDE_SET = [Spec(d, version=v, **flags) for v in (1, 2) for d in (32, 64, 96, 128, 160, 192, 256)
+            for flags in FLAG_SETS]
 SPECS = default_specs() + [Spec(s.head_dim, version=1, mask=s.mask, dtype=s.dtype) for s in default_specs()] \
-    + WIDE_SET
+    + [s for s in WIDE_SET if s not in default_specs()]
 
 
 @pytest.fixture(scope="module", autouse=True)

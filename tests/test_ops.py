@@ -90,6 +90,47 @@ def test_deterministic_backward_repeats_bit_for_bit():
             assert torch.equal(a, b)
 
 
+def test_lse_is_not_differentiable_and_seqlens_k_may_be_a_view():
+    q, k, v = qkv(requires_grad=True)
+    out, lse = fagen.flash_attn_func(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    strided = torch.tensor([56, 0, 20, 0], dtype=torch.int32)[::2]  # not contiguous
+    out = fagen.flash_attn_func(q, k, v, seqlens_k=strided)
+    ref, _ = attention_forward(q, k, v, seqlens_k=strided.contiguous())
+    pt = attention_same_dtype(q, k, v, torch.ones_like(q), seqlens_k=strided.contiguous())[0]
+    within_rule(out, ref, pt, 2)
+
+
+def test_more_batch_times_heads_than_one_grid_dimension_holds():
+    # 2 x 32769 (batch, heads) blocks: more than grid.y's 65535 if they shared one dimension.
+    q = torch.randn(2, 1, 32769, 16).half()
+    k = torch.randn(2, 3, 1, 16).half()
+    v = torch.randn(2, 3, 1, 16).half()
+    out = fagen.flash_attn_func(q, k, v)
+    ref, _ = attention_forward(q, k, v)
+    assert (out.double() - ref).abs().max() < 1e-2
+
+
+def test_empty_problems_look_up_tiles_with_positive_sizes(monkeypatch):
+    from fagen import tuning
+    from fagen.tuning.cache import ShapeBucket
+
+    seen = []
+
+    def strict_lookup(spec, **sizes):  # what a GPU lookup does with the sizes
+        ShapeBucket.of(seqlen_q=sizes["seqlen_q"], seqlen_k=sizes["seqlen_k"], batch=sizes["batch"],
+                       heads=sizes["heads"])
+        seen.append(sizes)
+        return spec
+
+    monkeypatch.setattr(tuning, "lookup", strict_lookup)
+    monkeypatch.setattr(ops, "_call_sources", {})
+    for shape in [dict(batch=0), dict(seqlen_q=0), dict(seqlen_k=0)]:
+        q, k, v = qkv(**shape)
+        fagen.flash_attn_func(q, k, v)
+    assert len(seen) == 3
+
+
 def test_empty_problems_are_defined():
     q, k, v = qkv(batch=0)
     assert fagen.flash_attn_func(q, k, v).shape == (0, 40, 4, 64)
@@ -183,7 +224,7 @@ def test_torch_compile_fullgraph_without_graph_breaks():
 @pytest.mark.parametrize("version, dropout_p", [(2, 0.0), (1, 0.0), (2, 0.2)])
 def test_opcheck(version, dropout_p):
     q, k, v = qkv(batch=1, seqlen_q=24, seqlen_k=40, heads=2, kv_heads=1, head_dim=32, requires_grad=True)
-    rng = ops._philox_state(dropout_p, q.device)
+    rng = ops._philox_state(dropout_p)
     args = (q, k, v, None, rng, dropout_p, 1 / math.sqrt(32), True, version, False, "")
     torch.library.opcheck(torch.ops.fagen.flash_attn_fwd.default, args)
     out, stat, row_sum = (t.detach() for t in torch.ops.fagen.flash_attn_fwd(*args))

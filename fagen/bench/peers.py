@@ -48,13 +48,10 @@ class System:
 # -- fagen -------------------------------------------------------------------
 
 def fagen_attention_func() -> Callable:
-    """fagen's user op: exported from `fagen` once finished, else from fagen.ops."""
-    import fagen
+    """fagen's user op (imported late: a broken install is reported, not raised)."""
+    from fagen import flash_attn_func
 
-    func = getattr(fagen, "flash_attn_func", None)
-    if func is None:
-        from fagen.ops import flash_attn_func as func
-    return func
+    return flash_attn_func
 
 
 class FagenSystem(System):

@@ -2,7 +2,7 @@
 //
 // Everything here is fixed math, templated on the tile shape; the kernel
 // templates decide the shapes. Conventions (PTX ISA, mma.m16n8k16, see
-// shared/docs/cuda-facts.md): lane = 4 * group + tig. An fp32 accumulator
+// fagen/mma.cuh, from the PTX ISA): lane = 4 * group + tig. An fp32 accumulator
 // tile `float c[4]` of a 16x8 block holds rows (group, group, group+8,
 // group+8) and columns (2*tig, 2*tig+1, 2*tig, 2*tig+1). Shared-memory tiles
 // are row-major with a padded row of kRowElems elements, which keeps the eight
