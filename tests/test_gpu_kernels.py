@@ -286,7 +286,7 @@ GPU_CASES = [({"mask": "causal"}, (1, 300, 40, 2, 1)), ({"key_padding": True}, (
 
 @pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("flags, shape", GPU_CASES, ids=[f"case{i}" for i in range(len(GPU_CASES))])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 256])  # d=128 is in the matrix above; keep compiles few
 def test_kernel_cases_on_the_gpu(version, flags, shape, head_dim):
     """tests/kernel_cases.run_and_check (poisoned outputs, FA-2's rule, key padding with an
     entry of zero keys, dropout with the NumPy Philox mask) on CUDA tensors."""
