@@ -117,23 +117,26 @@ def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
 # -- cache -------------------------------------------------------------------
 
 _loaded: dict[tuple[str, str], LoadedSource] = {}
-_lock = threading.Lock()
+_key_locks: dict[tuple[str, str], threading.Lock] = {}
+_key_locks_guard = threading.Lock()
 
 
 def load(source: Source, device: torch.device) -> LoadedSource:
-    """Load a source's kernels for a device, once per process."""
+    """Load a source's kernels for a device, once per process.
+
+    Each (source, device) has its own lock, so first loads of different
+    variants (seconds of NVRTC or g++) proceed in parallel."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (source.hash, str(device))
     loaded = _loaded.get(key)
     if loaded is not None:
         return loaded
-    with _lock:
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"fagen runs on CUDA or CPU tensors, not on {device.type!r}")
+    with _key_locks_guard:
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:
         if key not in _loaded:
-            if device.type == "cuda":
-                _loaded[key] = _load_cuda(source, device)
-            elif device.type == "cpu":
-                _loaded[key] = _load_emulated(source, device)
-            else:
-                raise ValueError(f"fagen runs on CUDA or CPU tensors, not on {device.type!r}")
+            _loaded[key] = (_load_cuda if device.type == "cuda" else _load_emulated)(source, device)
         return _loaded[key]
