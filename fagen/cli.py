@@ -29,6 +29,9 @@ def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
     parser.add_argument("--block-n", type=int, help="key rows per tile (B_c)")
     parser.add_argument("--num-warps", type=int, help="warps per thread block")
     parser.add_argument("--num-stages", type=int, help="K/V pipeline depth")
+    parser.add_argument("--bwd-stages", type=int,
+                        help="backward Q/dO pipeline depth (default: the table's, made shallow "
+                             "enough for every --arch)")
 
 
 def _specs_from_args(args) -> list[Spec]:
@@ -39,7 +42,7 @@ def _specs_from_args(args) -> list[Spec]:
     return [Spec(head_dim=d, dtype=dtype, version=args.version, mask="causal" if args.causal else "none",
                  key_padding=args.key_padding, dropout=args.dropout, deterministic=args.deterministic,
                  block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps,
-                 num_stages=args.num_stages)
+                 num_stages=args.num_stages, bwd_stages=getattr(args, "bwd_stages", None))
             for d in head_dims for dtype in dtypes]
 
 
@@ -67,8 +70,14 @@ def _print_summary(results) -> None:
 def cmd_build(args) -> int:
     from .build import build_many, default_specs
 
+    from .spec import smem_limit
+
     specs = default_specs() if args.default_set else _specs_from_args(args)
     archs = _archs(args)
+    if args.default_set or args.bwd_stages is None:
+        # One source serves every arch named: its backward must fit the smallest.
+        smallest = min(smem_limit(arch) for arch in archs)
+        specs = [spec.fit_backward(smallest) for spec in specs]
     out = Path(args.out)
     print(f"building {len(specs)} variant(s) for {', '.join(archs)} into {out}/", flush=True)
     start = time.perf_counter()

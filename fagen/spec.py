@@ -162,6 +162,10 @@ class Spec:
     key_padding  per-batch key lengths (seqlens_k) mask the tail of K/V
     dropout      the kernel applies Philox dropout (p is a run-time argument)
     deterministic  the backward pass uses no atomics
+    bwd_stages   depth of the backward's Q/dO pipeline (and of the deterministic
+                 dQ kernel's K/V pipeline); unset takes the backward tile table's.
+                 1 halves the backward's staging memory: the 99 KB parts
+                 (sm_86/89/120) need it at 64 < d <= 128 (`fit_backward`).
     """
 
     head_dim: int
@@ -175,6 +179,7 @@ class Spec:
     key_padding: bool = False
     dropout: bool = False
     deterministic: bool = False
+    bwd_stages: int | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -191,6 +196,8 @@ class Spec:
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
+        if self.bwd_stages is None:
+            object.__setattr__(self, "bwd_stages", self._backward_tile_table().num_stages)
         self._check_tiles()
         self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))
 
@@ -225,6 +232,9 @@ class Spec:
                 f"{rows_per_split}")
         if not 1 <= self.num_stages <= MAX_STAGES:
             raise ValueError(f"num_stages must be in 1..{MAX_STAGES}, got {self.num_stages}")
+        stages = self.bwd_stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
+            raise ValueError(f"bwd_stages must be an int in 1..{MAX_STAGES}, got {stages!r}")
 
     def check_arch(self, arch: str, backward: bool = True) -> None:
         """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory.
@@ -240,11 +250,24 @@ class Spec:
                 f"{self.name} needs {needed} bytes of shared memory per block "
                 f"(block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
                 f"num_stages={self.num_stages}); {arch} allows at most {allowed}")
-        needed = max(self.backward_layout.total_bytes, self.dq_layout.total_bytes)
+        needed = self.backward_shared_bytes
         if backward and needed > allowed:
+            fitted = self.fit_backward(allowed)
+            hint = (f"; bwd_stages={fitted.bwd_stages} needs {fitted.backward_shared_bytes}"
+                    if fitted is not self else "")
             raise ValueError(
-                f"the backward pass of {self.name} needs {needed} bytes of shared memory per block; "
-                f"{arch} allows at most {allowed} (the forward pass fits)")
+                f"the backward pass of {self.name} needs {needed} bytes of shared memory per block "
+                f"(bwd_stages={self.bwd_stages}); {arch} allows at most {allowed} (the forward "
+                f"pass fits){hint}")
+
+    def fit_backward(self, shared_limit: int) -> "Spec":
+        """This spec with the deepest backward pipeline (at most its own) that fits
+        `shared_limit` bytes per block; itself if it fits, or if nothing shallower does."""
+        for stages in range(self.bwd_stages, 0, -1):
+            candidate = self if stages == self.bwd_stages else self.replace(bwd_stages=stages)
+            if candidate.backward_shared_bytes <= shared_limit:
+                return candidate
+        return self
 
     # -- derived facts ----------------------------------------------------
     @property
@@ -273,8 +296,15 @@ class Spec:
 
     @property
     def backward_tiles(self) -> BackwardTiles:
-        """Backward tiles by head dim, sized so dK, dV, S^T and dP^T stay in registers."""
-        return dataclasses.replace(self._backward_tile_table(), head_dim=self.head_dim)
+        """Backward tiles by head dim, sized so dK, dV, S^T and dP^T stay in registers;
+        the pipeline depth is the spec's `bwd_stages`."""
+        return dataclasses.replace(self._backward_tile_table(), head_dim=self.head_dim,
+                                   num_stages=self.bwd_stages)
+
+    @property
+    def backward_shared_bytes(self) -> int:
+        """Dynamic shared memory of the largest backward kernel."""
+        return max(self.backward_layout.total_bytes, self.dq_layout.total_bytes)
 
     def _backward_tile_table(self) -> BackwardTiles:
         if self.head_dim <= 64:
@@ -334,11 +364,15 @@ class Spec:
 
     @property
     def name(self) -> str:
-        """Stable readable name; tile sizes appear only when they differ from the table."""
-        if self.tiles == default_tiles(self.head_dim, self.version):
-            return self.family
-        t = self.tiles
-        return f"{self.family}_m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}"
+        """Stable readable name; tile sizes and the backward pipeline depth appear only
+        when they differ from the tables: `fa2_d128_bf16_m128n32w8s2_bwd1`."""
+        parts = [self.family]
+        if self.tiles != default_tiles(self.head_dim, self.version):
+            t = self.tiles
+            parts.append(f"m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}")
+        if self.bwd_stages != self._backward_tile_table().num_stages:
+            parts.append(f"bwd{self.bwd_stages}")
+        return "_".join(parts)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -353,9 +387,13 @@ class Spec:
 
     @classmethod
     def from_name(cls, name: str) -> "Spec":
-        """Parse a name like `fa2_d64_causal_bf16` or `fa1_d128_fp16_pad_m64n32w4s2`."""
+        """Parse a name like `fa2_d64_causal_bf16` or `fa1_d128_fp16_pad_m64n32w4s2_bwd1`."""
         fields: dict = {}
         parts = name.split("_")
+        bwd = re.fullmatch(r"bwd(\d+)", parts[-1]) if parts else None
+        if bwd:
+            parts.pop()
+            fields["bwd_stages"] = int(bwd.group(1))
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
                  "drop": ("dropout", True), "det": ("deterministic", True)}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None

@@ -19,6 +19,7 @@
 //   key_padding    False
 //   dropout        False
 //   deterministic  False
+//   bwd_stages     2
 //
 // Rendered from templates/ by fagen.codegen; do not edit by hand
 // (`fagen build` rewrites it). Algorithm line labels refer to the

@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'bf16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "4668c4daa4bae4e91c65136ed6b246b500dc8a27c37e62f4c54ce82ad521e82f"
+SOURCE_SHA256 = "7c200dca2e7864273c01e91968cc6e9104151b423c3a735329a003a5f99e9efb"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

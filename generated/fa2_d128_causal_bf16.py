@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'bf16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "74ed27fcfefe47a61b6032e59d53636ede640b1dc198408e4608bfdc7346b0c9"
+SOURCE_SHA256 = "22b98296c093c65b7fbdcf9d69d11d4b210c42efd5f992688f40dc8fea90c374"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

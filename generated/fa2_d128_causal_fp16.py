@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'fp16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "54f9d88f5ea752e79259fbf6cc6dcf53d932818e254855c1aa1815a54e3ebe9d"
+SOURCE_SHA256 = "ec2c92cb1a34510a88764c7c15d85f4e0c507757a289e58599c46477543ab5c5"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'fp16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "6d0439c94cef1675166742288cae3e0cd3832d8a3819c2464f217d3546d1a9c1"
+SOURCE_SHA256 = "3be0bafe2fd9204bc891fbfe68bd5370596656720658c327cdb646233c1b2069"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'bf16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "d7cfbafc18413b34983fb45fca6fb1f8261e7ed68192050f8720d7fc41905dfc"
+SOURCE_SHA256 = "b5cb879ff756b9f66688e20bb7ab9c8e4cc67f4e569c6739b8eda78399eb5846"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'bf16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "41cdf307a48d4980e1ee24ca982769e99e1e45973c757b5dd777b49e82fb331a"
+SOURCE_SHA256 = "217ed83f1d75e72aec2c64fe8f6e417593a23f3e85e93854223c4dcf6d6d5fe3"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

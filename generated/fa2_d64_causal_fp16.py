@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'fp16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "9429ac187e3849725aaf06a98c93bd7c92323f7a64b4995d4c1088cb51aeb957"
+SOURCE_SHA256 = "81b0fe74b855949fea44163d8f12155cbd662ce4e2153566a30b7a9be1726cc4"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

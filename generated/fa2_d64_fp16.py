@@ -15,6 +15,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
  'dtype': 'fp16',
@@ -25,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "375c817cdfc1fb4c678eb73bd193c6c32a2ad66019ca8c92bbbc21b1786d494c"
+SOURCE_SHA256 = "53edaa262035e54d03ee0665979de303a2e520f54903a0fc4581cfae77ffec82"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -126,3 +126,20 @@ def test_pipeline_depths_with_blocks_that_see_no_key(version, num_stages):
     spec = Spec(64, version=version, mask="causal", block_m=64, block_n=32, num_stages=num_stages)
     run_and_check(spec, Shape(1, 300, 40, heads=2, kv_heads=1))
     run_and_check(spec.replace(key_padding=True, mask="none"), Shape(2, 70, 90))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_single_stage_backward_of_99kb_parts(version):
+    """d=128 with one Q/dO stage (what sm_86/89/120 run), with every flag that touches the
+    backward, and its deterministic dQ kernel with one K/V stage."""
+    spec = Spec(128, version=version, block_n=32, bwd_stages=1, mask="causal", key_padding=True,
+                dropout=True)
+    run_and_check(spec, Shape(2, 150, 170, heads=2, kv_heads=1))
+    run_and_check(spec.replace(deterministic=True, key_padding=False), Shape(1, 90, 130))
+
+
+def test_three_stage_backward():
+    """A deeper Q/dO pipeline than the table's (the depth is a spec knob)."""
+    spec = Spec(64, mask="causal", bwd_stages=3, key_padding=True)
+    run_and_check(spec, Shape(2, 300, 200))
+    run_and_check(spec.replace(deterministic=True), Shape(1, 200, 300))

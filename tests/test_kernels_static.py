@@ -8,7 +8,7 @@ import pytest
 from fagen.build import default_specs
 from fagen.codegen import render
 from fagen.compiler import compile_source, disassemble, find_cuobjdump, sass_reports
-from fagen.spec import Spec
+from fagen.spec import SMEM_LIMIT_BYTES, Spec
 
 ARCHS = ("sm_80", "sm_90")
 # The default set plus every head dim, both versions, and the flags that change the code.
@@ -43,6 +43,23 @@ def test_compiles_without_spills(spec, arch):
         assert report.spill_bytes == 0, f"{name} on {arch} spills {report.spill_bytes} bytes"
         assert report.stack_bytes == 0, f"{name} on {arch} uses a {report.stack_bytes}-byte stack frame"
         assert report.registers <= 255
+
+
+SMALL_SMEM_ARCHS = ("sm_86", "sm_89")   # 99 KB per block: the fallback's tiles and backward depth
+
+
+@pytest.mark.parametrize("arch", SMALL_SMEM_ARCHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fallback_for_99kb_parts_compiles_without_spills_and_fits(head_dim, arch):
+    from fagen.tuning import fallback_spec
+
+    spec = fallback_spec(Spec(head_dim, mask="causal", dropout=True, deterministic=True), arch)
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    for entry in source.entries:
+        report = compiled.resources[entry.name]
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
+        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
 
 
 needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")

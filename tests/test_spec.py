@@ -20,6 +20,9 @@ from fagen.spec import SMEM_LIMIT_BYTES, Spec, check_dropout_p, default_tiles
     ({"head_dim": 64, "num_stages": 0}, "num_stages must be a positive int"),
     ({"head_dim": 64, "num_stages": 5}, "num_stages must be in 1..4"),
     ({"head_dim": 64, "dropout": 0.1}, "dropout must be True or False"),
+    ({"head_dim": 64, "bwd_stages": 0}, "bwd_stages must be an int in 1..4, got 0"),
+    ({"head_dim": 64, "bwd_stages": 5}, "bwd_stages must be an int in 1..4, got 5"),
+    ({"head_dim": 64, "bwd_stages": True}, "bwd_stages must be an int in 1..4, got True"),
     ({"head_dim": 256, "block_m": 128, "block_n": 128, "num_stages": 2},
      "needs 337920 bytes of shared memory per block"),
 ])
@@ -36,6 +39,35 @@ def test_shared_memory_message_names_needed_and_allowed():
     assert str(spec.shared_layout.total_bytes) in text
     assert f"sm_80 allows at most {SMEM_LIMIT_BYTES['sm_80']}" in text
     spec.check_arch("sm_90")
+
+
+def test_backward_pipeline_depth_defaults_by_head_dim_and_names_itself():
+    assert [Spec(d).bwd_stages for d in (32, 64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1, 1]
+    assert Spec(128, bwd_stages=1).name == "fa2_d128_fp16_bwd1"
+    assert Spec(128, block_n=32, bwd_stages=1).name == "fa2_d128_fp16_m128n32w8s2_bwd1"
+    assert Spec(128, bwd_stages=2).name == "fa2_d128_fp16"
+    assert Spec(128, bwd_stages=1).backward_tiles.num_stages == 1
+
+
+def test_backward_that_exceeds_a_99kb_part_says_which_depth_fits():
+    spec = Spec(128, block_n=32)   # the forward fits sm_86; two Q/dO stages do not
+    spec.check_arch("sm_86", backward=False)
+    with pytest.raises(ValueError) as err:
+        spec.check_arch("sm_86")
+    text = str(err.value)
+    assert f"needs {spec.backward_shared_bytes} bytes" in text and "bwd_stages=2" in text
+    fitted = spec.fit_backward(SMEM_LIMIT_BYTES["sm_86"])
+    assert fitted.bwd_stages == 1 and f"bwd_stages=1 needs {fitted.backward_shared_bytes}" in text
+    fitted.check_arch("sm_86")
+    assert fitted.tiles == spec.tiles   # only the backward pipeline changes
+
+
+def test_fit_backward_keeps_a_spec_that_fits_and_never_deepens():
+    spec = Spec(64)
+    assert spec.fit_backward(SMEM_LIMIT_BYTES["sm_86"]) is spec
+    assert Spec(128).fit_backward(10**6) == Spec(128)
+    assert Spec(128, bwd_stages=1).fit_backward(10**6).bwd_stages == 1
+    assert spec.fit_backward(1000) is spec   # nothing fits: unchanged, check_arch will say why
 
 
 def test_unknown_arch_is_rejected():
@@ -73,7 +105,8 @@ def test_names_are_stable_and_readable():
 
 @pytest.mark.parametrize("spec", [Spec(64), Spec(128, mask="causal", dtype="bf16", version=1),
                                   Spec(32, block_m=64, block_n=32, num_warps=2, num_stages=3,
-                                       key_padding=True, dropout=True)])
+                                       key_padding=True, dropout=True),
+                                  Spec(128, block_n=32, bwd_stages=1), Spec(64, bwd_stages=3)])
 def test_name_and_dict_round_trip(spec):
     assert Spec.from_name(spec.name) == spec
     assert Spec.from_dict(spec.to_dict()) == spec

@@ -441,9 +441,38 @@ def test_show_and_clear(cache):
 # -- the fallback table ----------------------------------------------------------
 
 def test_fallback_tiles_fit_every_arch_and_head_dim():
+    """Forward and backward: an untuned spec trains on every arch fagen lists."""
     for arch, version, head_dim in itertools.product(ARCH_FAMILIES, (1, 2), range(8, 257, 8)):
-        spec = fallback_spec(Spec(head_dim, version=version), arch)
-        assert spec.shared_layout.total_bytes <= SMEM_LIMIT_BYTES[arch], (arch, spec.name)
+        for deterministic in (False, True):
+            spec = fallback_spec(Spec(head_dim, version=version, deterministic=deterministic), arch)
+            assert spec.shared_layout.total_bytes <= SMEM_LIMIT_BYTES[arch], (arch, spec.name)
+            spec.check_arch(arch)   # the backward kernels too
+
+
+def test_fallback_shortens_the_backward_pipeline_only_where_it_must():
+    assert fallback_spec(Spec(128), "sm_86").bwd_stages == 1
+    assert fallback_spec(Spec(128), "sm_89").name == "fa2_d128_fp16_m128n32w8s2_bwd1"
+    for arch in ("sm_80", "sm_90"):
+        assert fallback_spec(Spec(128), arch).bwd_stages == Spec(128).bwd_stages == 2
+    assert fallback_spec(Spec(64), "sm_86").bwd_stages == 2
+    # An unlisted arch is fitted by the shared memory its device reports.
+    assert fallback_spec(Spec(128), "sm_121", shared_per_block_optin=101376).bwd_stages == 1
+
+
+def test_tuned_entries_and_candidates_get_a_backward_that_fits(cache):
+    found = candidates(Spec(128), DeviceLimits.preset("sm_86"))
+    assert found and all(spec.bwd_stages == 1 for spec in found)
+    assert len({tuple(sorted(spec.tiles.items())) for spec in found}) == len(found)  # no tiles twice
+    identity = DeviceIdentity(name="GeForce test", arch="sm_89", driver="1", nvrtc="12.9")
+    base = Spec(128, mask="causal")
+    bucket = ShapeBucket.of(seqlen_q=1024)
+    entry = TuneEntry(identity=identity, family=base.family, bucket=bucket,
+                      tiles={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+                      median_ms=1.0, fallback_ms=2.0)
+    tune_cache.INDEX.store(entry)
+    spec = lookup(base, seqlen_q=1024, identity=identity)
+    assert spec.tiles == entry.tiles and spec.bwd_stages == 1
+    spec.check_arch("sm_89")
 
 
 def test_fallback_table_entries_are_used_as_written():

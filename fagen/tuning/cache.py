@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import compiler
 from ..spec import Spec
 from .device import DeviceIdentity
-from .fallback import fallback_spec
+from .fallback import fallback_spec, fit_backward_to
 
 CACHE_FORMAT = 1
 TUNE_SUBDIR = "tune"
@@ -190,7 +190,8 @@ class TuneIndex:
         spec = self._specs.get(memo_key)
         if spec is None:
             entry = self.find(identity, base.family, bucket)
-            spec = entry.spec(base) if entry is not None else fallback_spec(base, identity.arch)
+            spec = (fit_backward_to(entry.spec(base), identity.arch) if entry is not None
+                    else fallback_spec(base, identity.arch))
             self._specs[memo_key] = spec
         return spec
 

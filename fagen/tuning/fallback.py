@@ -24,7 +24,8 @@ HEAD_DIM_BUCKETS = (64, 128, 256)   # a head dim falls in the first bucket >= it
 # every entry builds a legal Spec that fits every arch of its family.
 FALLBACK_OVERRIDES: dict[tuple[str, int], dict] = {
     # The base d=128 tiles (128 x 64, two K/V stages) need 104448 bytes; 99 KB
-    # parts take half-height K/V tiles instead.
+    # parts take half-height K/V tiles instead. (Their backward, 114176 bytes
+    # with two Q/dO stages, is fitted separately: `fit_backward_to`.)
     ("sm86", 128): {"block_n": 32},
     # Hopper has 227 KB per block: a third K/V stage hides more load latency
     # and changes no register use.
@@ -70,15 +71,30 @@ def fallback_spec(spec: Spec, arch: str = DEFAULT_ARCH, shared_per_block_optin: 
     If the table's forward tiles do not fit this arch's shared memory (a
     stale entry, or a device that reports less than its arch allows), the
     arch-independent base is used: a wrong guess here must cost speed, not
-    a failed launch. Only the forward kernel is checked: the backward
-    kernels' tiles do not depend on these.
+    a failed launch. The backward kernels' tiles do not depend on these; their
+    pipeline is then made shallow enough for the arch (`fit_backward_to`).
     """
-    limit = shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)
+    limit = _shared_limit(arch, shared_per_block_optin)
     tiles = fallback_tiles(spec.head_dim, spec.version, arch, shared_per_block_optin)
     try:
         candidate = spec.replace(**tiles)
     except ValueError:
         candidate = None
     if candidate is None or (limit is not None and candidate.shared_layout.total_bytes > limit):
-        return spec.replace(**default_tiles(spec.head_dim, spec.version))
-    return candidate
+        candidate = spec.replace(**default_tiles(spec.head_dim, spec.version))
+    return fit_backward_to(candidate, arch, shared_per_block_optin)
+
+
+def fit_backward_to(spec: Spec, arch: str, shared_per_block_optin: int | None = None) -> Spec:
+    """`spec` with its backward pipeline (`bwd_stages`) made shallow enough for `arch`.
+
+    At 64 < d <= 128 the backward's two Q/dO stages need 114176 bytes; the
+    99 KB parts (sm_86/89/120) train with one. Applied to tuned specs too:
+    tuning times the forward tiles only.
+    """
+    limit = _shared_limit(arch, shared_per_block_optin)
+    return spec if limit is None else spec.fit_backward(limit)
+
+
+def _shared_limit(arch: str, shared_per_block_optin: int | None) -> int | None:
+    return shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)

@@ -11,7 +11,8 @@ Pruning happens twice, both times before anything runs on a GPU:
 
 Only the forward kernel takes part: it is the kernel whose tiles are tuned
 and timed. The backward kernels' tiles derive from the head dim alone
-(`Spec.backward_tiles`), so they are the same for every candidate.
+(`Spec.backward_tiles`), with a pipeline depth fitted to the device's shared
+memory (`fit_backward_to`), so they are the same for every candidate.
 
 Every pruned candidate comes with a sentence saying why.
 """
@@ -30,7 +31,7 @@ from ..codegen import kernel_entries, render
 from ..compiler import CompileError, ResourceReport, compile_source
 from ..spec import Spec
 from .device import DeviceLimits
-from .fallback import fallback_spec
+from .fallback import fallback_spec, fit_backward_to
 
 Resources = Mapping[str, ResourceReport]   # kernel name -> ptxas report
 
@@ -69,6 +70,8 @@ def candidates(spec: Spec, limits: DeviceLimits, grid: TileGrid = DEFAULT_GRID) 
             candidate = spec.replace(**tiles)
         except ValueError:
             continue
+        # Same backward pipeline as the fallback's, so equal forward tiles are one candidate.
+        candidate = fit_backward_to(candidate, limits.arch, limits.shared_per_block_optin)
         if candidate not in found:
             found.append(candidate)
     return found
