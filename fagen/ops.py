@@ -212,11 +212,18 @@ torch.library.register_autograd("fagen::flash_attn_fwd", _backward, setup_contex
 
 # -- public API --------------------------------------------------------------------------------
 
-def _philox_state(dropout_p: float) -> torch.Tensor | None:
+def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
     """(seed, offset) for Philox, drawn from torch's default CPU generator whatever the device:
-    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed."""
+    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed.
+
+    The pair reaches the kernels as launch arguments, so a CUDA graph would replay the
+    captured pair, one dropout mask on every replay: capturing is refused instead."""
     if dropout_p == 0:
         return None
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fagen: dropout_p > 0 inside CUDA graph capture is not supported: the graph would replay "
+            "one dropout mask on every replay. Capture with dropout_p=0, or run this call eagerly.")
     state = torch.randint(0, 2**62, (2,), dtype=torch.int64)
     return torch.stack([state[0], state[1] % 2**32])
 
@@ -245,7 +252,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, se
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     if seqlens_k is not None:
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
-    out, stat, row_sum = _fwd_op(q, k, v, seqlens_k, _philox_state(dropout_p), dropout_p,
+    out, stat, row_sum = _fwd_op(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
                                  float(softmax_scale), bool(causal), int(version), bool(deterministic),
                                  _module_source)
     if not return_lse:

@@ -226,6 +226,25 @@ def test_dropout_mask_is_seeded_by_torch(version):
     assert not torch.equal(masks[0], masks[2])
 
 
+def test_cuda_graph_capture_replays_and_refuses_dropout():
+    """Without dropout a captured call replays to the eager result; with dropout capture is
+    refused (the Philox pair would be baked into the graph)."""
+    attention = flash_attn_func()
+    q, k, v = inputs((1, 128, 128, 2, 2), "bf16", 64, seed=9)
+    eager = attention(q, k, v, causal=True)
+    attention(q, k, v, causal=True)   # compile and load before capture
+    torch.cuda.synchronize()
+    graph, static_out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        static_out = attention(q, k, v, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            attention(q, k, v, dropout_p=DROPOUT_P)
+
+
 @pytest.mark.parametrize("version, dtype, head_dim", DROPOUT_CASES,
                          ids=[f"v{v}-{dt}-d{d}" for v, dt, d in DROPOUT_CASES])
 def test_dropout_mask_is_the_same_in_forward_and_backward(version, dtype, head_dim):

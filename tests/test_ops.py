@@ -78,6 +78,15 @@ def test_dropout_follows_torch_manual_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_dropout_under_cuda_graph_capture_is_refused(monkeypatch):
+    """The Philox pair is a launch argument: a captured graph would replay one mask forever."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        ops._philox_state(0.1, torch.device("cuda", 0))
+    assert ops._philox_state(0.0, torch.device("cuda", 0)) is None   # no dropout: nothing to replay
+    assert ops._philox_state(0.1, torch.device("cpu")).shape == (2,)  # CPU tensors are never captured
+
+
 def test_deterministic_backward_repeats_bit_for_bit():
     q, k, v = qkv(requires_grad=True)
     grads = []
@@ -224,7 +233,7 @@ def test_torch_compile_fullgraph_without_graph_breaks():
 @pytest.mark.parametrize("version, dropout_p", [(2, 0.0), (1, 0.0), (2, 0.2)])
 def test_opcheck(version, dropout_p):
     q, k, v = qkv(batch=1, seqlen_q=24, seqlen_k=40, heads=2, kv_heads=1, head_dim=32, requires_grad=True)
-    rng = ops._philox_state(dropout_p)
+    rng = ops._philox_state(dropout_p, q.device)
     args = (q, k, v, None, rng, dropout_p, 1 / math.sqrt(32), True, version, False, "")
     torch.library.opcheck(torch.ops.fagen.flash_attn_fwd.default, args)
     out, stat, row_sum = (t.detach() for t in torch.ops.fagen.flash_attn_fwd(*args))
