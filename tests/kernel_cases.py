@@ -55,11 +55,16 @@ def make_inputs(spec: Spec, shape: Shape, seed: int = 0):
     k = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
     v = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
     dout = randn(shape.batch, shape.seqlen_q, shape.heads, d)
-    seqlens_k = None
-    if spec.key_padding:  # one entry keeps every key, one has none, the others lose some
-        lengths = [shape.seqlen_k] + [shape.seqlen_k * i // shape.batch for i in range(shape.batch - 1)]
-        seqlens_k = torch.tensor(lengths, dtype=torch.int32)
+    seqlens_k = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
     return q, k, v, dout, seqlens_k
+
+
+def key_lengths(spec: Spec, shape: Shape) -> list[int]:
+    """Keys of each batch entry. With key padding one entry keeps every key, one has none,
+    the others lose some."""
+    if not spec.key_padding:
+        return [shape.seqlen_k] * shape.batch
+    return [shape.seqlen_k] + [shape.seqlen_k * i // shape.batch for i in range(shape.batch - 1)]
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
