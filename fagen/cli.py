@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .spec import DEFAULT_ARCHS, DTYPES, Spec
+from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
 
 DEFAULT_OUT = "generated"
 
@@ -69,8 +69,6 @@ def _print_summary(results) -> None:
 
 def cmd_build(args) -> int:
     from .build import build_many, default_specs
-
-    from .spec import smem_limit
 
     specs = default_specs() if args.default_set else _specs_from_args(args)
     archs = _archs(args)
