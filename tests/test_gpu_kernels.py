@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
 
 from fagen.reference import attention_backward, attention_forward, dropout_keep_mask
 
+# FAGEN_GPU_TESTS_DEVICE=cpu runs these same tests through the emulator (slow; not in CI):
+# a check of the tests' own logic before a GPU session spends minutes on them.
+DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-DEVICE = "cuda"
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR, ABS_FLOOR = 2.0, 3.0, 1e-5
 # (batch, seqlen_q, seqlen_k, heads, kv_heads): square; ragged with GQA; more
@@ -226,6 +229,7 @@ def test_dropout_mask_is_seeded_by_torch(version):
     assert not torch.equal(masks[0], masks[2])
 
 
+@needs_cuda
 def test_cuda_graph_capture_replays_and_refuses_dropout():
     """Without dropout a captured call replays to the eager result; with dropout capture is
     refused (the Philox pair would be baked into the graph)."""
