@@ -4,10 +4,12 @@ The kernel matrix (test_kernels_emulated.py) covers every flag with the default
 tiles; tuning explores other tiles. Here hypothesis draws both: any legal
 (block_m, block_n, num_warps, num_stages, bwd_stages) with any flags, head dim,
 GQA ratio and ragged shape, forward and backward, under FlashAttention-2's
-rule. CI runs a fixed (derandomized) sample; FAGEN_FUZZ_EXAMPLES=N draws more.
+rule, with the emulator's threads scheduled in either order. CI runs a fixed
+(derandomized) sample; FAGEN_FUZZ_EXAMPLES=N draws more.
 """
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from fagen.spec import Spec
 from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, key_lengths, make_inputs, poisoned_empty,
                           run_and_check)
 
-EXAMPLES = int(os.environ.get("FAGEN_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("FAGEN_FUZZ_EXAMPLES", "24"))
 
 
 @st.composite
@@ -90,9 +92,12 @@ def poisoned_outputs(monkeypatch):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize="FAGEN_FUZZ_EXAMPLES" not in os.environ,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                  HealthCheck.filter_too_much])
-@given(case=cases())
-def test_random_variant_on_a_random_shape(case):
-    run_and_check(*case)
+@given(case=cases(), schedule=st.sampled_from(("forward", "reverse")))
+def test_random_variant_on_a_random_shape(case, schedule):
+    """`schedule` is the emulator's fiber order: each thread runs ahead to its next barrier in
+    thread order or in reverse, so a missing barrier gives wrong data in one of them."""
+    with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule}):
+        run_and_check(*case)
 
 
 
