@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "7c200dca2e7864273c01e91968cc6e9104151b423c3a735329a003a5f99e9efb"
+SOURCE_SHA256 = "91e29c6861555fe886f012813be958467d638bd0434aab126c93c2e78f3411bf"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "22b98296c093c65b7fbdcf9d69d11d4b210c42efd5f992688f40dc8fea90c374"
+SOURCE_SHA256 = "7005c04114367fa22fcf7431b5df50300085c92199168f7fa16b29f94bfb4d87"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

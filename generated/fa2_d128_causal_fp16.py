@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "ec2c92cb1a34510a88764c7c15d85f4e0c507757a289e58599c46477543ab5c5"
+SOURCE_SHA256 = "83bd794775e3d5240a989f94d6eab3fe7174c98b05557f87d2d834a1ebe00785"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

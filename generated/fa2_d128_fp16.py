@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "3be0bafe2fd9204bc891fbfe68bd5370596656720658c327cdb646233c1b2069"
+SOURCE_SHA256 = "dfc1a9c8a36201a4534a6a1b353b5f90697554b6c6fe5d08740f5cb4299dddfb"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "b5cb879ff756b9f66688e20bb7ab9c8e4cc67f4e569c6739b8eda78399eb5846"
+SOURCE_SHA256 = "793af4662532cf523817d29bcf715e93827e8f3ed79d4b4a4686847ff66097f7"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

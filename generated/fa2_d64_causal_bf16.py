@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "217ed83f1d75e72aec2c64fe8f6e417593a23f3e85e93854223c4dcf6d6d5fe3"
+SOURCE_SHA256 = "c5e76ac2146735d31f3b101728297a9e6045af8e9a14f7580b1b17da3dde36fb"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

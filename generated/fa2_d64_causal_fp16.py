@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "81b0fe74b855949fea44163d8f12155cbd662ce4e2153566a30b7a9be1726cc4"
+SOURCE_SHA256 = "9145c073977652576ac9afad0c00f1b9809ffdc9128cace5f4983ae3b1f5aef4"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -173,7 +173,8 @@ fa2_d64_fp16_fwd(
   fagen::cp_async_wait_all();
   __syncthreads();
 
-  // FA-2 Algorithm 1, lines 12-13: the one final rescale O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i).
+  // FA-2 Algorithm 1, lines 12-13: the one final rescale O_i = diag(l_i)^-1 O_i (times 1/(1-p)
+  // under dropout) and L_i = m_i + log(l_i).
   // A row that saw no key has l = 0: its output is 0 and L = +inf, so the
   // backward pass's exp(S - L) is exactly 0 there.
   FAGEN_UNROLL
@@ -421,7 +422,8 @@ fa2_d64_fp16_bwd(
       }
     }
 
-    // Lines 15-16: dV~_j += (P_ij * Z_ij)^T dO_i;  line 22: dK~_j += dS_ij^T Q_i (tau at the end).
+    // Lines 15-16: dV~_j += (P_ij * Z_ij)^T dO_i (1/(1-p) at the end);  line 22: dK~_j += dS_ij^T Q_i
+    // (tau at the end).
     fagen::warp_mma_pb<1, kQueryTiles, kSliceTiles, kRowElems>(dv, st, do_tile, col0);
     fagen::warp_mma_pb<1, kQueryTiles, kSliceTiles, kRowElems>(dk, dpt, q_tile, col0);
 
@@ -457,7 +459,8 @@ fa2_d64_fp16_bwd(
   fagen::cp_async_wait_all();
 
   // Line 24: write dK_j = tau * dK~_j and dV_j to HBM (per query head; the op
-  // sums the heads that share a K/V head).
+  // sums the heads that share a K/V head). Under dropout dV_j takes its 1/(1-p) here.
+  const float dv_scale = 1.f;
   FAGEN_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + key_row0 + lane / 4 + half * 8;
@@ -470,7 +473,8 @@ fa2_d64_fp16_bwd(
       if (col >= kHeadDim) continue;
       *reinterpret_cast<unsigned*>(dk_row + col) =
           fagen::pack2<elem_t>(dk[0][dt][2 * half] * softmax_scale, dk[0][dt][2 * half + 1] * softmax_scale);
-      *reinterpret_cast<unsigned*>(dv_row + col) = fagen::pack2<elem_t>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
+      *reinterpret_cast<unsigned*>(dv_row + col) =
+          fagen::pack2<elem_t>(dv[0][dt][2 * half] * dv_scale, dv[0][dt][2 * half + 1] * dv_scale);
     }
   }
 }

@@ -26,7 +26,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "53edaa262035e54d03ee0665979de303a2e520f54903a0fc4581cfae77ffec82"
+SOURCE_SHA256 = "addd543844956f0c3d92b18eccd3a6dcd929d2d6881cf420d810ceaef2153876"
 
 
 def attention(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):
