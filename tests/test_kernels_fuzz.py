@@ -12,7 +12,6 @@ import os
 from unittest import mock
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

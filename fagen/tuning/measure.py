@@ -13,7 +13,6 @@ Both are plain callables taking a Spec, so tests can inject fakes:
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
