@@ -318,3 +318,16 @@ def test_kernel_cases_on_the_gpu(version, flags, shape, head_dim):
 
     spec = Spec(head_dim, version=version, dtype="bf16", **flags)
     run_and_check(spec, Shape(*shape), device=DEVICE)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_single_stage_backward_of_99kb_parts_on_the_gpu(version):
+    """The d=128 tiles and one-stage backward that sm_86/89/120 run (fallback table), here on
+    whatever GPU is at hand: the same code path, checked on hardware."""
+    from fagen.spec import Spec
+    from kernel_cases import Shape, run_and_check
+
+    spec = Spec(128, version=version, dtype="bf16", block_n=32, bwd_stages=1, mask="causal",
+                key_padding=True, dropout=True)
+    run_and_check(spec, Shape(2, 200, 170, heads=4, kv_heads=2), device=DEVICE)
+    run_and_check(spec.replace(deterministic=True, key_padding=False), Shape(1, 150, 190), device=DEVICE)

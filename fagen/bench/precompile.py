@@ -38,7 +38,11 @@ def test_variant_kwargs() -> list[dict]:
     deterministic = [{"head_dim": d, "dtype": "bf16", "version": version,
                       "mask": "causal" if causal else "none", "deterministic": True}
                      for version in (2, 1) for causal in (False, True) for d in (64, 128)]
-    return dropout + deterministic
+    # The one-stage backward of 99 KB parts (test_single_stage_backward_of_99kb_parts_on_the_gpu).
+    single_stage = [{"head_dim": 128, "dtype": "bf16", "version": version, "mask": "causal", "dropout": True,
+                     "block_n": 32, "bwd_stages": 1, **flags}
+                    for version in (2, 1) for flags in ({"key_padding": True}, {"deterministic": True})]
+    return dropout + deterministic + single_stage
 
 
 def compile_variant(kwargs: dict, arch: str, use_cache: bool = True) -> dict:
