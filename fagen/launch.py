@@ -9,11 +9,15 @@ calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
   launched on torch's current stream; dynamic shared memory above 48 KB is
   opted in per kernel.
 - CPU tensors: the generated source is compiled for the host and run by the
-  SIMT emulator.
+  SIMT emulator; with FAGEN_EMULATE_CHECKED=1, built with AddressSanitizer and
+  UBSan and run in a helper process, so an out-of-bounds access to a tensor,
+  to the dynamic shared memory or to a per-thread array stops the launch with
+  the faulting block and thread named (slower).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable, Protocol
 
@@ -26,6 +30,7 @@ from .compiler import compile_source
 DEFAULT_SHARED_LIMIT = 48 * 1024
 _SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CHECKED_ENV = "FAGEN_EMULATE_CHECKED"
 
 
 class KernelFunction(Protocol):
@@ -106,10 +111,18 @@ def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
 
 # -- CPU (emulator) backend --------------------------------------------------
 
+def emulate_checked() -> bool:
+    """Whether CPU launches use the sanitizer-checked emulator build (FAGEN_EMULATE_CHECKED=1)."""
+    value = os.environ.get(CHECKED_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{CHECKED_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
     from . import emulate
 
-    module = emulate.load_module(source.code)
+    module = emulate.load_module(source.code, checked=emulate_checked())
     functions = {e.name: module.get_function(e.name) for e in source.entries}
     return LoadedSource(source, device, functions, pointer=lambda t: t)
 
@@ -128,7 +141,7 @@ def load(source: Source, device: torch.device) -> LoadedSource:
     variants (seconds of NVRTC or g++) proceed in parallel."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (source.hash, str(device))
+    key = (source.hash, str(device) + (":checked" if device.type == "cpu" and emulate_checked() else ""))
     loaded = _loaded.get(key)
     if loaded is not None:
         return loaded
