@@ -13,16 +13,21 @@ from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
 DEFAULT_OUT = "generated"
 
 
-def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
-    nargs = "+" if many else None
-    parser.add_argument("--d", "--head-dim", dest="head_dim", type=int, nargs=nargs, default=None,
-                        help="head dim (several build several variants)" if many else "head dim")
+def add_variant_flags(parser: argparse.ArgumentParser) -> None:
+    """The Spec's mask, flags and version as options (build, verify and tune share them)."""
     parser.add_argument("--causal", action="store_true", help="causal mask (bottom-right aligned)")
     parser.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
     parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
     parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
     parser.add_argument("--version", type=int, choices=(1, 2), default=2,
                         help="1 = FlashAttention-1, 2 = FlashAttention-2 (default)")
+
+
+def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
+    nargs = "+" if many else None
+    parser.add_argument("--d", "--head-dim", dest="head_dim", type=int, nargs=nargs, default=None,
+                        help="head dim (several build several variants)" if many else "head dim")
+    add_variant_flags(parser)
     parser.add_argument("--dtype", choices=DTYPES, nargs=nargs, default=None,
                         help="element type (default fp16)")
     parser.add_argument("--block-m", type=int, help="query rows per tile (B_r)")

@@ -12,12 +12,14 @@ import os
 from unittest import mock
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fagen import attention_kernels as ops
 from fagen.codegen import render
 from fagen.reference import attention_forward, dropout_keep_mask, fa2_backward
+from fagen.reference.problem import make_problem
 from fagen.spec import Spec
 from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, key_lengths, make_inputs, poisoned_empty,
                           run_and_check)
@@ -74,13 +76,11 @@ MIN_VISIBLE_SCORES = 256
 
 
 def visible_scores(spec: Spec, shape: Shape) -> int:
-    """Scores of one head that some query sees, over the batch (causal bottom-right aligned
-    to each entry's key count, key lengths as kernel_cases.make_inputs sets them)."""
-    lengths = key_lengths(spec, shape)
-    if not spec.causal:
-        return sum(shape.seqlen_q * keys for keys in lengths)
-    return sum(min(keys, max(0, row - (shape.seqlen_q - keys) + 1))
-               for keys in lengths for row in range(shape.seqlen_q))
+    """Scores of one head that some query sees, over the batch: the reference's own mask
+    (causal bottom-right aligned to each entry's key count), key lengths as make_inputs sets them."""
+    q, k = torch.zeros(shape.batch, shape.seqlen_q, 1, 1), torch.zeros(shape.batch, shape.seqlen_k, 1, 1)
+    seqlens_k = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
+    return int(make_problem(q, k, k, causal=spec.causal, seqlens_k=seqlens_k).visible_all().sum())
 
 
 @pytest.fixture(autouse=True)

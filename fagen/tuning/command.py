@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import add_variant_flags
 from ..spec import DTYPES, Spec
 
 DEFAULT_SEQLENS = (2048,)
@@ -26,12 +27,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
                     "Winners are cached per GPU, driver, NVRTC version, spec and shape bucket, and "
                     "flash_attn_func uses them automatically.")
     tune.add_argument("--d", "--head-dim", dest="head_dim", type=int, help="head dim")
-    tune.add_argument("--causal", action="store_true", help="causal mask (bottom-right aligned)")
-    tune.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
-    tune.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
-    tune.add_argument("--deterministic", action="store_true", help="backward without atomics")
-    tune.add_argument("--version", type=int, choices=(1, 2), default=2,
-                      help="1 = FlashAttention-1, 2 = FlashAttention-2 (default)")
+    add_variant_flags(tune)
     tune.add_argument("--dtype", choices=DTYPES, nargs="+", default=["fp16"],
                       help="element type(s) (default fp16)")
     tune.add_argument("--seqlen", type=int, nargs="+", default=list(DEFAULT_SEQLENS),

@@ -120,6 +120,25 @@ __device__ __forceinline__ void load_b_trans(unsigned (&b)[4], const T* b_tile, 
   ldmatrix_x4_trans(b, b_tile + (ks * 16 + (m % 2) * 8 + lane % 8) * kRowElems + n0 + (m / 2) * 8);
 }
 
+// One k-step of C[rt][nt] += A B: the A fragments (one 16x16 per row tile) are
+// in registers, B's k-step ks comes from a row-major (K x N) shared tile from
+// column b_col0, two n-tiles per ldmatrix. The inner step of warp_mma_ab and
+// warp_mma_pb, which differ only in where A comes from.
+template <int kRowTiles, int kNTiles, int kRowElems, class T>
+__device__ __forceinline__ void mma_a_times_b(float (&c)[kRowTiles][kNTiles][4], const unsigned (&a)[kRowTiles][4],
+                                              const T* b_tile, int ks, int b_col0) {
+  FAGEN_UNROLL
+  for (int np = 0; np < kNTiles / 2; ++np) {
+    unsigned b[4];
+    load_b_trans<kRowElems>(b, b_tile, ks, b_col0 + np * 16);
+    FAGEN_UNROLL
+    for (int rt = 0; rt < kRowTiles; ++rt) {
+      mma_16x8x16<T>(c[rt][2 * np], a[rt], b);
+      mma_16x8x16<T>(c[rt][2 * np + 1], a[rt], b + 2);
+    }
+  }
+}
+
 // C[rt][nt] += A B: A (rows x K) row-major in shared memory (rows of
 // kARowElems), B (K x N) row-major in shared memory (rows of kBRowElems) from
 // column b_col0. (dQ = dS K in the backward.)
@@ -134,16 +153,7 @@ __device__ __forceinline__ void warp_mma_ab(float (&c)[kRowTiles][kNTiles][4], c
     FAGEN_UNROLL
     for (int rt = 0; rt < kRowTiles; ++rt)
       ldmatrix_x4(a[rt], a_tile + (a_row0 + rt * 16 + lane % 16) * kARowElems + ks * 16 + (lane / 16) * 8);
-    FAGEN_UNROLL
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      unsigned b[4];
-      load_b_trans<kBRowElems>(b, b_tile, ks, b_col0 + np * 16);
-      FAGEN_UNROLL
-      for (int rt = 0; rt < kRowTiles; ++rt) {
-        mma_16x8x16<T>(c[rt][2 * np], a[rt], b);
-        mma_16x8x16<T>(c[rt][2 * np + 1], a[rt], b + 2);
-      }
-    }
+    mma_a_times_b<kRowTiles, kNTiles, kBRowElems>(c, a, b_tile, ks, b_col0);
   }
 }
 
@@ -167,16 +177,7 @@ __device__ __forceinline__ void warp_mma_pb(float (&c)[kRowTiles][kNTiles][4],
       a[rt][2] = pack2<T>(p[rt][2 * ks + 1][0], p[rt][2 * ks + 1][1]);
       a[rt][3] = pack2<T>(p[rt][2 * ks + 1][2], p[rt][2 * ks + 1][3]);
     }
-    FAGEN_UNROLL
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      unsigned b[4];
-      load_b_trans<kRowElems>(b, b_tile, ks, b_col0 + np * 16);
-      FAGEN_UNROLL
-      for (int rt = 0; rt < kRowTiles; ++rt) {
-        mma_16x8x16<T>(c[rt][2 * np], a[rt], b);
-        mma_16x8x16<T>(c[rt][2 * np + 1], a[rt], b + 2);
-      }
-    }
+    mma_a_times_b<kRowTiles, kNTiles, kRowElems>(c, a, b_tile, ks, b_col0);
   }
 }
 
