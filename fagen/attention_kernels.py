@@ -47,6 +47,28 @@ def dropout_args(dropout_p: float, seed: int, philox_offset: int) -> dict:
             "keep_scale": 1.0 / (1.0 - dropout_p)}
 
 
+# Bound launches per call signature (source, backend, shapes, strides, scale, dropout p):
+# a warm call of a seen shape only allocates its outputs and passes the tensors.
+_plans: dict[tuple, list[launch.BoundLaunch]] = {}
+MAX_PLANS = 1024
+PER_CALL_SCALARS = frozenset({"seed", "philox_offset"})  # drawn anew for every dropout call
+
+
+def _run(plan_key, build, tensors: dict, debug) -> None:
+    """Run the bound launches of `plan_key` (built by `build()` on a miss) with `tensors`.
+    Debug renders take instrumentation tensors and are never remembered."""
+    plan = None if debug else _plans.get(plan_key)
+    if plan is None:
+        plan = build()
+        if not debug:
+            if len(_plans) >= MAX_PLANS:  # many distinct shapes: start over, stay bounded
+                _plans.clear()
+            _plans[plan_key] = plan
+    converted: dict = {}
+    for bound in plan:
+        bound(tensors, converted)
+
+
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
             seed=0, philox_offset=0, debug=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
@@ -58,17 +80,24 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
-    values = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "heads": heads,
-              "kv_heads": kv_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
-              "softmax_scale_log2": scale * LOG2E, **dict(zip(stat_names, stats))}
-    _strides_of(values, q=q, k=k, v=v, o=out)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
+               "philox_offset": philox_offset, **dict(zip(stat_names, stats)), **(debug or {})}
     if spec.version == 1:
-        values["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
-    if spec.dropout:
-        values.update(dropout_args(dropout_p, seed, philox_offset))
-    values.update(debug or {})  # instrumentation tensors of a debug render
-    entry = source.kernels.forward
-    launch.load(source, q.device).launch(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values)
+        tensors["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
+
+    def build():
+        values = {**tensors, "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
+                  "seqlen_k": seqlen_k, "softmax_scale_log2": scale * LOG2E}
+        _strides_of(values, q=q, k=k, v=v, o=out)
+        if spec.dropout:
+            values.update(dropout_args(dropout_p, seed, philox_offset))
+        entry = source.kernels.forward
+        return [launch.load(source, q.device).bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values,
+                                                   PER_CALL_SCALARS)]
+
+    key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
+           v.stride(), scale, dropout_p)
+    _run(key, build, tensors, debug)
     return out, tuple(stats)
 
 
@@ -80,8 +109,6 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     share a K/V head are summed here (in fp32).
     """
     spec, kernels = source.spec, source.kernels
-    if q.device.type == "cuda":  # the compile checked only the forward's shared memory
-        spec.check_arch(launch.arch_of(q.device))
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -90,21 +117,31 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dq = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=device)
     dk = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
     dv = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
-    values = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
-              "delta": _empty(batch, heads, seqlen_q, **f32), "seqlens_k": seqlens_k,
-              "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
-              "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E, **(dropout_args or {}),
-              **(debug or {})}
+    drop = dropout_args or {}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
+               "delta": _empty(batch, heads, seqlen_q, **f32), "seqlens_k": seqlens_k,
+               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **(debug or {})}
     if spec.version == 2:
-        values["lse"] = stats[0]
+        tensors["lse"] = stats[0]
     else:
-        values["row_max"], values["row_sum"] = stats
+        tensors["row_max"], tensors["row_sum"] = stats
     if not spec.deterministic:
-        values["dq_accum"] = _empty(batch, heads, seqlen_q, head_dim, **f32)
-    _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
-    loaded = launch.load(source, device)
-    for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert):
-        loaded.launch(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values)
+        tensors["dq_accum"] = _empty(batch, heads, seqlen_q, head_dim, **f32)
+
+    def build():
+        if device.type == "cuda":  # the compile checked only the forward's shared memory
+            spec.check_arch(launch.arch_of(device), shared_limit=launch.shared_limit(device))
+        values = {**tensors, **drop, "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
+                  "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
+        _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
+        loaded = launch.load(source, device)
+        return [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
+                for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
+
+    keep = (drop.get("keep_threshold"), drop.get("keep_scale"))
+    key = ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+           out.stride(), dout.stride(), scale, keep)
+    _run(key, build, tensors, debug)
     if heads != kv_heads:
         group = heads // kv_heads
         dk = dk.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)

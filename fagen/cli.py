@@ -1,26 +1,34 @@
-"""The `fagen` command line: build | list | show | verify | tune | bench."""
+"""The `fagen` command line: build | list | show | verify | tune | bench.
+
+    fagen build --d 64 --causal          (also: python -m fagen build --d 64 --causal)
+
+Options a command would ignore, or that contradict each other, are errors
+(exit 2) rather than silently dropped. Progress of long work (NVRTC and
+emulator builds) is logged through the `fagen` logger, which the command
+shows at INFO level on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+from . import __version__
 from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
+from .variant_flags import add_variant_flags, build_command, variant_fields, variant_flags_given
 
 DEFAULT_OUT = "generated"
+TILE_OPTIONS = (("block_m", "--block-m"), ("block_n", "--block-n"), ("num_warps", "--num-warps"),
+                ("num_stages", "--num-stages"), ("bwd_stages", "--bwd-stages"))
 
 
-def add_variant_flags(parser: argparse.ArgumentParser) -> None:
-    """The Spec's mask, flags and version as options (build, verify and tune share them)."""
-    parser.add_argument("--causal", action="store_true", help="causal mask (bottom-right aligned)")
-    parser.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
-    parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
-    parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
-    parser.add_argument("--version", type=int, choices=(1, 2), default=2,
-                        help="1 = FlashAttention-1, 2 = FlashAttention-2 (default)")
+class CommandError(ValueError):
+    """A command line that cannot be run as given; printed as `fagen: ...`, exit 2."""
 
 
 def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
@@ -39,28 +47,43 @@ def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
                              "enough for every --arch)")
 
 
+def _spec_options_given(args) -> list[str]:
+    """Every option that describes a variant, as the user spelled it."""
+    given = ["--d"] if args.head_dim is not None else []
+    given += ["--dtype"] if args.dtype is not None else []
+    given += variant_flags_given(args)
+    return given + [flag for field, flag in TILE_OPTIONS if getattr(args, field) is not None]
+
+
 def _specs_from_args(args) -> list[Spec]:
     head_dims = args.head_dim if isinstance(args.head_dim, list) else [args.head_dim]
     dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype or "fp16"]
     if head_dims == [None]:
-        raise ValueError("--d (head dim) is required")
-    return [Spec(head_dim=d, dtype=dtype, version=args.version, mask="causal" if args.causal else "none",
-                 key_padding=args.key_padding, dropout=args.dropout, deterministic=args.deterministic,
-                 block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps,
-                 num_stages=args.num_stages, bwd_stages=getattr(args, "bwd_stages", None))
+        raise CommandError("--d (head dim) is required")
+    tiles = {field: getattr(args, field) for field, _ in TILE_OPTIONS}
+    return [Spec(head_dim=d, dtype=dtype, **variant_fields(args), **tiles)
             for d in head_dims for dtype in dtypes]
 
 
-def _archs(args) -> list[str]:
-    from .compiler import default_archs, parse_archs
+def _archs(args) -> tuple[list[str], str]:
+    """The archs to compile for, and where they came from (for the summary)."""
+    from .compiler import ARCH_ENV, default_archs, describe_target, gpu_arch, parse_archs
 
-    return parse_archs(args.arch) if args.arch else default_archs()
+    if args.arch:
+        return parse_archs(args.arch), "from --arch"
+    device_arch = gpu_arch()
+    if device_arch is not None:
+        archs = default_archs()
+        return archs, f"for this GPU: {describe_target(device_arch, archs[0])}"
+    if os.environ.get(ARCH_ENV):
+        return default_archs(), f"from ${ARCH_ENV}"
+    return default_archs(), "the defaults (no GPU visible)"
 
 
 # -- build -----------------------------------------------------------------
 
 def _print_summary(results) -> None:
-    print(f"\n{'kernel':<40} {'arch':<7} {'regs':>5} {'spill B':>8} {'smem B':>8} {'compile s':>10}")
+    print(f"\n{'kernel':<40} {'arch':<10} {'regs':>5} {'spill B':>8} {'smem B':>8} {'compile s':>10}")
     for result in results:
         for arch, compiled in result.compiled.items():
             for entry in result.source.entries:
@@ -69,20 +92,27 @@ def _print_summary(results) -> None:
                 spills = report.spill_bytes if report else "?"
                 smem = entry.shared_bytes + (report.static_shared_bytes if report else 0)
                 seconds = f"{compiled.compile_seconds:.2f}" if compiled.cache == "miss" else compiled.cache
-                print(f"{entry.name:<40} {arch:<7} {regs:>5} {spills:>8} {smem:>8} {seconds:>10}")
+                print(f"{entry.name:<40} {arch:<10} {regs:>5} {spills:>8} {smem:>8} {seconds:>10}")
 
 
 def cmd_build(args) -> int:
     from .build import build_many, default_specs
+    from .compiler import nvrtc_version
 
+    if args.default_set:
+        given = _spec_options_given(args)
+        if given:
+            raise CommandError(f"--default-set builds a fixed set of variants; it takes no "
+                               f"{', '.join(given)} (drop --default-set to build your own)")
     specs = default_specs() if args.default_set else _specs_from_args(args)
-    archs = _archs(args)
-    if args.default_set or args.bwd_stages is None:
+    archs, where = _archs(args)
+    if args.bwd_stages is None:
         # One source serves every arch named: its backward must fit the smallest.
         smallest = min(smem_limit(arch) for arch in archs)
         specs = [spec.fit_backward(smallest) for spec in specs]
     out = Path(args.out)
-    print(f"building {len(specs)} variant(s) for {', '.join(archs)} into {out}/", flush=True)
+    print(f"building {len(specs)} variant(s) for {', '.join(archs)} ({where}; NVRTC {nvrtc_version()}) "
+          f"into {out}/", flush=True)
     start = time.perf_counter()
 
     def progress(index, total, result):
@@ -99,9 +129,12 @@ def cmd_build(args) -> int:
 def cmd_list(args) -> int:
     from .build import read_manifests
 
-    manifests = read_manifests(Path(args.dir))
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        raise CommandError(f"no such directory: {directory}/ (`fagen build --out {directory}` makes it)")
+    manifests = read_manifests(directory)
     if not manifests:
-        print(f"no fagen variants in {args.dir}/")
+        print(f"no fagen variants in {directory}/")
         return 0
     for data in manifests:
         spec = data["spec"]
@@ -111,24 +144,32 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _not_built(name: str, directory: Path) -> str:
+    try:
+        spec = Spec.from_name(name)
+    except ValueError as exc:
+        return f"fagen: no variant {name!r} in {directory}/, and it is not a spec name: {exc}"
+    return (f"fagen: {name} is not built in {directory}/; build it with:\n"
+            f"    {build_command(spec, directory)}")
+
+
 def cmd_show(args) -> int:
     directory = Path(args.dir)
     manifest_path = directory / f"{args.name}.json"
     if not manifest_path.exists():
-        print(f"fagen: no variant {args.name!r} in {directory}/ (see `fagen list {directory}`)",
-              file=sys.stderr)
+        print(_not_built(args.name, directory), file=sys.stderr)
         return 2
     data = json.loads(manifest_path.read_text())
     if not args.resources:
         print((directory / data["source"]).read_text(), end="")
         return 0
-    print(f"{'kernel':<40} {'arch':<7} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem B':>8}")
+    print(f"{'kernel':<40} {'arch':<10} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem B':>8}")
     dynamic = {k["name"]: k["dynamic_shared_bytes"] for k in data["kernels"]}
     for arch, kernels in data["resources"].items():
         for name, r in kernels.items():
             spills = r["spill_store_bytes"] + r["spill_load_bytes"]
             smem = dynamic.get(name, 0) + r["static_shared_bytes"]
-            print(f"{name:<40} {arch:<7} {r['registers']:>5} {spills:>8} {r['stack_bytes']:>8} {smem:>8}")
+            print(f"{name:<40} {arch:<10} {r['registers']:>5} {spills:>8} {r['stack_bytes']:>8} {smem:>8}")
     return 0
 
 
@@ -137,8 +178,14 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     from . import identities
 
+    given = _spec_options_given(args)
     if args.spec:
+        if given:
+            raise CommandError(f"--spec {args.spec} names the whole variant; it takes no {', '.join(given)}")
         spec = Spec.from_name(args.spec)
+    elif given and args.head_dim is None:
+        raise CommandError(f"{', '.join(given)} describe a variant, which also needs --d "
+                           f"(or name one with --spec)")
     else:
         spec = _specs_from_args(args)[0] if args.head_dim is not None else None
     results = identities.run(spec=spec)
@@ -146,9 +193,29 @@ def cmd_verify(args) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+# -- bench -----------------------------------------------------------------
+
+def cmd_bench(args) -> int:
+    from .bench.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+BENCH_DESCRIPTION = """\
+Runs `python -m fagen.bench`. Its one command today:
+
+  gpu-check   correctness on the hardware, speed against PyTorch's attention backends,
+              peak memory and compute-sanitizer, on one GPU in under 8 minutes
+              (`fagen bench gpu-check --dry-run` checks a machine without a GPU)
+
+See `fagen bench gpu-check --help` for its options."""
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fagen", description="fagen: attention kernels from a spec")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"fagen {__version__}",
+                        help="print fagen's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     build = sub.add_parser("build", help="render, compile and write kernels and op modules")
     _add_spec_args(build, many=True)
@@ -160,13 +227,14 @@ def make_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=cmd_build)
 
     listing = sub.add_parser("list", help="list the variants in a directory")
-    listing.add_argument("dir", nargs="?", default=DEFAULT_OUT)
+    listing.add_argument("dir", nargs="?", default=DEFAULT_OUT, metavar="DIR",
+                         help="a directory `fagen build` wrote (default: generated/)")
     listing.set_defaults(func=cmd_list)
 
     show = sub.add_parser("show", help="print a variant's CUDA source or its resource report")
-    show.add_argument("name")
-    show.add_argument("--resources", action="store_true", help="registers, spills, shared memory")
-    show.add_argument("--dir", default=DEFAULT_OUT)
+    show.add_argument("name", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 (see `fagen list`)")
+    show.add_argument("--resources", action="store_true", help="registers, spills, shared memory per kernel and arch")
+    show.add_argument("--dir", default=DEFAULT_OUT, help="where the variant was built (default: generated/)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", help="prove the gradient identities with sympy")
@@ -174,24 +242,46 @@ def make_parser() -> argparse.ArgumentParser:
     _add_spec_args(verify, many=False)
     verify.set_defaults(func=cmd_verify)
 
-    from .tuning import add_tune_parser
+    from .tuning.command import add_tune_parser
 
     add_tune_parser(sub)
 
-    bench = sub.add_parser("bench", help="GPU checks and benchmarks (see `fagen bench gpu-check --help`)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m fagen.bench")
+    bench = sub.add_parser("bench", help="the GPU check and benchmarks (see `fagen bench gpu-check --help`)",
+                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="gpu-check ...",
+                       help="the bench command and its options, e.g. gpu-check --dry-run")
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
-def cmd_bench(args) -> int:
-    from .bench.__main__ import main as bench_main
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and tools swap it)."""
 
-    return bench_main(args.bench_args)
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def show_progress_log() -> None:
+    """Show the `fagen` logger's INFO messages (what is being compiled, for which backend)."""
+    logger = logging.getLogger("fagen")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("fagen: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    show_progress_log()
     try:
         return args.func(args)
     except ValueError as exc:

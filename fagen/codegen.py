@@ -56,8 +56,8 @@ class Entry:
     shared_bytes: int          # dynamic shared memory per block
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
-        """(row blocks, heads, batch): heads and batch get a grid dimension each, so their
-        product may exceed the 65535 blocks one of grid.y / grid.z allows."""
+        """(row blocks, heads, batch). Heads or a batch past gridDim.y / .z's 65535 are
+        launched in chunks (`launch.grid_chunks`, the kernels' `GRID_OFFSETS`)."""
         rows = seqlen_q if self.rows_from == "q" else seqlen_k
         blocks = 1 if self.rows_per_block is None else math.ceil(rows / self.rows_per_block)
         return (blocks, heads, batch)
@@ -187,6 +187,11 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
 
 FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2"}
 
+# Every kernel's last two parameters: the first head and batch of its launch. gridDim.y
+# (heads) and gridDim.z (batch) stop at 65535, so `launch` splits larger grids into
+# chunks and passes each chunk's offsets; the kernels add them to blockIdx.y and .z.
+GRID_OFFSETS = (Param("head_offset", "int", "int32"), Param("batch_offset", "int", "int32"))
+
 
 def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     """The kernels a spec's source defines, with their signatures and geometry.
@@ -199,7 +204,7 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     name = spec.name
 
     def entry(role, params, threads, rows, rows_from, smem):
-        return Entry(f"{name}_{role}", params, threads, rows, rows_from, smem)
+        return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)
 
     return Entries(
         forward=entry("fwd", forward_params(spec, debug), spec.threads,
@@ -236,3 +241,10 @@ def render(spec: Spec, debug: bool = False) -> Source:
         debug=debug,
     )
     return Source(spec=spec, code=code, kernels=entries)
+
+
+@functools.lru_cache(maxsize=512)
+def source_for(spec: Spec) -> Source:
+    """`render(spec)`, once per process: the ops and the tuner share these renders (the
+    compiled kernels are cached further down, by `launch` and `compiler`)."""
+    return render(spec)

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import logging
 import threading
 import time
 import warnings
@@ -26,11 +27,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .codegen import Source, include_dir
-from .spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES
+from .spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
 
 CACHE_FORMAT = 1
+MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync
 ARCH_ENV = "FAGEN_ARCH"
 CACHE_ENV = "FAGEN_CACHE_DIR"
+
+
+logger = logging.getLogger("fagen")
 
 
 class CompileError(RuntimeError):
@@ -57,7 +62,8 @@ class ResourceReport:
 
 @dataclass
 class CompiledKernel:
-    """A cubin for one arch, its ptxas report, and how it was obtained."""
+    """A cubin for one arch (for a compute_XY target: its PTX, which the driver compiles),
+    its ptxas report, and how it was obtained."""
 
     arch: str
     cubin: bytes
@@ -116,21 +122,69 @@ def parse_archs(text: str) -> list[str]:
     if not archs:
         raise ValueError("empty arch list; expected e.g. sm_80,sm_90")
     for arch in archs:
-        if arch not in SMEM_LIMIT_BYTES:
-            raise ValueError(f"unknown arch {arch!r}; known archs: {', '.join(SMEM_LIMIT_BYTES)}")
+        if base_arch(arch) not in SMEM_LIMIT_BYTES or not arch.startswith("sm_"):
+            raise ValueError(f"unknown arch {arch!r}; known archs: {', '.join(SMEM_LIMIT_BYTES)} "
+                             f"(and their sm_XXa forms)")
     return archs
 
 
-def default_archs() -> list[str]:
-    """The visible GPU's arch, else $FAGEN_ARCH, else sm_80 and sm_90."""
+@functools.lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The compute capabilities the installed NVRTC compiles for, e.g. (75, 80, ..., 121)."""
+    result = _nvrtc().nvrtcGetSupportedArchs()
+    return tuple(sorted(int(a) for a in result[1]))
+
+
+def nvrtc_target(device_arch: str, supported: tuple[int, ...] | None = None) -> str:
+    """What to compile for a GPU of `device_arch` (e.g. sm_121).
+
+    The device's own arch when NVRTC knows it; else the newest arch NVRTC
+    supports that is not newer than the device. A cubin runs only on GPUs of
+    its own major version, so when that arch's major differs the target is
+    its PTX form (compute_XY), which the driver compiles for the device.
+    """
+    number = int(base_arch(device_arch).removeprefix("sm_"))
+    if number < MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"fagen's kernels need compute capability 8.0 or newer (cp.async, bf16 "
+                         f"tensor cores); this GPU is {device_arch}")
+    supported = supported_archs() if supported is None else supported
+    older = [a for a in supported if MIN_COMPUTE_CAPABILITY <= a <= number]
+    if not older:
+        raise CompileError(f"NVRTC {nvrtc_version()} cannot compile for {device_arch} or any older "
+                           f"arch from sm_80 (it supports {', '.join(map(str, supported))})")
+    best = max(older)
+    if best == number:
+        return f"sm_{number}"
+    return f"sm_{best}" if best // 10 == number // 10 else f"compute_{best}"
+
+
+def describe_target(device_arch: str, target: str) -> str:
+    """One line for logs and summaries: which arch NVRTC compiles for, and why."""
+    if target == device_arch:
+        return f"{target} (NVRTC {nvrtc_version()})"
+    form = "PTX, compiled for the GPU by the driver" if target.startswith("compute_") else "cubin"
+    return (f"{target} ({form}): the newest arch NVRTC {nvrtc_version()} supports that is not "
+            f"newer than this {device_arch} GPU")
+
+
+def gpu_arch() -> str | None:
+    """The visible GPU's arch (sm_XY), or None without one."""
     try:
         import torch
 
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
-            return [f"sm_{major}{minor}"]
-    except Exception:  # noqa: BLE001 - no torch CUDA: fall back to the env or defaults
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no torch CUDA: no GPU
         pass
+    return None
+
+
+def default_archs() -> list[str]:
+    """The NVRTC target for the visible GPU (`nvrtc_target`), else $FAGEN_ARCH, else sm_80 and sm_90."""
+    device_arch = gpu_arch()
+    if device_arch is not None:
+        return [nvrtc_target(device_arch)]
     if os.environ.get(ARCH_ENV):
         return parse_archs(os.environ[ARCH_ENV])
     return list(DEFAULT_ARCHS)
@@ -172,8 +226,12 @@ def parse_ptxas_log(log: str, arch: str) -> dict[str, ResourceReport]:
 # -- NVRTC -----------------------------------------------------------------
 
 def nvrtc_options(arch: str) -> list[str]:
-    return [f"-arch={arch}", "-std=c++17", "--ptxas-options=-v",
-            f"-I{include_dir()}", f"-I{cuda_header_dir()}"]
+    """-lineinfo maps SASS back to source lines for compute-sanitizer and the profilers; it
+    changes no instruction. A compute_XY (PTX) target has no ptxas run to report on."""
+    options = [f"-arch={arch}", "-std=c++17", "-lineinfo"]
+    if not arch.startswith("compute_"):
+        options.append("--ptxas-options=-v")
+    return options + [f"-I{include_dir()}", f"-I{cuda_header_dir()}"]
 
 
 def _check(result, what: str, prog=None):
@@ -184,26 +242,35 @@ def _check(result, what: str, prog=None):
     return result
 
 
+def _fetch(size_call, fetch_call, prog, what: str) -> bytes:
+    """An NVRTC output (log, cubin, PTX) copied out of a fresh mutable buffer.
+
+    Never `b" " * size`: for size 1 that is CPython's one shared b" " object,
+    and NVRTC writing its NUL there would change every b" " in the process."""
+    _, size = _check(size_call(prog), f"{what} size")
+    buffer = bytearray(size)
+    _check(fetch_call(prog, buffer), f"get {what}")
+    return bytes(buffer)
+
+
 def _program_log(prog) -> str:
     nvrtc = _nvrtc()
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.rstrip(b"\x00").decode(errors="replace")
+    raw = _fetch(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog, "log")
+    return raw.rstrip(b"\x00").decode(errors="replace")
 
 
 def nvrtc_compile(code: str, arch: str, filename: str = "kernel.cu") -> tuple[bytes, str]:
-    """Compile `code` to a cubin for `arch`. Returns (cubin, log)."""
+    """Compile `code` for `arch`. Returns (image, log): a cubin for sm_XY, NUL-terminated
+    PTX for compute_XY (what the driver's module loader takes)."""
     nvrtc = _nvrtc()
     _, prog = _check(nvrtc.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []), "create")
     try:
         opts = [o.encode() for o in nvrtc_options(arch)]
         _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile for {arch}", prog)
         log = _program_log(prog)
-        _, size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "get cubin")
-        return cubin, log
+        if arch.startswith("compute_"):
+            return _fetch(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog, "PTX"), log
+        return _fetch(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog, "cubin"), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -224,8 +291,9 @@ def headers_digest() -> str:
 
 
 def cache_key(source_hash: str, arch: str) -> str:
-    parts = [str(CACHE_FORMAT), source_hash, headers_digest(), arch, nvrtc_version(),
-             " ".join(nvrtc_options(arch)[:3])]
+    # Every option but the include paths (their contents are in headers_digest).
+    options = [o for o in nvrtc_options(arch) if not o.startswith("-I")]
+    parts = [str(CACHE_FORMAT), source_hash, headers_digest(), arch, nvrtc_version(), " ".join(options)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -247,12 +315,31 @@ def _read_disk(path: Path) -> CompiledKernel | None:
         return None
 
 
+def process_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (os.umask can only
+    be read by setting it, which races with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one."""
+    """Write `data` to `path` so that readers see the old file or the whole new one.
+
+    The file gets the permissions a plain open() would give it (0666 less the umask):
+    mkstemp's private 0600 would leave build outputs and cache entries readable by their
+    owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~process_umask())
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
@@ -267,11 +354,16 @@ def _write_disk(path: Path, kernel: CompiledKernel) -> None:
     write_atomic(path, json.dumps(data).encode())
 
 
-def compile_source(source: Source | str, arch: str, *, use_cache: bool = True) -> CompiledKernel:
-    """Compile a rendered source for one arch, through the memory and disk caches."""
+def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
+                   shared_limit: int | None = None) -> CompiledKernel:
+    """Compile a rendered source for one arch, through the memory and disk caches.
+
+    `shared_limit` is the GPU's own shared memory per block (the driver's
+    opt-in limit) when compiling for a device; else the arch table's is used."""
     code = source.code if isinstance(source, Source) else source
     if isinstance(source, Source):
-        source.spec.check_arch(arch, backward=False)  # launching the backward checks its own
+        # The forward's tiles; launching the backward checks its own.
+        source.spec.check_arch(arch, backward=False, shared_limit=shared_limit)
     key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
     if use_cache:
         with _memory_lock:
@@ -283,9 +375,12 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True) -
             with _memory_lock:
                 _memory_cache[key] = hit
             return hit
+    what = source.spec.name if isinstance(source, Source) else "a kernel source"
+    logger.info("compiling %s for %s with NVRTC %s", what, arch, nvrtc_version())
     start = time.perf_counter()
-    cubin, log = nvrtc_compile(code, arch)
-    kernel = CompiledKernel(arch=arch, cubin=cubin, log=log, resources=parse_ptxas_log(log, arch),
+    cubin, nvrtc_log = nvrtc_compile(code, arch)
+    kernel = CompiledKernel(arch=arch, cubin=cubin, log=nvrtc_log,
+                            resources=parse_ptxas_log(nvrtc_log, arch),
                             nvrtc_version=nvrtc_version(),
                             compile_seconds=time.perf_counter() - start)
     if use_cache:

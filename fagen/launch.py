@@ -5,9 +5,12 @@ A loaded kernel is called as `fn(grid, block, args, shared_mem=...)`, where
 NumPy scalar whose type is the parameter's C type. That is CuPy's RawKernel
 calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
 
-- CUDA tensors: NVRTC cubin for the device's arch, loaded with CuPy and
-  launched on torch's current stream; dynamic shared memory above 48 KB is
-  opted in per kernel.
+- CUDA tensors: NVRTC cubin for the device's arch (or, when the installed
+  NVRTC predates the GPU, for the newest arch it knows: `compiler.nvrtc_target`),
+  loaded with CuPy and launched on torch's current stream; dynamic shared
+  memory above 48 KB is opted in per kernel, up to what the driver reports.
+- Grids: (row blocks, heads, batch). More than 65535 heads or batch entries
+  are launched in chunks (`grid_chunks`), each told its first head and batch.
 - CPU tensors: the generated source is compiled for the host and run by the
   SIMT emulator; with FAGEN_EMULATE_CHECKED=1, built with AddressSanitizer and
   UBSan and run in a helper process, so an out-of-bounds access to a tensor,
@@ -17,24 +20,83 @@ calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
 
 from __future__ import annotations
 
+import collections
+import functools
+import logging
 import os
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from .codegen import Entry, Source
-from .compiler import compile_source
+from .compiler import compile_source, describe_target, nvrtc_target
+from .spec import SMEM_LIMIT_BYTES, base_arch
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
 _SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CHECKED_ENV = "FAGEN_EMULATE_CHECKED"
+# CUDA's grid limits: gridDim.x up to 2**31 - 1 blocks, gridDim.y and gridDim.z up to 65535.
+GRID_X_LIMIT = 2**31 - 1
+GRID_YZ_LIMIT = 65535
+MAX_STREAMS_PER_FUNCTION = 64  # wrapped torch streams kept per kernel (least recently used go)
+
+logger = logging.getLogger("fagen")
 
 
 class KernelFunction(Protocol):
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None: ...
+
+
+Dim3 = tuple[int, int, int]
+
+
+def grid_chunks(grid: Dim3, limit: int | None = None) -> Iterator[tuple[Dim3, int, int]]:
+    """Split a (x, y, z) grid into launches whose y and z fit CUDA's limit.
+
+    Yields (grid of the launch, offset of its first y, offset of its first z):
+    one launch when the grid fits, else ceil(y / limit) * ceil(z / limit)."""
+    limit = GRID_YZ_LIMIT if limit is None else limit
+    x, y, z = grid
+    if x > GRID_X_LIMIT:
+        raise ValueError(f"a launch of {x} row blocks exceeds CUDA's gridDim.x limit of {GRID_X_LIMIT}")
+    for z0 in range(0, z, limit):
+        for y0 in range(0, y, limit):
+            yield (x, min(limit, y - y0), min(limit, z - z0)), y0, z0
+
+
+class BoundLaunch:
+    """One kernel's launches (a chunk each, see `grid_chunks`) with every argument converted
+    to its C type once, except the per-call ones (tensors, the Philox pair), which a call
+    supplies by name. Reused across calls of one shape, this skips re-deriving and
+    re-converting twenty-odd scalars per kernel on every call."""
+
+    __slots__ = ("functions", "name", "block", "shared_mem", "chunks", "slots")
+
+    def __init__(self, functions: dict, name: str, block: tuple, shared_mem: int,
+                 chunks: list[tuple[tuple, list]], slots: list[tuple[int, str, Callable]]):
+        self.functions = functions   # looked up at call time, so a replaced function is seen
+        self.name = name
+        self.block = block
+        self.shared_mem = shared_mem
+        self.chunks = chunks         # (grid, argument template) per launch
+        self.slots = slots           # (position, value name, converter) of the per-call arguments
+
+    def __call__(self, values: dict[str, Any], converted: dict[str, Any] | None = None) -> None:
+        """Launch with the per-call `values`; `converted` memoizes their C-typed forms across
+        the kernels of one call (a tensor's pointer is read once, not once per kernel)."""
+        function = self.functions[self.name]
+        converted = {} if converted is None else converted
+        for grid, template in self.chunks:
+            args = template.copy()
+            for i, name, convert in self.slots:
+                value = converted.get(name)
+                if value is None:
+                    value = converted[name] = convert(values[name])
+                args[i] = value
+            function(grid, self.block, tuple(args), self.shared_mem)
 
 
 class LoadedSource:
@@ -47,16 +109,28 @@ class LoadedSource:
         self.functions = functions
         self._pointer = pointer
 
-    def args(self, entry: Entry, values: dict[str, Any]) -> tuple:
-        """Order and type the arguments of `entry` from a name -> value dict."""
-        return tuple(self._pointer(values[p.name]) if p.kind == "tensor" else _SCALAR_TYPES[p.kind](values[p.name])
-                     for p in entry.params)
+    def _converter(self, kind: str) -> Callable:
+        return self._pointer if kind == "tensor" else _SCALAR_TYPES[kind]
+
+    def bind(self, entry: Entry, grid: tuple, values: dict[str, Any],
+             per_call: frozenset[str] = frozenset()) -> BoundLaunch:
+        """`entry` over `grid` = (row blocks, heads, batch), in as many launches as gridDim.y
+        / .z's limit needs (each told its first head and batch), with every argument taken
+        from `values` now except tensors and the names in `per_call`."""
+        slots = [(i, p.name, self._converter(p.kind)) for i, p in enumerate(entry.params)
+                 if p.kind == "tensor" or p.name in per_call]
+        live = {i for i, _, _ in slots}
+        chunks = []
+        for chunk, head_offset, batch_offset in ([] if 0 in grid else grid_chunks(grid)):
+            chunk_values = {**values, "head_offset": head_offset, "batch_offset": batch_offset}
+            template = [None if i in live else self._converter(p.kind)(chunk_values[p.name])
+                        for i, p in enumerate(entry.params)]
+            chunks.append((chunk, template))
+        return BoundLaunch(self.functions, entry.name, entry.block, entry.shared_bytes, chunks, slots)
 
     def launch(self, entry: Entry, grid: tuple, values: dict[str, Any]) -> None:
-        if 0 in grid:
-            return  # nothing to do (e.g. batch 0); CUDA rejects an empty grid
-        self.functions[entry.name](grid, entry.block, self.args(entry, values),
-                                   shared_mem=entry.shared_bytes)
+        """Launch `entry` once over `grid` (an empty grid launches nothing: CUDA rejects it)."""
+        self.bind(entry, grid, values)(values)
 
 
 # -- CUDA backend ------------------------------------------------------------
@@ -69,6 +143,33 @@ def _cupy():
     return cupy
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle, offered through the CUDA stream protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def wrap_stream(cupy, handle: int, device_index: int):
+    """A CuPy stream for torch's stream `handle`: `Stream.from_external` (CuPy 14), else the
+    older `ExternalStream`, which CuPy 14 deprecates."""
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle, device_index)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """torch's current CUDA stream on a device, as a raw handle. torch's own raw accessor
+    (what Triton uses) skips building a Stream object on every launch."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 class _CudaFunction:
     """A CuPy driver function launched on torch's current stream."""
 
@@ -76,7 +177,18 @@ class _CudaFunction:
         self.function = function
         self.device_index = device_index
         self.shared_opt_in = DEFAULT_SHARED_LIMIT
-        self.streams: dict[int, Any] = {}  # torch stream handle -> CuPy wrapper, made once
+        # torch stream handle -> CuPy wrapper, bounded: programs may make many short-lived streams.
+        self.streams: collections.OrderedDict[int, Any] = collections.OrderedDict()
+
+    def stream_for(self, cupy, handle: int):
+        stream = self.streams.get(handle)
+        if stream is None:
+            stream = self.streams[handle] = wrap_stream(cupy, handle, self.device_index)
+            while len(self.streams) > MAX_STREAMS_PER_FUNCTION:
+                self.streams.popitem(last=False)
+        else:
+            self.streams.move_to_end(handle)
+        return stream
 
     def __call__(self, grid, block, args, shared_mem=0):
         cupy = _cupy()
@@ -85,22 +197,41 @@ class _CudaFunction:
                 cupy.cuda.driver.funcSetAttribute(
                     self.function.ptr, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
                 self.shared_opt_in = shared_mem
-            handle = torch.cuda.current_stream(self.device_index).cuda_stream
-            stream = self.streams.get(handle)
-            if stream is None:
-                stream = self.streams[handle] = cupy.cuda.ExternalStream(handle, self.device_index)
+            stream = self.stream_for(cupy, current_stream_handle(self.device_index))
             self.function(grid, block, args, shared_mem=shared_mem, stream=stream)
 
 
 def arch_of(device: torch.device) -> str:
-    """The NVRTC arch of a CUDA device, e.g. sm_90."""
+    """The compute capability of a CUDA device as an arch name, e.g. sm_90."""
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
 
+def shared_limit(device: torch.device) -> int:
+    """Shared memory one block may opt in to on this GPU, as its driver reports it (the arch
+    table's value where the driver cannot be asked)."""
+    return _shared_limit_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_limit_of(index: int) -> int:
+    try:
+        return int(_cupy().cuda.runtime.getDeviceProperties(index)["sharedMemPerBlockOptin"])
+    except Exception:  # noqa: BLE001 - no CuPy: torch's view of the device, then the table
+        props = torch.cuda.get_device_properties(index)
+        reported = getattr(props, "shared_memory_per_block_optin", None)
+        if reported:
+            return int(reported)
+        return SMEM_LIMIT_BYTES.get(base_arch(arch_of(torch.device("cuda", index))), DEFAULT_SHARED_LIMIT)
+
+
 def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
     cupy = _cupy()
-    compiled = compile_source(source, arch_of(device))
+    device_arch = arch_of(device)
+    target = nvrtc_target(device_arch)
+    logger.info("loading %s for %s on %s: NVRTC target %s", source.spec.name, device,
+                torch.cuda.get_device_name(device), describe_target(device_arch, target))
+    compiled = compile_source(source, target, shared_limit=shared_limit(device))
     with cupy.cuda.Device(device.index):
         module = cupy.cuda.function.Module()
         module.load(compiled.cubin)
@@ -122,7 +253,11 @@ def emulate_checked() -> bool:
 def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
     from . import emulate
 
-    module = emulate.load_module(source.code, checked=emulate_checked())
+    checked = emulate_checked()
+    logger.info("loading %s for the CPU emulator%s (a first build runs the host C++ compiler for "
+                "seconds; then it is cached)", source.spec.name,
+                ", checked with AddressSanitizer and UBSan" if checked else "")
+    module = emulate.load_module(source.code, checked=checked)
     functions = {e.name: module.get_function(e.name) for e in source.entries}
     return LoadedSource(source, device, functions, pointer=lambda t: t)
 
@@ -132,6 +267,12 @@ def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
 _loaded: dict[tuple[str, str], LoadedSource] = {}
 _key_locks: dict[tuple[str, str], threading.Lock] = {}
 _key_locks_guard = threading.Lock()
+
+
+def backend_key(device: torch.device):
+    """What decides which loaded kernels serve `device`: the device, and on CPU whether
+    launches are sanitizer-checked (FAGEN_EMULATE_CHECKED; `load` validates its value)."""
+    return (device, os.environ.get(CHECKED_ENV) == "1") if device.type == "cpu" else device
 
 
 def load(source: Source, device: torch.device) -> LoadedSource:

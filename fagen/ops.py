@@ -11,7 +11,10 @@ The forward and backward passes are `torch.library` custom ops
 so `torch.compile(fullgraph=True)` traces a call without graph breaks, and the
 backward is registered with `register_autograd`: it saves O, the statistics and
 the RNG state (seed, offset), never P or the dropout mask, which the backward
-kernels regenerate bit for bit.
+kernels regenerate bit for bit. Eager calls run the same implementations
+through a plain `torch.autograd.Function` (or, without autograd, directly),
+which costs a few microseconds less per call than the custom-op dispatcher:
+for decoding and small batches that host time is the whole cost.
 
 Empty problems are defined, not errors: batch = 0 or Nq = 0 gives empty
 outputs; Nk = 0 (no keys at all) gives O = 0, L = +inf and zero gradients,
@@ -20,18 +23,18 @@ the same as any row that sees no key.
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 
 import torch
 
-from . import attention_kernels
-from .codegen import Source, kernel_entries, render
+from . import attention_kernels, generated_sources, tuning
+from .codegen import Source, source_for
 from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-ALIGN_ELEMENTS = 8  # cp.async moves 16 bytes: rows must start 16-byte aligned
+ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
+HEAD_DIM_MULTIPLE = 8  # head dims in between are zero-padded up to this (flash-attn does too)
+MAX_INT32 = 2**31 - 1  # sequence lengths, heads and batch reach the kernels as int
 
 
 # -- input checking --------------------------------------------------------------------------
@@ -51,23 +54,37 @@ def check_inputs(q, k, v, seqlens_k=None) -> None:
     """Validate flash-attn-layout inputs; raises TypeError/ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
+    q_shape, k_shape = q.shape, k.shape
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-    head_dim = q.shape[3]
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim (q.shape[-1]) must be a multiple of 8 from 8 to {MAX_HEAD_DIM}, got {head_dim}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's number of heads ({q.shape[2]}) must be a multiple of k's ({k.shape[2]})")
+    if k_shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v.shape)}")
+    batch, seqlen_q, heads, head_dim = q_shape
+    if batch != k_shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {k_shape[0]}")
+    if head_dim != k_shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {k_shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if k_shape[2] == 0 or heads % k_shape[2]:
+        raise ValueError(f"q's number of heads ({heads}) must be a multiple of k's ({k_shape[2]})")
+    if max(batch, seqlen_q, heads, k_shape[1]) > MAX_INT32:
+        for name, size in (("batch", batch), ("seqlen_q", seqlen_q), ("heads", heads), ("seqlen_k", k_shape[1])):
+            if size > MAX_INT32:
+                raise ValueError(f"{name} = {size} is above {MAX_INT32}, the largest size the kernels' "
+                                 f"int arguments hold")
     if seqlens_k is not None:
         _check_seqlens_k(seqlens_k, q, k)
+
+
+def _values_checkable(t: torch.Tensor) -> bool:
+    """Whether reading a tensor's values is allowed here: not while torch.compile traces
+    (they are data) and not during CUDA graph capture (the device sync would fail it)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _check_seqlens_k(seqlens_k, q, k) -> None:
@@ -78,38 +95,47 @@ def _check_seqlens_k(seqlens_k, q, k) -> None:
         raise ValueError(f"seqlens_k must have shape ({q.shape[0]},), got {tuple(seqlens_k.shape)}")
     if seqlens_k.device != q.device:
         raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
-    if torch.compiler.is_compiling() or seqlens_k.numel() == 0:
-        return  # values are data: checked eagerly only (the kernels clamp them anyway)
+    # Unchecked (traced or captured), a value above Nk counts as Nk and one below 0 as 0:
+    # the kernels clamp each length to [0, Nk].
+    if seqlens_k.numel() == 0 or not _values_checkable(seqlens_k):
+        return
     low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
     if low < 0 or high > k.shape[1]:
         raise ValueError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
                          f"got values from {low} to {high}")
 
 
+def _check_flag(name: str, value) -> bool:
+    """A flag must be a bool: `causal="no"` must not quietly mean causal=True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version, head_dim):
+    """The non-tensor arguments, checked; returns (dropout_p, softmax_scale) as floats."""
+    for name, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
+        _check_flag(name, value)
+    if isinstance(version, bool) or version not in (1, 2):
+        raise ValueError(f"version must be 1 or 2, got {version!r}")
+    dropout_p = check_dropout_p(dropout_p)
+    if softmax_scale is None:
+        return dropout_p, 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    return dropout_p, float(softmax_scale)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t itself if its rows are contiguous and start 16-byte aligned (cp.async's need), else a
     contiguous copy (this also covers broadcast tensors such as the dO of `out.sum()`)."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s % ALIGN_ELEMENTS == 0 and s > 0 for s in t.stride()[:3]))
+    s_b, s_n, s_h, s_d = t.stride()
+    ok = (s_d == 1 and t.data_ptr() % 16 == 0 and s_b > 0 and s_n > 0 and s_h > 0
+          and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
     return t if ok else t.contiguous()
 
 
 # -- choosing and building the kernels ---------------------------------------------------------
-
-@functools.lru_cache(maxsize=512)
-def source_for(spec: Spec) -> Source:
-    """Render a spec once per process (the compiled kernels are cached by launch/compiler)."""
-    return render(spec)
-
-
-@functools.lru_cache(maxsize=256)
-def _generated_source(spec: Spec, path: str, sha256: str) -> Source:
-    source = Source(spec=spec, code=Path(path).read_text(), kernels=kernel_entries(spec))
-    if source.hash != sha256:
-        raise RuntimeError(f"{path} does not match its module (sha256 {source.hash[:12]} != "
-                           f"{sha256[:12]}); rebuild it with `fagen build`")
-    return source
-
 
 _call_sources: dict[tuple, tuple[int, Source]] = {}
 MAX_CALL_SHAPES = 4096
@@ -118,10 +144,10 @@ MAX_CALL_SHAPES = 4096
 def _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source) -> Source:
     """The kernels for a call: a dict lookup once a call of this shape has been seen."""
     if module_source:  # a generated op module: its own .cu file, its fixed spec
-        return _module_source(module_source)
-    from . import tuning
-
-    generation = tuning.cache.INDEX.current_generation()  # a new tuning result invalidates the memo
+        return generated_sources.source_of(module_source)
+    on_gpu = q.device.type == "cuda"
+    # A new tuning result invalidates the memo; CPU calls never read the tuning cache.
+    generation = tuning.cache.INDEX.current_generation() if on_gpu else 0
     key = (q.shape, k.shape, q.dtype, q.device, seqlens_k is not None, dropout_p > 0, causal, version,
            deterministic)
     hit = _call_sources.get(key)
@@ -140,25 +166,54 @@ def _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_s
     return source
 
 
-@functools.lru_cache(maxsize=256)
-def _module_source(module_source: str) -> Source:
-    spec_name, path, sha256 = module_source.split("|")
-    return _generated_source(Spec.from_name(spec_name), path, sha256)
+# -- the implementations (shared by the custom ops and the eager path) ------------------------------
+
+def _rng_pair(rng: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if rng is None else tuple(int(x) for x in rng.tolist())
 
 
-# -- custom ops --------------------------------------------------------------------------------
+def _forward_kernels(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic,
+                     module_source):
+    """Run the forward kernels. Returns (out, stat, row_sum), and what the eager backward
+    reuses: the Source and the aligned q, k, v the kernels read."""
+    source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
+    seed, offset = _rng_pair(rng)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=softmax_scale, seqlens_k=seqlens_k,
+                                           dropout_p=dropout_p, seed=seed, philox_offset=offset)
+    return (out, stats[0], stats[1] if version == 1 else None), source, (q, k, v)
+
+
+def _forward_impl(q, *args):
+    """The custom op's implementation: its row_sum output is an empty tensor for version 2."""
+    out, stat, row_sum = _forward_kernels(q, *args)[0]
+    return out, stat, q.new_empty(0, dtype=torch.float32) if row_sum is None else row_sum
+
+
+def _backward_kernels(source, dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale,
+                      version):
+    """Run the backward kernels on aligned q, k, v. Returns (dq, dk, dv)."""
+    stats = (stat,) if version == 2 else (stat, row_sum)
+    drop = None if rng is None else attention_kernels.dropout_args(dropout_p, *_rng_pair(rng))
+    return attention_kernels.backward(source, q, k, v, out, stats, _aligned(dout), softmax_scale=softmax_scale,
+                                      seqlens_k=seqlens_k, dropout_args=drop)
+
+
+def _backward_impl(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale, causal,
+                   version, deterministic, module_source):
+    source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
+    return _backward_kernels(source, dout, _aligned(q), _aligned(k), _aligned(v), out, stat, row_sum, seqlens_k,
+                             rng, dropout_p, softmax_scale, version)
+
+
+# -- custom ops (what torch.compile and opcheck see) -----------------------------------------------
 
 @torch.library.custom_op("fagen::flash_attn_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor | None,
             rng: torch.Tensor | None, dropout_p: float, softmax_scale: float, causal: bool, version: int,
             deterministic: bool, module_source: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
-    seed, offset = (int(x) for x in rng.tolist()) if rng is not None else (0, 0)
-    out, stats = attention_kernels.forward(source, _aligned(q), _aligned(k), _aligned(v),
-                                           softmax_scale=softmax_scale, seqlens_k=seqlens_k,
-                                           dropout_p=dropout_p, seed=seed, philox_offset=offset)
-    row_sum = stats[1] if version == 1 else q.new_empty(0, dtype=torch.float32)
-    return out, stats[0], row_sum
+    return _forward_impl(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic,
+                         module_source)
 
 
 @_fwd_op.register_fake
@@ -175,15 +230,8 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             stat: torch.Tensor, row_sum: torch.Tensor, seqlens_k: torch.Tensor | None, rng: torch.Tensor | None,
             dropout_p: float, softmax_scale: float, causal: bool, version: int, deterministic: bool,
             module_source: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
-    stats = (stat,) if version == 2 else (stat, row_sum)
-    drop = None
-    if rng is not None:
-        seed, offset = (int(x) for x in rng.tolist())
-        drop = attention_kernels.dropout_args(dropout_p, seed, offset)
-    return attention_kernels.backward(source, _aligned(q), _aligned(k), _aligned(v), out, stats,
-                                      _aligned(dout), softmax_scale=softmax_scale, seqlens_k=seqlens_k,
-                                      dropout_args=drop)
+    return _backward_impl(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale,
+                          causal, version, deterministic, module_source)
 
 
 @_bwd_op.register_fake
@@ -210,6 +258,47 @@ def _backward(ctx, dout, _dstat, _drow_sum):
 torch.library.register_autograd("fagen::flash_attn_fwd", _backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' autograd formula for eager calls, without the dispatcher's cost.
+    Only q, k, v are autograd inputs; the rest travels as one tuple (fewer inputs, a
+    cheaper apply)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest):
+        seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic, module_source = rest
+        (out, stat, row_sum), source, aligned = _forward_kernels(
+            q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic, module_source)
+        # The aligned q, k, v (the inputs themselves unless they had to be copied) and the
+        # Source: the backward needs neither a second copy nor a second lookup.
+        ctx.save_for_backward(*aligned, out, stat, row_sum, seqlens_k, rng)
+        ctx.source, ctx.options = source, (dropout_p, softmax_scale, version)
+        if row_sum is None:  # version 2: L only
+            ctx.mark_non_differentiable(stat)
+            return out, stat
+        ctx.mark_non_differentiable(stat, row_sum)
+        return out, stat, row_sum
+
+    @staticmethod
+    def backward(ctx, dout, *_stat_grads):
+        q, k, v, out, stat, row_sum, seqlens_k, rng = ctx.saved_tensors
+        dropout_p, softmax_scale, version = ctx.options
+        dq, dk, dv = _backward_kernels(ctx.source, dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p,
+                                       softmax_scale, version)
+        return dq, dk, dv, None
+
+
+def _run(*args):
+    """(out, stat, row_sum) through the custom op when traced, else the eager path (where
+    version 2's row_sum is None)."""
+    if torch.compiler.is_compiling():
+        return _fwd_op(*args)
+    q, k, v = args[:3]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        outputs = _EagerAttention.apply(q, k, v, args[3:])
+        return outputs if len(outputs) == 3 else (*outputs, None)
+    return _forward_kernels(*args)[0]
+
+
 # -- public API --------------------------------------------------------------------------------
 
 def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
@@ -228,36 +317,52 @@ def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None
     return torch.stack([state[0], state[1] % 2**32])
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, seqlens_k=None,
-                    return_lse=False, deterministic=False, version=2, *, _module_source=""):
-    """Exact attention, flash-attn's conventions.
+def _padded_head_dim(q, k, v):
+    """q, k, v with d zero-padded up to a multiple of 8 (the kernels' 16-byte rows), and the
+    true d. Zero columns add nothing to Q K^T, and the output's extra columns are dropped."""
+    head_dim = q.shape[-1]
+    pad = -head_dim % HEAD_DIM_MULTIPLE
+    if pad == 0:
+        return q, k, v, head_dim
+    padded = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
+    return *padded, head_dim
 
-    q (B, Nq, H, d); k, v (B, Nk, Hk, d) with H % Hk == 0 (GQA/MQA); fp16 or
-    bf16, last dim contiguous; d a multiple of 8 up to 256. Returns out
-    (B, Nq, H, d), and with return_lse also L = logsumexp of each row's scaled
-    scores (B, H, Nq), fp32, natural log, +inf for rows that see no key (L is
-    not differentiable). causal aligns bottom-right when Nq != Nk; seqlens_k
-    (int32, (B,)) masks each batch entry's keys past its length; dropout_p
-    uses Philox seeded from torch's generator; deterministic=True makes the
-    backward pass bit-reproducible (no atomics); version=1 runs
-    FlashAttention-1.
-    """
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
+               module_source):
     check_inputs(q, k, v, seqlens_k)
-    dropout_p = check_dropout_p(dropout_p)
-    if version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic,
+                                              version, q.shape[-1])  # the scale uses the true d
+    q, k, v, head_dim = _padded_head_dim(q, k, v)
     if seqlens_k is not None:
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
-    out, stat, row_sum = _fwd_op(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
-                                 float(softmax_scale), bool(causal), int(version), bool(deterministic),
-                                 _module_source)
+    out, stat, row_sum = _run(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
+                              softmax_scale, causal, version, deterministic, module_source)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
     if not return_lse:
         return out
     return out, (stat if version == 2 else _lse_from_stats(stat, row_sum))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, seqlens_k=None,
+                    return_lse=False, deterministic=False, version=2):
+    """Exact attention, flash-attn's conventions.
+
+    q (B, Nq, H, d); k, v (B, Nk, Hk, d) with H % Hk == 0 (GQA/MQA); fp16 or
+    bf16, last dim contiguous; d up to 256 (a d that is not a multiple of 8
+    is zero-padded on the way in and sliced on the way out, as flash-attn
+    does; the default scale still uses the true d). Returns out (B, Nq, H, d),
+    and with return_lse also L = logsumexp of each row's scaled scores
+    (B, H, Nq), fp32, natural log, +inf for rows that see no key (L is not
+    differentiable). causal (a bool) aligns bottom-right when Nq != Nk;
+    seqlens_k (int32, (B,)) masks each batch entry's keys past its length;
+    dropout_p uses Philox seeded from torch's generator; deterministic=True
+    makes the backward pass bit-reproducible (no atomics); version=1 runs
+    FlashAttention-1.
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic,
+                      version, "")
 
 
 def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -282,7 +387,7 @@ def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, seqle
     return result.transpose(1, 2)
 
 
-def run_generated(spec: Spec, source_path: Path, sha256: str, q, k, v, *, softmax_scale=None,
+def run_generated(spec: Spec, source_path, sha256: str, q, k, v, *, softmax_scale=None,
                   seqlens_k=None, dropout_p=0.0, return_lse=False):
     """Entry point of the op modules `fagen build` writes: a fixed spec and its own .cu file."""
     if TORCH_DTYPES.get(getattr(q, "dtype", None)) != spec.dtype or getattr(q, "shape", (0,))[-1] != spec.head_dim:
@@ -290,9 +395,8 @@ def run_generated(spec: Spec, source_path: Path, sha256: str, q, k, v, *, softma
                          f"{getattr(q, 'dtype', type(q).__name__)} with shape {tuple(getattr(q, 'shape', ()))}")
     if (seqlens_k is not None) != spec.key_padding:
         raise ValueError(f"{spec.name} {'needs' if spec.key_padding else 'takes no'} seqlens_k")
-    if (dropout_p > 0) != spec.dropout:
+    if (check_dropout_p(dropout_p) > 0) != spec.dropout:
         raise ValueError(f"{spec.name} was built {'with' if spec.dropout else 'without'} dropout; "
                          f"dropout_p must be {'> 0' if spec.dropout else '0'}, got {dropout_p}")
-    return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=spec.causal,
-                           seqlens_k=seqlens_k, return_lse=return_lse, deterministic=spec.deterministic,
-                           version=spec.version, _module_source=f"{spec.name}|{source_path}|{sha256}")
+    return _attention(q, k, v, dropout_p, softmax_scale, spec.causal, seqlens_k, return_lse, spec.deterministic,
+                      spec.version, generated_sources.module_source(spec, source_path, sha256))

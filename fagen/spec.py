@@ -30,17 +30,27 @@ MMA_K = 16
 SMEM_ROW_PAD = 8
 ELEMENT_BYTES = 2  # fp16 and bf16
 
-# Largest dynamic shared memory one thread block may opt in to, per arch
-# (CUDA C Programming Guide, "Features and Technical Specifications").
+# Largest shared memory one thread block may opt in to, per arch: the CUDA C++
+# Programming Guide's "Technical Specifications per Compute Capability" table
+# (shared memory per SM less the 1 KB the driver reserves per block). Every
+# sm_80-or-newer target NVRTC 12.9 or 13.x accepts is listed, except sm_107,
+# whose limit the guide does not give (on such a GPU the driver's reported
+# limit is used, see `launch`). sm_101 is NVRTC 12.9's name for what CUDA 13
+# calls sm_110. Arch-specific targets (sm_90a, sm_100a, sm_100f, ...) share
+# their base arch's entry.
 SMEM_LIMIT_BYTES = {
-    "sm_80": 166912,
-    "sm_86": 101376,
-    "sm_87": 166912,
-    "sm_89": 101376,
-    "sm_90": 232448,
-    "sm_90a": 232448,
-    "sm_100": 232448,
-    "sm_120": 101376,
+    "sm_80": 166912,    # A100: 163 KB
+    "sm_86": 101376,    # RTX 30xx, A40: 99 KB
+    "sm_87": 166912,    # Jetson Orin: 163 KB
+    "sm_88": 101376,    # 99 KB, as sm_86
+    "sm_89": 101376,    # RTX 40xx, L4, L40: 99 KB
+    "sm_90": 232448,    # H100, H200: 227 KB
+    "sm_100": 232448,   # B200: 227 KB
+    "sm_101": 232448,   # CUDA 12.9's name for sm_110
+    "sm_103": 232448,   # B300: 227 KB
+    "sm_110": 232448,   # Jetson Thor: 227 KB
+    "sm_120": 101376,   # RTX 50xx, RTX PRO Blackwell: 99 KB
+    "sm_121": 101376,   # DGX Spark: 99 KB
 }
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 
@@ -70,11 +80,20 @@ def check_dropout_p(dropout_p) -> float:
     return float(dropout_p)
 
 
+def base_arch(arch: str) -> str:
+    """The table's name for a target: `sm_90a` -> `sm_90`, `sm_100f` -> `sm_100`,
+    `compute_90` (a PTX target) -> `sm_90`."""
+    match = re.fullmatch(r"(?:sm|compute)_(\d+)[af]?", arch)
+    return f"sm_{match.group(1)}" if match else arch
+
+
 def smem_limit(arch: str) -> int:
-    if arch not in SMEM_LIMIT_BYTES:
+    base = base_arch(arch)
+    if base not in SMEM_LIMIT_BYTES:
         known = ", ".join(SMEM_LIMIT_BYTES)
-        raise ValueError(f"unknown arch {arch!r}; known archs: {known}")
-    return SMEM_LIMIT_BYTES[arch]
+        raise ValueError(f"unknown arch {arch!r}; known archs: {known} (fagen's kernels need sm_80 "
+                         f"or newer; arch-specific forms such as sm_90a are accepted too)")
+    return SMEM_LIMIT_BYTES[base]
 
 
 @dataclass(frozen=True)
@@ -199,7 +218,7 @@ class Spec:
         if self.bwd_stages is None:
             object.__setattr__(self, "bwd_stages", self._backward_tile_table().num_stages)
         self._check_tiles()
-        self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))
+        self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))  # fits some GPU
 
     # -- validation -------------------------------------------------------
     def _check_head_dim(self):
@@ -236,14 +255,16 @@ class Spec:
         if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
             raise ValueError(f"bwd_stages must be an int in 1..{MAX_STAGES}, got {stages!r}")
 
-    def check_arch(self, arch: str, backward: bool = True) -> None:
+    def check_arch(self, arch: str, backward: bool = True, shared_limit: int | None = None) -> None:
         """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory.
 
         The forward kernel is always checked; `backward=False` skips the
         backward kernels, whose tiles depend on the head dim only (a variant can
         run inference on an arch whose shared memory its backward exceeds).
+        `shared_limit` (bytes per block, as a GPU's driver reports it) replaces
+        the table's value, so a GPU whose arch the table lacks still runs.
         """
-        allowed = smem_limit(arch)
+        allowed = smem_limit(arch) if shared_limit is None else shared_limit
         needed = self.shared_layout.total_bytes
         if needed > allowed:
             raise ValueError(

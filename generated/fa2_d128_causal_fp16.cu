@@ -82,22 +82,27 @@ fa2_d128_causal_fp16_fwd(
     long long o_stride_b,
     long long o_stride_n,
     long long o_stride_h,
-    float softmax_scale_log2) {
+    float softmax_scale_log2,
+    int head_offset,
+    int batch_offset) {
   using namespace fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem + 0);
   elem_t* k_stages = reinterpret_cast<elem_t*>(smem + 34816);
   elem_t* v_stages = reinterpret_cast<elem_t*>(smem + 69632);
 
-  const int q_block = blockIdx.x;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  // Causal load balance: a later query block sees more keys, so the heaviest blocks take
+  // the first launch slots (FlashAttention-2's order) and the last wave runs light ones.
+  const int q_block = gridDim.x - 1 - blockIdx.x;
+  const int first_row = q_block * kBlockM;        // Q_i's first row in the sequence
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);  // GQA/MQA: index the shared K/V head, never copy it
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kRowTiles * 16;    // the warp's first row inside Q_i
-  const int row0 = q_block * kBlockM + warp_row0;  // ... and in the whole sequence
+  const int row0 = first_row + warp_row0;         // ... and in the whole sequence
   const int keys = seqlen_k;
 
-  const elem_t* q_rows = q + batch * q_stride_b + head * q_stride_h + (long long)q_block * kBlockM * q_stride_n;
+  const elem_t* q_rows = q + batch * q_stride_b + head * q_stride_h + (long long)first_row * q_stride_n;
   const elem_t* k_head = k + batch * k_stride_b + kv_head * k_stride_h;
   const elem_t* v_head = v + batch * v_stride_b + kv_head * v_stride_h;
 
@@ -105,13 +110,13 @@ fa2_d128_causal_fp16_fwd(
   // j <= i + keys - seqlen_q): every K/V tile past the last row's diagonal is
   // fully masked and skipped. From `unmasked_keys` on, a tile needs the mask.
   int key_limit = keys, unmasked_keys = keys;
-  key_limit = min(keys, max(0, (q_block + 1) * kBlockM + keys - seqlen_q));
-  unmasked_keys = min(keys, max(0, q_block * kBlockM + keys - seqlen_q + 1));
+  key_limit = min(keys, max(0, first_row + kBlockM + keys - seqlen_q));
+  unmasked_keys = min(keys, max(0, first_row + keys - seqlen_q + 1));
   const int num_tiles = (key_limit + kBlockN - 1) / kBlockN;
 
   // FA-2 Algorithm 1, line 4: load Q_i from HBM to SRAM (it joins the first cp.async group).
   fagen::copy_tile_async<kBlockM, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
-      q_tile, q_rows, q_stride_n, seqlen_q - q_block * kBlockM, q);
+      q_tile, q_rows, q_stride_n, seqlen_q - first_row, q);
   auto load_kv = [&](int tile, int stage) {
     const int first = tile * kBlockN;
     fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
@@ -193,7 +198,7 @@ fa2_d128_causal_fp16_fwd(
         *reinterpret_cast<unsigned*>(q_tile + local_row * kRowElems + dt * 8 + 2 * (lane % 4)) =
             fagen::pack2<elem_t>(o[rt][dt][2 * half] * inv, o[rt][dt][2 * half + 1] * inv);
       }
-      const int row = q_block * kBlockM + local_row;
+      const int row = first_row + local_row;
       if (lane % 4 == 0 && row < seqlen_q) {
         lse[((long long)batch * heads + head) * seqlen_q + row] =
             total > 0.f ? row_max[rt][half] * fagen::kLn2 + logf(total) : fagen::infinity();
@@ -202,11 +207,11 @@ fa2_d128_causal_fp16_fwd(
   }
   __syncthreads();
   // FA-2 Algorithm 1, line 14: write O_i to HBM, 16 bytes per thread per step.
-  elem_t* out_rows = out + batch * o_stride_b + head * o_stride_h + (long long)q_block * kBlockM * o_stride_n;
+  elem_t* out_rows = out + batch * o_stride_b + head * o_stride_h + (long long)first_row * o_stride_n;
   constexpr int kChunksPerRow = kHeadDim / 8;
   for (int chunk = threadIdx.x; chunk < kBlockM * kChunksPerRow; chunk += kThreads) {
     const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-    if (q_block * kBlockM + r < seqlen_q) {
+    if (first_row + r < seqlen_q) {
       *reinterpret_cast<fagen::Chunk16*>(out_rows + r * o_stride_n + col) =
           *reinterpret_cast<const fagen::Chunk16*>(q_tile + r * kRowElems + col);
     }
@@ -269,9 +274,11 @@ fa2_d128_causal_fp16_bwd_preprocess(
     long long o_stride_h,
     long long do_stride_b,
     long long do_stride_n,
-    long long do_stride_h) {
+    long long do_stride_h,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < kBlockM; r += blockDim.x / 32) {  // this kernel has its own block size
     const int row = blockIdx.x * kBlockM + r;
@@ -322,7 +329,9 @@ fa2_d128_causal_fp16_bwd(
     long long dv_stride_n,
     long long dv_stride_h,
     float softmax_scale,
-    float softmax_scale_log2) {
+    float softmax_scale_log2,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem + 0);
@@ -334,7 +343,7 @@ fa2_d128_causal_fp16_bwd(
   float* delta_tile = lse_tile + kBlockM;                                             // D_i
 
   const int kv_block = blockIdx.x, n0 = kv_block * kBlockN;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int key_group = warp % kKeyGroups, slice = warp / kKeyGroups;
@@ -495,9 +504,11 @@ fa2_d128_causal_fp16_bwd_dq_convert(
     long long dq_stride_b,
     long long dq_stride_n,
     long long dq_stride_h,
-    float softmax_scale) {
+    float softmax_scale,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const long long stat0 = ((long long)batch * heads + head) * seqlen_q;
   for (int idx = threadIdx.x; idx < kBlockM * kHeadDim; idx += blockDim.x) {
     const int row = blockIdx.x * kBlockM + idx / kHeadDim, col = idx % kHeadDim;

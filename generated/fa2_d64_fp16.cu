@@ -82,7 +82,9 @@ fa2_d64_fp16_fwd(
     long long o_stride_b,
     long long o_stride_n,
     long long o_stride_h,
-    float softmax_scale_log2) {
+    float softmax_scale_log2,
+    int head_offset,
+    int batch_offset) {
   using namespace fwd;
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* q_tile = reinterpret_cast<elem_t*>(smem + 0);
@@ -90,14 +92,15 @@ fa2_d64_fp16_fwd(
   elem_t* v_stages = reinterpret_cast<elem_t*>(smem + 36864);
 
   const int q_block = blockIdx.x;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int first_row = q_block * kBlockM;        // Q_i's first row in the sequence
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);  // GQA/MQA: index the shared K/V head, never copy it
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row0 = warp * kRowTiles * 16;    // the warp's first row inside Q_i
-  const int row0 = q_block * kBlockM + warp_row0;  // ... and in the whole sequence
+  const int row0 = first_row + warp_row0;         // ... and in the whole sequence
   const int keys = seqlen_k;
 
-  const elem_t* q_rows = q + batch * q_stride_b + head * q_stride_h + (long long)q_block * kBlockM * q_stride_n;
+  const elem_t* q_rows = q + batch * q_stride_b + head * q_stride_h + (long long)first_row * q_stride_n;
   const elem_t* k_head = k + batch * k_stride_b + kv_head * k_stride_h;
   const elem_t* v_head = v + batch * v_stride_b + kv_head * v_stride_h;
 
@@ -109,7 +112,7 @@ fa2_d64_fp16_fwd(
 
   // FA-2 Algorithm 1, line 4: load Q_i from HBM to SRAM (it joins the first cp.async group).
   fagen::copy_tile_async<kBlockM, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
-      q_tile, q_rows, q_stride_n, seqlen_q - q_block * kBlockM, q);
+      q_tile, q_rows, q_stride_n, seqlen_q - first_row, q);
   auto load_kv = [&](int tile, int stage) {
     const int first = tile * kBlockN;
     fagen::copy_tile_async<kBlockN, kHeadDim, kHeadDimPad, kRowElems, kThreads>(
@@ -190,7 +193,7 @@ fa2_d64_fp16_fwd(
         *reinterpret_cast<unsigned*>(q_tile + local_row * kRowElems + dt * 8 + 2 * (lane % 4)) =
             fagen::pack2<elem_t>(o[rt][dt][2 * half] * inv, o[rt][dt][2 * half + 1] * inv);
       }
-      const int row = q_block * kBlockM + local_row;
+      const int row = first_row + local_row;
       if (lane % 4 == 0 && row < seqlen_q) {
         lse[((long long)batch * heads + head) * seqlen_q + row] =
             total > 0.f ? row_max[rt][half] * fagen::kLn2 + logf(total) : fagen::infinity();
@@ -199,11 +202,11 @@ fa2_d64_fp16_fwd(
   }
   __syncthreads();
   // FA-2 Algorithm 1, line 14: write O_i to HBM, 16 bytes per thread per step.
-  elem_t* out_rows = out + batch * o_stride_b + head * o_stride_h + (long long)q_block * kBlockM * o_stride_n;
+  elem_t* out_rows = out + batch * o_stride_b + head * o_stride_h + (long long)first_row * o_stride_n;
   constexpr int kChunksPerRow = kHeadDim / 8;
   for (int chunk = threadIdx.x; chunk < kBlockM * kChunksPerRow; chunk += kThreads) {
     const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-    if (q_block * kBlockM + r < seqlen_q) {
+    if (first_row + r < seqlen_q) {
       *reinterpret_cast<fagen::Chunk16*>(out_rows + r * o_stride_n + col) =
           *reinterpret_cast<const fagen::Chunk16*>(q_tile + r * kRowElems + col);
     }
@@ -266,9 +269,11 @@ fa2_d64_fp16_bwd_preprocess(
     long long o_stride_h,
     long long do_stride_b,
     long long do_stride_n,
-    long long do_stride_h) {
+    long long do_stride_h,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < kBlockM; r += blockDim.x / 32) {  // this kernel has its own block size
     const int row = blockIdx.x * kBlockM + r;
@@ -319,7 +324,9 @@ fa2_d64_fp16_bwd(
     long long dv_stride_n,
     long long dv_stride_h,
     float softmax_scale,
-    float softmax_scale_log2) {
+    float softmax_scale_log2,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
   extern __shared__ __align__(16) unsigned char smem[];
   elem_t* k_tile = reinterpret_cast<elem_t*>(smem + 0);
@@ -331,7 +338,7 @@ fa2_d64_fp16_bwd(
   float* delta_tile = lse_tile + kBlockM;                                             // D_i
 
   const int kv_block = blockIdx.x, n0 = kv_block * kBlockN;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const int kv_head = head / (heads / kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int key_group = warp % kKeyGroups, slice = warp / kKeyGroups;
@@ -490,9 +497,11 @@ fa2_d64_fp16_bwd_dq_convert(
     long long dq_stride_b,
     long long dq_stride_n,
     long long dq_stride_h,
-    float softmax_scale) {
+    float softmax_scale,
+    int head_offset,
+    int batch_offset) {
   using namespace bwd;
-  const int batch = blockIdx.z, head = blockIdx.y;  // grid: (row blocks, heads, batch)
+  const int batch = batch_offset + blockIdx.z, head = head_offset + blockIdx.y;  // grid: (row blocks, heads, batch)
   const long long stat0 = ((long long)batch * heads + head) * seqlen_q;
   for (int idx = threadIdx.x; idx < kBlockM * kHeadDim; idx += blockDim.x) {
     const int row = blockIdx.x * kBlockM + idx / kHeadDim, col = idx % kHeadDim;

@@ -364,3 +364,14 @@ def test_sanitizer_runs_are_recorded_whatever_happens(tmp_path, monkeypatch):
     else:
         assert run["status"] == "failed" and not run["script_finished"]
         assert section["status"] == "problems"
+
+
+def test_the_summary_names_the_driver_and_nvrtc():
+    from fagen.bench import gpu_check, report
+
+    meta = {"device": "NVIDIA H200", "capability": "sm_90", "cuda": "13.0",
+            **gpu_check._toolchain_meta("sm_90")}
+    assert meta["nvrtc_target"] == "sm_90" and meta["driver"]
+    first = report.summary_lines({"meta": meta, "sections": {}})[0]
+    assert first.startswith("toolchain: driver ") and f"NVRTC {meta['nvrtc']}" in first and "sm_90" in first
+    assert "NVRTC" in gpu_check.toolchain_line(meta)

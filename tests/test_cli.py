@@ -106,3 +106,84 @@ def test_verify_exits_1_on_a_failing_identity(monkeypatch, capsys):
     monkeypatch.setattr(identities, "IDENTITIES", [*identities.IDENTITIES, wrong])
     assert main(["verify"]) == 1
     assert "deliberately wrong" in capsys.readouterr().out
+
+
+# -- first contact -------------------------------------------------------------------------------
+
+def test_version_and_python_dash_m(tmp_path, capsys):
+    from fagen import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"fagen {__version__}"
+    result = subprocess.run([sys.executable, "-m", "fagen", "list", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0 and "no fagen variants" in result.stdout
+
+
+def test_every_option_and_positional_has_help():
+    import argparse
+
+    from fagen.cli import make_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield path, action
+
+    missing = [(path, action.dest) for path, action in walk(make_parser(), "fagen") if not action.help]
+    assert not missing
+
+
+def test_bench_help_names_the_gpu_check(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "gpu-check" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["build", "--default-set", "--d", "64"], "--default-set builds a fixed set of variants; it takes no --d"),
+    (["build", "--default-set", "--causal", "--bwd-stages", "1"], "takes no --causal, --bwd-stages"),
+    (["build", "--causal"], "--d (head dim) is required"),
+    (["verify", "--causal"], "--causal describe a variant, which also needs --d"),
+    (["verify", "--spec", "fa2_d64_fp16", "--d", "128"],
+     "--spec fa2_d64_fp16 names the whole variant; it takes no --d"),
+    (["tune", "--show", "--d", "64"], "--show and --clear take no tuning options, got --d"),
+])
+def test_conflicting_or_ignored_options_are_errors(argv, message, capsys, tmp_path):
+    assert main([*argv, *(["--out", str(tmp_path / "o")] if argv[0] == "build" else [])]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_list_of_a_missing_directory_fails(tmp_path, capsys):
+    assert main(["list", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_show_of_a_spec_not_built_gives_the_build_command(tmp_path, capsys):
+    assert main(["show", "fa2_d64_causal_bf16", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"fagen build --d 64 --dtype bf16 --causal --out {tmp_path}" in err
+    assert main(["show", "not_a_spec", "--dir", str(tmp_path)]) == 2
+    assert "not a spec name" in capsys.readouterr().err
+
+
+def test_the_build_command_rebuilds_the_same_spec(tmp_path, capsys):
+    from fagen.spec import Spec
+    from fagen.variant_flags import build_command
+
+    spec = Spec(96, dtype="bf16", version=1, mask="causal", key_padding=True, dropout=True, deterministic=True,
+                block_m=64, block_n=32, num_warps=4, num_stages=1, bwd_stages=1)
+    argv = build_command(spec, tmp_path / "x").split()[1:]
+    assert main([*argv, "--arch", "sm_80"]) == 0
+    assert (tmp_path / "x" / f"{spec.name}.cu").exists()
+
+
+def test_build_logs_what_it_compiles(tmp_path, capsys):
+    assert main(["build", "--d", "40", "--arch", "sm_80", "--out", str(tmp_path / "l")]) == 0
+    captured = capsys.readouterr()
+    assert "fagen: compiling fa2_d40_fp16 for sm_80 with NVRTC" in captured.err
+    assert "NVRTC" in captured.out.splitlines()[0]   # the summary names the compiler and the archs' origin

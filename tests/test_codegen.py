@@ -1,5 +1,7 @@
 """Rendering: deterministic, strict, annotated."""
 
+import re
+
 import jinja2
 import pytest
 
@@ -66,3 +68,33 @@ def test_environment_is_strict():
     assert env.undefined is jinja2.StrictUndefined
     with pytest.raises(jinja2.UndefinedError):
         env.get_template("variant.cu.j2").render(spec=Spec(64))
+
+
+# A loop counter or product in 32-bit int that multiplies a sequence length by a head dim,
+# a tile or a stride overflows once Nq * d >= 2**31 (FA-1's O buffer, say). Such products
+# must be taken in 64 bits: `(long long)seqlen_q * kHeadDim`.
+LENGTH_TIMES = r"[^;]*\bseqlen_[qk]\b[^;]*\*[^;]*|[^;]*\*[^;]*\bseqlen_[qk]\b[^;]*"
+INT_LOOP_BOUND = re.compile(rf"for \(int (\w+) = [^;]*; \1 < ({LENGTH_TIMES});")
+UNCAST_PRODUCT = re.compile(r"(?<!\(long long\))\bseqlen_[qk] \* k[A-Z]\w*")
+
+
+def wide_products_problems(code: str) -> list[str]:
+    return [m.group(0) for m in INT_LOOP_BOUND.finditer(code)] + [m.group(0) for m in UNCAST_PRODUCT.finditer(code)]
+
+
+def test_no_32_bit_products_of_lengths_and_head_dims():
+    specs = [Spec(d, version=version, mask=mask, key_padding=True, dropout=True, deterministic=det)
+             for d in (64, 256) for version in (1, 2) for mask in ("none", "causal") for det in (False, True)]
+    for spec in specs:
+        for debug in (False, True):
+            problems = wide_products_problems(render(spec, debug=debug).code)
+            assert not problems, f"{spec.name}: 32-bit products {problems}"
+
+
+def test_the_overflow_check_sees_the_old_fa1_loops():
+    """Positive control: the FA-1 loops this check was written for."""
+    old = ("  for (int idx = threadIdx.x; idx < seqlen_q * kHeadDim; idx += kThreads) o_head[idx] = 0.f;\n"
+           "  for (int chunk = threadIdx.x; chunk < seqlen_q * kChunksPerRow; chunk += kThreads) {\n")
+    assert len(wide_products_problems(old)) == 4
+    fixed = "  for (long long idx = threadIdx.x; idx < (long long)seqlen_q * kHeadDim; idx += kThreads)\n"
+    assert wide_products_problems(fixed) == []

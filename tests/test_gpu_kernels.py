@@ -249,6 +249,47 @@ def test_cuda_graph_capture_replays_and_refuses_dropout():
             attention(q, k, v, dropout_p=DROPOUT_P)
 
 
+@needs_cuda
+def test_cuda_graph_capture_with_seqlens_k_replays():
+    """seqlens_k's value check reads the device; under capture it is skipped (the kernels
+    clamp the lengths), so the call captures and replays to the eager result."""
+    attention = flash_attn_func()
+    q, k, v = inputs((2, 96, 130, 2, 2), "fp16", 64, seed=10)
+    seqlens_k = torch.tensor([130, 57], dtype=torch.int32, device=DEVICE)
+    eager = attention(q, k, v, causal=True, seqlens_k=seqlens_k)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attention(q, k, v, causal=True, seqlens_k=seqlens_k)
+    seqlens_k.copy_(torch.tensor([40, 130], dtype=torch.int32))   # new lengths, same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, attention(q, k, v, causal=True, seqlens_k=seqlens_k))
+    assert not torch.equal(static_out, eager)
+
+
+def test_a_batch_of_65536_single_query_sequences(monkeypatch):
+    """Past gridDim.z's 65535 the batch goes out in chunks. On the emulator (slow per block)
+    the same path runs with the limit lowered to 64 and a batch of 130."""
+    from fagen import launch
+
+    batch = 65536
+    if DEVICE != "cuda":
+        monkeypatch.setattr(launch, "GRID_YZ_LIMIT", 64)
+        batch = 130
+    q, k, v = inputs((batch, 1, 3, 2, 1), "bf16", 64, seed=11, requires_grad=True)
+    out = flash_attn_func()(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    pt_out = torch_same_dtype(q, k, v)
+    pt_grads = torch.autograd.grad(pt_out, (q, k, v), dout)
+    ref_out, _ = attention_forward(*cpu(q, k, v))
+    refs = attention_backward(*cpu(q, k, v), ref_out, dout.cpu())
+    assert_fa2_rule("out", out, pt_out, ref_out, OUTPUT_FACTOR)
+    for name, ours, pt, ref in zip(("dq", "dk", "dv"), grads, pt_grads, refs):
+        assert_fa2_rule(name, ours, pt, ref, GRAD_FACTOR)
+
+
 @pytest.mark.parametrize("version, dtype, head_dim", DROPOUT_CASES,
                          ids=[f"v{v}-{dt}-d{d}" for v, dt, d in DROPOUT_CASES])
 def test_dropout_mask_is_the_same_in_forward_and_backward(version, dtype, head_dim):

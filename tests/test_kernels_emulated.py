@@ -70,21 +70,33 @@ def test_deterministic_backward_is_bit_identical(version):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def test_causal_skips_masked_tiles():
-    """FA-2 visits only K/V tiles left of each query block's diagonal."""
+def test_causal_skips_masked_tiles_and_launches_the_heaviest_blocks_first():
+    """FA-2 visits only K/V tiles left of each query block's diagonal, and the block in
+    launch slot s is query block (blocks - 1 - s), so the heaviest start first."""
     spec = Spec(64, mask="causal", block_m=64, block_n=32)
     source = render(spec, debug=True)
     for seqlen_q, seqlen_k in [(256, 256), (100, 300), (300, 100)]:
         q, k, v, _, _ = make_inputs(spec, Shape(1, seqlen_q, seqlen_k, heads=1, kv_heads=1))
         blocks = -(-seqlen_q // 64)
         visited = torch.full((blocks,), -1, dtype=torch.int32)
-        ops.forward(source, q, k, v, debug={"tiles_visited": visited})
+        ops.forward(source, q, k, v, debug={"tiles_visited": visited})  # by launch slot
         # Block i's last row is 64(i+1) - 1; it sees keys j <= 64(i+1) - 1 + Nk - Nq.
-        expected = [max(0, min(seqlen_k, 64 * (i + 1) + seqlen_k - seqlen_q) + 31) // 32
+        by_block = [max(0, min(seqlen_k, 64 * (i + 1) + seqlen_k - seqlen_q) + 31) // 32
                     for i in range(blocks)]
-        assert visited.tolist() == expected
+        assert visited.tolist() == by_block[::-1]
+        assert visited.tolist() == sorted(visited.tolist(), reverse=True)
         full = -(-seqlen_k // 32)
-        assert sum(expected) < blocks * full  # something was skipped
+        assert sum(by_block) < blocks * full  # something was skipped
+
+
+def test_without_causal_blocks_launch_in_order():
+    spec = Spec(64, block_m=64, block_n=32, key_padding=True)
+    source = render(spec, debug=True)
+    q, k, v, _, _ = make_inputs(spec, Shape(2, 200, 90, heads=1, kv_heads=1))
+    visited = torch.full((2 * 4,), -1, dtype=torch.int32)
+    ops.forward(source, q, k, v, seqlens_k=torch.tensor([90, 40], dtype=torch.int32),
+                debug={"tiles_visited": visited})
+    assert visited.tolist() == [3] * 4 + [2] * 4   # (batch, head, slot): every block sees its keys
 
 
 def test_fa1_causal_skips_masked_pairs():

@@ -2,8 +2,12 @@
 opcheck, generated modules and clear errors for bad input."""
 
 import importlib
+import inspect
+import logging
 import math
 import sys
+import types
+import warnings
 
 import pytest
 import torch
@@ -110,11 +114,12 @@ def test_lse_is_not_differentiable_and_seqlens_k_may_be_a_view():
     within_rule(out, ref, pt, 2)
 
 
-def test_more_batch_times_heads_than_one_grid_dimension_holds():
-    # 2 x 32769 (batch, heads) blocks: more than grid.y's 65535 if they shared one dimension.
-    q = torch.randn(2, 1, 32769, 16).half()
-    k = torch.randn(2, 3, 1, 16).half()
-    v = torch.randn(2, 3, 1, 16).half()
+def test_a_batch_past_the_grid_limit_launches_in_chunks():
+    # 65537 sequences of one query: more than gridDim.z's 65535 (the emulator, like the
+    # GPU, refuses such a launch), so the batch goes out in two launches.
+    q = torch.randn(65537, 1, 1, 16).half()
+    k = torch.randn(65537, 3, 1, 16).half()
+    v = torch.randn(65537, 3, 1, 16).half()
     out = fagen.flash_attn_func(q, k, v)
     ref, _ = attention_forward(q, k, v)
     assert (out.double() - ref).abs().max() < 1e-2
@@ -181,10 +186,9 @@ Q, K, V = qkv(batch=2, seqlen_q=8, seqlen_k=8, heads=2, kv_heads=2, head_dim=32)
     (Q, K[..., :16], V[..., :16], {}, ValueError, "q and k must have the same head_dim, got 32 and 16"),
     (Q, K[:, :, :1].expand(2, 8, 1, 32), V, {}, ValueError, "k and v must have the same shape"),
     (torch.randn(2, 8, 3, 32).half(), K, V, {}, ValueError, r"q's number of heads \(3\) must be a multiple of k's \(2\)"),
-    (torch.randn(1, 8, 2, 12).half(), torch.randn(1, 8, 2, 12).half(), torch.randn(1, 8, 2, 12).half(), {},
-     ValueError, "head_dim .* must be a multiple of 8"),
     (torch.randn(1, 4, 1, 264).half(), torch.randn(1, 4, 1, 264).half(), torch.randn(1, 4, 1, 264).half(), {},
-     ValueError, "head_dim .* from 8 to 256, got 264"),
+     ValueError, "head_dim .* from 1 to 256, got 264"),
+    (Q[..., :0], K[..., :0], V[..., :0], {}, ValueError, "head_dim .* from 1 to 256, got 0"),
     (Q, K, V, {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
     (Q, K, V, {"dropout_p": -0.5}, ValueError, r"dropout_p must be in \[0, 1\)"),
     (Q, K, V, {"seqlens_k": torch.tensor([8, 8])}, TypeError, "seqlens_k must be an int32 tensor"),
@@ -194,6 +198,13 @@ Q, K, V = qkv(batch=2, seqlen_q=8, seqlen_k=8, heads=2, kv_heads=2, head_dim=32)
     (Q, K, V, {"seqlens_k": torch.tensor([-1, 3], dtype=torch.int32)}, ValueError, r"values must be in \[0, 8\]"),
     (Q, K, V, {"version": 3}, ValueError, "version must be 1 or 2"),
     (Q, K, V, {"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a float"),
+    (Q, K, V, {"version": True}, ValueError, "version must be 1 or 2"),
+    (Q, K, V, {"causal": "no"}, TypeError, r"causal must be True or False, got 'no'"),
+    (Q, K, V, {"causal": 1}, TypeError, "causal must be True or False, got 1"),
+    (Q, K, V, {"causal": "yes"}, TypeError, "causal must be True or False"),
+    (Q, K, V, {"deterministic": 1}, TypeError, "deterministic must be True or False"),
+    (Q, K, V, {"return_lse": "yes"}, TypeError, "return_lse must be True or False"),
+    (Q, K, V, {"dropout_p": True}, TypeError, "dropout_p must be a float"),
     ("q", K, V, {}, TypeError, "q must be a torch.Tensor"),
 ])
 def test_bad_input_is_a_clear_error(q, k, v, kwargs, error, message):
@@ -256,12 +267,12 @@ def test_generated_module_runs_with_autograd(tmp_path, monkeypatch):
     module = importlib.import_module("gen.fa2_d32_causal_bf16")
     assert module.SPEC.name == "fa2_d32_causal_bf16"
     q, k, v = qkv(head_dim=32, dtype=torch.bfloat16, requires_grad=True)
-    out = module.attention(q, k, v)
+    out = module.flash_attn_func(q, k, v)
     torch.testing.assert_close(out, fagen.flash_attn_func(q, k, v, causal=True))
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
     with pytest.raises(ValueError, match="takes bf16 inputs with head_dim 32"):
-        module.attention(q.half(), k.half(), v.half())
+        module.flash_attn_func(q.half(), k.half(), v.half())
     sys.modules.pop("gen.fa2_d32_causal_bf16", None)
 
 
@@ -277,4 +288,96 @@ def test_generated_module_detects_an_edited_source(tmp_path, monkeypatch):
     module = importlib.import_module("gen2.fa2_d32_fp16")
     q, k, v = qkv(head_dim=32)
     with pytest.raises(RuntimeError, match="does not match its module"):
-        module.attention(q, k, v)
+        module.flash_attn_func(q, k, v)
+
+
+def test_generated_module_names_its_layout_and_runs_an_edited_source_on_request(tmp_path, monkeypatch):
+    from fagen.cli import main
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    out_dir = tmp_path / "pkg3" / "gen3"
+    main(["build", "--d", "32", "--causal", "--arch", "sm_80", "--out", str(out_dir)])
+    source = out_dir / "fa2_d32_causal_fp16.cu"
+    source.write_text(source.read_text().replace("// fagen generated kernel source",
+                                                 "// (a printf would go here) fagen generated kernel source"))
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg3"))
+    module = importlib.import_module("gen3.fa2_d32_causal_fp16")
+    assert not hasattr(module, "attention")   # `attention` is PyTorch's layout; the module takes flash-attn's
+    q, k, v = qkv(head_dim=32)
+    with pytest.raises(RuntimeError, match=rf"fagen build --d 32 --causal --out {out_dir}"):
+        module.flash_attn_func(q, k, v)
+    monkeypatch.setenv("FAGEN_ALLOW_EDITED_SOURCE", "1")
+    with pytest.warns(UserWarning, match="edited after its build"):
+        out = module.flash_attn_func(q, k, v)
+    torch.testing.assert_close(out, fagen.flash_attn_func(q, k, v, causal=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # the warning is given once per file
+        module.flash_attn_func(q, k, v)
+    sys.modules.pop("gen3.fa2_d32_causal_fp16", None)
+
+
+# -- first contact: signatures, flags, odd head dims, seqlens_k unchecked, logging ----------------
+
+def test_public_signatures_show_no_private_parameter():
+    for func in (fagen.flash_attn_func, fagen.attention):
+        assert not [p for p in inspect.signature(func).parameters if p.startswith("_")]
+
+
+def test_attention_checks_its_flags_too():
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        fagen.attention(q, k, v, causal="no")
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(12, 4, 2), (1, 2, 2), (100, 2, 1)])
+def test_head_dims_off_the_multiple_of_8_are_padded(head_dim, heads, kv_heads):
+    q, k, v = qkv(seqlen_q=33, seqlen_k=47, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  requires_grad=True)
+    out, lse = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, heads, 33)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    ref, ref_lse = attention_forward(q, k, v, causal=True)   # scale 1/sqrt(true d)
+    grads = attention_backward(q, k, v, ref, dout, causal=True)
+    pt = attention_same_dtype(q, k, v, dout, causal=True)
+    within_rule(out, ref, pt[0], 2)
+    for got, r, y in zip((q.grad, k.grad, v.grad), grads, pt[1:]):
+        within_rule(got, r, y, 3)
+    explicit = fagen.flash_attn_func(q, k, v, causal=True, softmax_scale=1 / math.sqrt(head_dim))
+    assert torch.equal(out, explicit)
+
+
+def test_unchecked_seqlens_k_values_are_clamped_by_the_kernels(monkeypatch):
+    """Under CUDA graph capture or torch.compile the values are not read: a length above Nk
+    then counts as Nk and one below 0 as 0, as documented."""
+    q, k, v = qkv()
+    monkeypatch.setattr(ops, "_values_checkable", lambda t: False)
+    wild = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([-3, 999], dtype=torch.int32))
+    clamped = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([0, 56], dtype=torch.int32))
+    assert torch.equal(wild, clamped)
+    assert torch.equal(wild[0], torch.zeros_like(wild[0]))   # no key: output 0
+
+
+def test_seqlens_k_values_are_not_read_while_capturing(monkeypatch):
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not ops._values_checkable(on_gpu)
+    assert ops._values_checkable(torch.zeros(2))   # CPU tensors are never captured
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert ops._values_checkable(on_gpu)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not ops._values_checkable(torch.zeros(2))
+
+
+def test_first_load_of_a_variant_is_logged(monkeypatch, caplog):
+    from fagen import launch
+
+    monkeypatch.setattr(launch, "_loaded", {})
+    monkeypatch.setattr(attention_kernels, "_plans", {})
+    q, k, v = qkv(head_dim=32)
+    with caplog.at_level(logging.INFO, logger="fagen"):
+        fagen.flash_attn_func(q, k, v)
+        fagen.flash_attn_func(q, k, v)
+    loads = [r.getMessage() for r in caplog.records if "loading" in r.getMessage()]
+    assert len(loads) == 1 and "fa2_d32_fp16" in loads[0] and "CPU emulator" in loads[0]

@@ -23,7 +23,7 @@ from fagen.tuning.space import ProgressLine, compile_all, nvrtc_resources
 from fagen.codegen import kernel_entries
 from fagen.compiler import CompileError, ResourceReport
 from fagen.reference import attention_forward, attention_same_dtype, dropout_keep_mask
-from fagen.spec import SMEM_LIMIT_BYTES, Spec, default_tiles
+from fagen.spec import Spec, default_tiles, smem_limit
 
 FAKE_GPU = DeviceIdentity(name="Fake GPU 80GB", arch="sm_90", driver="555.42.06", nvrtc="12.9")
 SM90 = DeviceLimits.preset("sm_90")
@@ -445,7 +445,7 @@ def test_fallback_tiles_fit_every_arch_and_head_dim():
     for arch, version, head_dim in itertools.product(ARCH_FAMILIES, (1, 2), range(8, 257, 8)):
         for deterministic in (False, True):
             spec = fallback_spec(Spec(head_dim, version=version, deterministic=deterministic), arch)
-            assert spec.shared_layout.total_bytes <= SMEM_LIMIT_BYTES[arch], (arch, spec.name)
+            assert spec.shared_layout.total_bytes <= smem_limit(arch), (arch, spec.name)
             spec.check_arch(arch)   # the backward kernels too
 
 
@@ -491,8 +491,10 @@ def test_fallback_is_the_base_on_sm80_and_places_unknown_archs_by_shared_memory(
     for head_dim, version in itertools.product(range(8, 257, 8), (1, 2)):
         assert fallback_tiles(head_dim, version, "sm_80") == default_tiles(head_dim, version)
     assert arch_family("sm_75", 65536) == "sm86"
-    assert arch_family("sm_103", 232448) == "sm90"
-    assert arch_family("sm_88", 166912) == "sm80"
+    assert arch_family("sm_107", 232448) == "sm90"   # NVRTC 13 knows sm_107; the guide gives no limit
+    assert arch_family("sm_130", 166912) == "sm80"
+    assert arch_family("sm_88") == "sm86" and arch_family("sm_103") == "sm90"   # listed archs
+    assert arch_family("sm_100a") == arch_family("sm_100f") == "sm90"          # arch-specific forms
 
 
 # -- fagen tune ----------------------------------------------------------------
@@ -547,3 +549,16 @@ def test_tune_for_real_on_the_gpu(cache):
     assert check(result.winner).ok
     assert lookup(base, seqlen_q=1024, batch=2, heads=8, device="cuda") == result.winner
     assert list(cache.glob("*.json"))
+
+
+def test_a_gpu_whose_arch_the_table_lacks_is_fitted_by_its_driver_limit(cache, monkeypatch):
+    from fagen.tuning import tuner
+
+    identity = DeviceIdentity(name="future part", arch="sm_130", driver="1", nvrtc="13.5")
+    monkeypatch.setattr(tuner, "_is_cuda", lambda device: True)
+    monkeypatch.setattr(DeviceIdentity, "from_device", classmethod(lambda cls, device: identity))
+    monkeypatch.setattr(tuner, "_device_shared_limit", lambda index: 101376)
+    monkeypatch.setattr(tuner, "cuda_index", lambda device: 0)
+    spec = lookup(Spec(128), seqlen_q=1024, device="cuda")
+    assert spec.bwd_stages == 1 and spec.backward_shared_bytes <= 101376
+    spec.check_arch("sm_130", shared_limit=101376)

@@ -75,6 +75,21 @@ def _device_meta() -> dict:
     return meta
 
 
+def _toolchain_meta(capability: str) -> dict:
+    """The driver and the NVRTC the kernels are compiled with, and the arch they target."""
+    from fagen.compiler import describe_target, nvrtc_target, nvrtc_version
+    from fagen.tuning.device import driver_version
+
+    target = nvrtc_target(capability)
+    return {"driver": driver_version(), "nvrtc": nvrtc_version(), "nvrtc_target": target,
+            "nvrtc_target_note": describe_target(capability, target)}
+
+
+def toolchain_line(meta: dict) -> str:
+    return (f"driver {meta.get('driver')}, CUDA runtime {meta.get('cuda')}, NVRTC {meta.get('nvrtc')}, "
+            f"target {meta.get('nvrtc_target_note', meta.get('nvrtc_target'))}")
+
+
 class _Run:
     """The state of one GPU check: results, budget, and writing as it goes."""
 
@@ -181,8 +196,10 @@ def _run_sections(run: "_Run") -> int:
         if not torch.cuda.is_available():
             return {"status": "error", "note": "no CUDA GPU visible to torch"}
         results["meta"].update(_device_meta())
+        results["meta"].update(_toolchain_meta(results["meta"]["capability"]))
         torch.backends.cuda.matmul.allow_tf32 = False
-        return {"status": "ok", "note": f"{results['meta']['device']} ({results['meta']['capability']})"}
+        meta = results["meta"]
+        return {"status": "ok", "note": f"{meta['device']} ({meta['capability']}); {toolchain_line(meta)}"}
 
     run.section("setup", setup)
     if results["sections"]["setup"]["status"] != "ok":

@@ -131,8 +131,12 @@ def short_table(results: dict) -> str:
 
 
 def summary_lines(results: dict) -> list[str]:
-    """One line per section: what to read first."""
+    """One line per section: what to read first, after the driver and compiler used."""
+    meta = results.get("meta") or {}
     lines = []
+    if meta.get("nvrtc"):
+        lines.append(f"toolchain: driver {meta.get('driver', '?')}, CUDA runtime {meta.get('cuda', '?')}, "
+                     f"NVRTC {meta['nvrtc']}, target {meta.get('nvrtc_target_note', meta.get('nvrtc_target', '?'))}")
     for name, info in (results.get("sections") or {}).items():
         note = f" - {info['note']}" if info.get("note") else ""
         lines.append(f"{name:<12} {info.get('status', '?'):<10} {info.get('seconds', 0):6.1f} s{note}")

@@ -232,6 +232,8 @@ class BuiltModule:
 
 def build(source: str, *, checked: bool = False) -> BuiltModule:
     """Compile `source` (a kernel source starting with #include <fagen/prelude.cuh>) into a .so."""
+    from ..compiler import process_umask, write_atomic
+
     chain = toolchain(checked)
     runtime = runtime_library(chain)
     opt = () if checked else (kernel_opt(),)
@@ -248,10 +250,7 @@ def build(source: str, *, checked: bool = False) -> BuiltModule:
     library = root / f"{key}-{tag}.so"
     source_path = root / f"{key}.cu"
     if not source_path.is_file():
-        fd, tmp = tempfile.mkstemp(prefix=f"{key}-", suffix=".cu.tmp", dir=root)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(source)
-        os.replace(tmp, source_path)
+        write_atomic(source_path, source.encode())
     if not library.is_file():
         fd, tmp = tempfile.mkstemp(prefix=f"{key}-", suffix=".so.tmp", dir=root)
         os.close(fd)
@@ -259,6 +258,7 @@ def build(source: str, *, checked: bool = False) -> BuiltModule:
             command = [chain.cxx, *chain.flags, *opt, "-x", "c++", str(source_path), "-x", "none", str(runtime),
                        *LINK_FLAGS, "-Wl,-rpath,$ORIGIN", "-o", tmp]
             _run_compiler(command, f"kernel source {source_path.name}")
+            os.chmod(tmp, 0o777 & ~process_umask())  # as a linker's own output: not mkstemp's 0600
             os.replace(tmp, library)
         finally:
             if os.path.exists(tmp):

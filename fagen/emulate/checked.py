@@ -35,7 +35,7 @@ import torch
 
 from .build import BuiltModule, compiler
 from .errors import EmulationError
-from .module import dim3, dtype_code, os_threads, schedule
+from .launch_args import dim3, dtype_code, os_threads, schedule
 
 CONTEXT_MARKER = "fagen-emulate-fault-context:"
 ASAN_OPTIONS = ("detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:detect_stack_use_after_return=0:"

@@ -21,7 +21,6 @@ Environment (read at each launch; fagen/emulate/README.md lists the build ones):
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -29,42 +28,9 @@ import torch
 
 from . import abi
 from .build import BuiltModule, build
+from .checked import CheckedModule
 from .errors import EmulationError
-
-THREADS_ENV = "FAGEN_EMULATE_THREADS"
-SCHEDULE_ENV = "FAGEN_EMULATE_SCHEDULE"
-SCHEDULES = {"forward": 0, "reverse": 1}
-
-
-def os_threads() -> int:
-    text = os.environ.get(THREADS_ENV)
-    if not text:
-        return os.cpu_count() or 1
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise EmulationError(f"{THREADS_ENV}={text!r}: expected a positive integer")
-    return value
-
-
-def schedule() -> int:
-    text = os.environ.get(SCHEDULE_ENV, "forward")
-    if text not in SCHEDULES:
-        raise EmulationError(f"{SCHEDULE_ENV}={text!r}: expected one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[text]
-
-
-def dim3(value, what: str) -> tuple[int, int, int]:
-    try:
-        return abi.dim3(value, what)
-    except abi.ArgumentError as error:
-        raise EmulationError(str(error)) from None
-
-
-def dtype_code(dtype: torch.dtype) -> str:
-    return abi.DTYPE_CODES.get(str(dtype).removeprefix("torch."), str(dtype))
+from .launch_args import dim3, dtype_code, os_threads, schedule
 
 
 class EmulatedFunction:
@@ -156,8 +122,6 @@ def load_module(source: str, *, checked: bool = False):
         module = _modules.get(built.library)
         if module is None:
             if checked:
-                from .checked import CheckedModule
-
                 module = CheckedModule(built)
             else:
                 module = EmulatedModule(built)

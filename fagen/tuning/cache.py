@@ -184,14 +184,18 @@ class TuneIndex:
         nearest = min(tuned, key=lambda other: (bucket.distance(other), other))
         return tuned[nearest]
 
-    def spec_for(self, base: Spec, identity: DeviceIdentity, bucket: ShapeBucket) -> Spec:
+    def spec_for(self, base: Spec, identity: DeviceIdentity, bucket: ShapeBucket,
+                 shared_per_block_optin: int | None = None) -> Spec:
+        """The tuned spec, else the fallback; `shared_per_block_optin` (the driver's limit) places
+        an arch the shared-memory table lacks."""
         self._ensure_loaded()
         memo_key = (identity, base, bucket)
         spec = self._specs.get(memo_key)
         if spec is None:
+            optin = shared_per_block_optin
             entry = self.find(identity, base.family, bucket)
-            spec = (fit_backward_to(entry.spec(base), identity.arch) if entry is not None
-                    else fallback_spec(base, identity.arch))
+            spec = (fit_backward_to(entry.spec(base), identity.arch, optin) if entry is not None
+                    else fallback_spec(base, identity.arch, optin))
             self._specs[memo_key] = spec
         return spec
 

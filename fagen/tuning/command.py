@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_variant_flags
 from ..spec import DTYPES, Spec
+from ..variant_flags import add_variant_flags, variant_fields, variant_flags_given
 
 DEFAULT_SEQLENS = (2048,)
 TOKENS_PER_BATCH = 16384    # FlashAttention-2's benchmark: batch = 16k tokens / seqlen
@@ -28,9 +28,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
                     "flash_attn_func uses them automatically.")
     tune.add_argument("--d", "--head-dim", dest="head_dim", type=int, help="head dim")
     add_variant_flags(tune)
-    tune.add_argument("--dtype", choices=DTYPES, nargs="+", default=["fp16"],
+    tune.add_argument("--dtype", choices=DTYPES, nargs="+", default=None,
                       help="element type(s) (default fp16)")
-    tune.add_argument("--seqlen", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
+    tune.add_argument("--seqlen", type=int, nargs="+", default=None,
                       help=f"sequence length(s) to tune for, one tuning each (default {DEFAULT_SEQLENS[0]})")
     tune.add_argument("--seqlen-k", type=int, help="key length, if it differs from --seqlen")
     tune.add_argument("--batch", type=int, help=f"batch size (default {TOKENS_PER_BATCH} // seqlen)")
@@ -42,10 +42,22 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     return tune
 
 
+def _tuning_options_given(args) -> list[str]:
+    given = ["--d"] if args.head_dim is not None else []
+    given += variant_flags_given(args)
+    given += [flag for field, flag in (("dtype", "--dtype"), ("seqlen", "--seqlen"), ("seqlen_k", "--seqlen-k"),
+                                       ("batch", "--batch"), ("heads", "--heads"), ("workers", "--workers"))
+              if getattr(args, field) is not None]
+    return given
+
+
 def cmd_tune(args) -> int:
     from . import cache
 
     if args.clear or args.show:
+        given = _tuning_options_given(args)
+        if given:
+            raise ValueError(f"--show and --clear take no tuning options, got {', '.join(given)}")
         if args.clear:
             removed = cache.clear_cache()
             print(f"removed {removed} file(s) from {cache.tune_dir()}")
@@ -55,10 +67,8 @@ def cmd_tune(args) -> int:
     if args.head_dim is None:
         print("fagen tune: --d (head dim) is required (or --show / --clear)", file=sys.stderr)
         return 2
-    specs = [Spec(head_dim=args.head_dim, dtype=dtype, version=args.version,
-                  mask="causal" if args.causal else "none", key_padding=args.key_padding,
-                  dropout=args.dropout, deterministic=args.deterministic)
-             for dtype in args.dtype]   # an illegal spec is reported before the GPU question
+    specs = [Spec(head_dim=args.head_dim, dtype=dtype, **variant_fields(args))
+             for dtype in args.dtype or ["fp16"]]   # an illegal spec is reported before the GPU question
     import torch
 
     if not torch.cuda.is_available():
@@ -68,7 +78,7 @@ def cmd_tune(args) -> int:
 
     heads = args.heads or max(1, MODEL_DIM // args.head_dim)
     for spec in specs:
-        for seqlen in args.seqlen:
+        for seqlen in args.seqlen or DEFAULT_SEQLENS:
             batch = args.batch or max(1, TOKENS_PER_BATCH // seqlen)
             print(f"\n{spec.family}: batch {batch}, heads {heads}, seqlen {seqlen}"
                   + (f", seqlen_k {args.seqlen_k}" if args.seqlen_k else ""), flush=True)

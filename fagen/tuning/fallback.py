@@ -8,14 +8,16 @@ else, so a change to the base carries over to every arch.
 
 from __future__ import annotations
 
-from ..spec import SMEM_LIMIT_BYTES, Spec, default_tiles
+from ..spec import SMEM_LIMIT_BYTES, Spec, base_arch, default_tiles
 
 # Arch -> family. Members of a family share a per-block shared-memory budget,
 # which is what decides which tiles fit.
 ARCH_FAMILIES = {
-    "sm_80": "sm80", "sm_87": "sm80",                     # 163 KB per block
-    "sm_86": "sm86", "sm_89": "sm86", "sm_120": "sm86",   # 99 KB per block
-    "sm_90": "sm90", "sm_90a": "sm90", "sm_100": "sm90",  # 227 KB per block
+    "sm_80": "sm80", "sm_87": "sm80",                                        # 163 KB per block
+    "sm_86": "sm86", "sm_88": "sm86", "sm_89": "sm86", "sm_120": "sm86",     # 99 KB per block
+    "sm_121": "sm86",
+    "sm_90": "sm90", "sm_90a": "sm90", "sm_100": "sm90", "sm_101": "sm90",   # 227 KB per block
+    "sm_103": "sm90", "sm_110": "sm90",
 }
 DEFAULT_ARCH = "sm_80"
 HEAD_DIM_BUCKETS = (64, 128, 256)   # a head dim falls in the first bucket >= it
@@ -37,9 +39,9 @@ FALLBACK_OVERRIDES: dict[tuple[str, int], dict] = {
 
 def arch_family(arch: str, shared_per_block_optin: int | None = None) -> str:
     """The family of `arch`; an arch fagen does not list is placed by its shared memory."""
-    if arch in ARCH_FAMILIES:
-        return ARCH_FAMILIES[arch]
-    shared = shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)
+    if base_arch(arch) in ARCH_FAMILIES:
+        return ARCH_FAMILIES[base_arch(arch)]
+    shared = shared_per_block_optin
     if shared is None:
         return ARCH_FAMILIES[DEFAULT_ARCH]
     if shared >= SMEM_LIMIT_BYTES["sm_90"]:
@@ -97,4 +99,4 @@ def fit_backward_to(spec: Spec, arch: str, shared_per_block_optin: int | None = 
 
 
 def _shared_limit(arch: str, shared_per_block_optin: int | None) -> int | None:
-    return shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(arch)
+    return shared_per_block_optin if shared_per_block_optin is not None else SMEM_LIMIT_BYTES.get(base_arch(arch))

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .. import attention_kernels
+from ..codegen import source_for
 from ..spec import Spec
 from .device import cuda_index
 
@@ -51,9 +53,7 @@ class CheckOutcome:
 
 def ops_runner(spec: Spec, q, k, v, **kwargs) -> torch.Tensor:
     """Render `spec` and run its forward kernel on q's device."""
-    from .. import attention_kernels, ops  # ops imports tuning: import it only when a kernel runs
-
-    return attention_kernels.forward(ops.source_for(spec), q, k, v, **kwargs)[0]
+    return attention_kernels.forward(source_for(spec), q, k, v, **kwargs)[0]
 
 
 def check_shape(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..spec import Spec
+from ..spec import SMEM_LIMIT_BYTES, Spec, base_arch
 from .cache import INDEX, ShapeBucket, TuneEntry, now_utc
 from .device import DeviceIdentity, DeviceLimits, cuda_index
 from .fallback import DEFAULT_ARCH, fallback_spec
@@ -200,12 +200,20 @@ def lookup(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: int
     GPU, a cached identity). CPU tensors, which run in the emulator, get the
     fallback for sm_80. `identity` overrides the device's (tests).
     """
+    shared = None
     if identity is None:
         if not _is_cuda(device):
             return _emulator_fallback(spec)
         identity = DeviceIdentity.from_device(device)
+        if base_arch(identity.arch) not in SMEM_LIMIT_BYTES:  # an arch the table lacks: ask the driver
+            shared = _device_shared_limit(cuda_index(device))
     bucket = ShapeBucket.of(seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch, heads=heads)
-    return INDEX.spec_for(spec, identity, bucket)
+    return INDEX.spec_for(spec, identity, bucket, shared_per_block_optin=shared)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_limit(index: int) -> int:
+    return DeviceLimits.from_device(index).shared_per_block_optin
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,52 @@
+"""What every emulated launch hands the runtime besides the kernel's own arguments.
+
+The environment's OS thread count and thread schedule (read at each launch),
+grid and block dimensions, and the dtype codes pointer parameters are checked
+against. Shared by in-process launches (module.py) and checked ones in the
+helper process (checked.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import abi
+from .errors import EmulationError
+
+THREADS_ENV = "FAGEN_EMULATE_THREADS"
+SCHEDULE_ENV = "FAGEN_EMULATE_SCHEDULE"
+SCHEDULES = {"forward": 0, "reverse": 1}
+
+
+def os_threads() -> int:
+    text = os.environ.get(THREADS_ENV)
+    if not text:
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise EmulationError(f"{THREADS_ENV}={text!r}: expected a positive integer")
+    return value
+
+
+def schedule() -> int:
+    text = os.environ.get(SCHEDULE_ENV, "forward")
+    if text not in SCHEDULES:
+        raise EmulationError(f"{SCHEDULE_ENV}={text!r}: expected one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[text]
+
+
+def dim3(value, what: str) -> tuple[int, int, int]:
+    """A grid or block as (x, y, z); the runtime checks them against CUDA's limits."""
+    try:
+        return abi.dim3(value, what)
+    except abi.ArgumentError as error:
+        raise EmulationError(str(error)) from None
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    return abi.DTYPE_CODES.get(str(dtype).removeprefix("torch."), str(dtype))

@@ -1,0 +1,61 @@
+"""The Spec's mask, flags and version as command-line options.
+
+`fagen build`, `fagen verify` and `fagen tune` share them. They live here,
+below both `fagen.cli` and `fagen.tuning.command`, so that neither imports the
+other. Every option defaults to "not given" (False or None), so a command can
+tell which ones the user set and refuse combinations it would otherwise
+silently ignore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from .spec import Spec, default_tiles
+
+DEFAULT_VERSION = 2
+_FLAGS = (("causal", "--causal"), ("key_padding", "--key-padding"), ("dropout", "--dropout"),
+          ("deterministic", "--deterministic"))
+
+
+def add_variant_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--causal", action="store_true", help="causal mask (bottom-right aligned)")
+    parser.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
+    parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
+    parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
+    parser.add_argument("--version", type=int, choices=(1, 2), default=None,
+                        help=f"1 = FlashAttention-1, 2 = FlashAttention-2 (default {DEFAULT_VERSION})")
+
+
+def variant_fields(args: argparse.Namespace) -> dict:
+    """The Spec fields the variant options give (unset ones take the Spec's defaults)."""
+    return {"version": DEFAULT_VERSION if args.version is None else args.version,
+            "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
+            "dropout": args.dropout, "deterministic": args.deterministic}
+
+
+def variant_flags_given(args: argparse.Namespace) -> list[str]:
+    """The variant options set on the command line, as the user spelled them."""
+    given = [flag for field, flag in _FLAGS if getattr(args, field)]
+    return given + (["--version"] if args.version is not None else [])
+
+
+def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
+    """The `fagen build` command line that writes `spec`'s variant (into `out_dir`)."""
+    parts = ["fagen", "build", "--d", str(spec.head_dim)]
+    if spec.dtype != "fp16":
+        parts += ["--dtype", spec.dtype]
+    if spec.version != DEFAULT_VERSION:
+        parts += ["--version", str(spec.version)]
+    parts += [flag for field, flag in _FLAGS
+              if (spec.causal if field == "causal" else getattr(spec, field))]
+    if spec.tiles != default_tiles(spec.head_dim, spec.version):
+        parts += ["--block-m", str(spec.block_m), "--block-n", str(spec.block_n),
+                  "--num-warps", str(spec.num_warps), "--num-stages", str(spec.num_stages)]
+    if spec.bwd_stages != Spec(spec.head_dim, version=spec.version).bwd_stages:
+        parts += ["--bwd-stages", str(spec.bwd_stages)]
+    if out_dir is not None:
+        parts += ["--out", str(out_dir)]
+    return shlex.join(parts)

@@ -1,0 +1,116 @@
+"""The package's imports run one way (../shared/DESIGN.md): no module imports, even lazily
+inside a function, a module that imports it back."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(importer: str, is_package: bool, level: int, name: str | None) -> str:
+    base = importer.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[:len(base) - (level - 1)] if level > 1 else base
+    return ".".join(base + ([name] if name else []))
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every fagen module `name` imports anywhere in its body (top level or inside functions).
+
+    Importing a package's own ancestors is left out: Python runs them first for every
+    submodule anyway, so they are not an arrow of the layering."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _resolve(name, is_package, node.level, node.module)
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and not name.startswith(target + ".") and target != name:
+                found.add(target)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(name, path, known) for name, path in found.items()}
+
+
+def test_there_is_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
+    """Positive control: the check is not vacuous."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    source = tmp_path / "mod.py"
+    source.write_text("def f():\n    from .other import thing\n")
+    assert imports_of("fagen.mod", source, {"fagen.mod", "fagen.other"}) == {"fagen.other"}
+
+
+@pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.codegen"), ("fagen.codegen", "fagen.ops"),
+                                       ("fagen.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
+                                       ("fagen.tuning.command", "fagen.cli")])
+def test_lower_layers_do_not_import_higher_ones(low, high):
+    graph = import_graph()
+    seen, todo = set(), [low]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(graph.get(node, ()))
+    assert high not in seen, f"{low} reaches {high}"
