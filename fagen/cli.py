@@ -1,4 +1,4 @@
-"""The `fagen` command line: build | list | show | verify | tune | bench.
+"""The `fagen` command line: build | list | show | verify | tune | profile | bench.
 
     fagen build --d 64 --causal          (also: python -m fagen build --d 64 --causal)
 
@@ -193,6 +193,28 @@ def cmd_verify(args) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+# -- profile ---------------------------------------------------------------
+
+def cmd_profile(args) -> int:
+    from . import profiling
+
+    given = _spec_options_given(args)
+    if args.name and given:
+        raise CommandError(f"{args.name} names the whole variant; it takes no {', '.join(given)}")
+    if not args.name and args.head_dim is None:
+        raise CommandError("name a variant (e.g. fa2_d64_causal_fp16) or give --d and its flags")
+    spec = Spec.from_name(args.name) if args.name else _specs_from_args(args)[0]
+    print(f"profiling {spec.name} on the CPU emulator's instrumented build (the first run compiles it)...",
+          file=sys.stderr, flush=True)
+    result = profiling.profile(spec, seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, batch=args.batch,
+                               heads=args.heads, kv_heads=args.kv_heads, backward=args.backward)
+    print(profiling.format_table(result))
+    if args.json:
+        profiling.write_json(result, Path(args.json))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 # -- bench -----------------------------------------------------------------
 
 def cmd_bench(args) -> int:
@@ -245,6 +267,23 @@ def make_parser() -> argparse.ArgumentParser:
     from .tuning.command import add_tune_parser
 
     add_tune_parser(sub)
+
+    prof = sub.add_parser("profile", help="count a variant's memory traffic, bank conflicts and ops on the CPU",
+                          description="Run a variant in the emulator's instrumented build and count, per kernel: "
+                                      "HBM bytes, 32-byte sectors per request, shared-memory bank conflicts, mma, "
+                                      "barriers, Philox calls; beside each pass, the FlashAttention IO model's "
+                                      "bytes. Counts of a model machine, not GPU timings.")
+    prof.add_argument("name", nargs="?", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 "
+                                                              "(or give --d and its flags)")
+    _add_spec_args(prof, many=False)
+    prof.add_argument("--seqlen", type=int, required=True, help="query length N")
+    prof.add_argument("--seqlen-k", type=int, help="key length (default: --seqlen)")
+    prof.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    prof.add_argument("--heads", type=int, default=1, help="query heads (default 1)")
+    prof.add_argument("--kv-heads", type=int, help="K/V heads for GQA/MQA (default: --heads)")
+    prof.add_argument("--backward", action="store_true", help="profile the backward kernels too")
+    prof.add_argument("--json", metavar="FILE", help="also write the counters as JSON")
+    prof.set_defaults(func=cmd_profile)
 
     bench = sub.add_parser("bench", help="the GPU check and benchmarks (see `fagen bench gpu-check --help`)",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,9 @@ calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
   SIMT emulator; with FAGEN_EMULATE_CHECKED=1, built with AddressSanitizer and
   UBSan and run in a helper process, so an out-of-bounds access to a tensor,
   to the dynamic shared memory or to a per-thread array stops the launch with
-  the faulting block and thread named (slower).
+  the faulting block and thread named (slower); with FAGEN_EMULATE_RACECHECK=1
+  (or inside `fagen.emulate.collect_counters()`), built instrumented: every
+  launch is race-checked (or counted).
 """
 
 from __future__ import annotations
@@ -250,15 +252,33 @@ def emulate_checked() -> bool:
     return value == "1"
 
 
+def emulator_build() -> str:
+    """Which emulator build CPU launches use now: "fast", "checked" (FAGEN_EMULATE_CHECKED=1)
+    or "instrumented" (FAGEN_EMULATE_RACECHECK set, or counters being collected)."""
+    from .emulate import instrumentation
+    from .emulate.launch_args import RACECHECK_ENV
+
+    if emulate_checked():
+        return "checked"
+    if os.environ.get(RACECHECK_ENV, "") not in ("", "0") or instrumentation.collecting():
+        return "instrumented"
+    return "fast"
+
+
 def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
     from . import emulate
 
-    checked = emulate_checked()
+    build = emulator_build()
+    detail = {"fast": "", "checked": ", checked with AddressSanitizer and UBSan",
+              "instrumented": ", instrumented (racecheck, counters)"}[build]
     logger.info("loading %s for the CPU emulator%s (a first build runs the host C++ compiler for "
-                "seconds; then it is cached)", source.spec.name,
-                ", checked with AddressSanitizer and UBSan" if checked else "")
-    module = emulate.load_module(source.code, checked=checked)
+                "seconds; then it is cached)", source.spec.name, detail)
+    module = emulate.load_module(source.code, checked=build == "checked",
+                                 counters=build == "instrumented" and emulate.instrumentation.collecting())
     functions = {e.name: module.get_function(e.name) for e in source.entries}
+    for entry in source.entries:  # counter reports name tensors after the kernel's parameters
+        if hasattr(functions[entry.name], "parameter_names"):
+            functions[entry.name].parameter_names = [p.name for p in entry.params]
     return LoadedSource(source, device, functions, pointer=lambda t: t)
 
 
@@ -270,9 +290,9 @@ _key_locks_guard = threading.Lock()
 
 
 def backend_key(device: torch.device):
-    """What decides which loaded kernels serve `device`: the device, and on CPU whether
-    launches are sanitizer-checked (FAGEN_EMULATE_CHECKED; `load` validates its value)."""
-    return (device, os.environ.get(CHECKED_ENV) == "1") if device.type == "cpu" else device
+    """What decides which loaded kernels serve `device`: the device, and on CPU the emulator
+    build (fast, checked or instrumented)."""
+    return (device, emulator_build()) if device.type == "cpu" else device
 
 
 def load(source: Source, device: torch.device) -> LoadedSource:
@@ -282,7 +302,7 @@ def load(source: Source, device: torch.device) -> LoadedSource:
     variants (seconds of NVRTC or g++) proceed in parallel."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (source.hash, str(device) + (":checked" if device.type == "cpu" and emulate_checked() else ""))
+    key = (source.hash, str(device) + (":" + emulator_build() if device.type == "cpu" else ""))
     loaded = _loaded.get(key)
     if loaded is not None:
         return loaded

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "948b9e112f4e4958ee287fd11d3e6f5b0a77853772bacdd2e1c04d7d2ada41cb"
+SOURCE_SHA256 = "115a6759faf8f71c67117de875692aa8260c7cf4614ca8189c72a2ffe8d3bf31"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

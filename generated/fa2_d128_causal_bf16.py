@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "ba46fda48bdfae76df3bbb4711e6e6b203d6354bbd3adbd8219ed09a795614ab"
+SOURCE_SHA256 = "c87a9166c8eda16efdd823eee688812b154d574fccf02384515f9d9fc446fecf"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "b4e47682336c88f86c12a73871f315c89a6f95baad96106636301418978fab92"
+SOURCE_SHA256 = "232847f23a53b3d4cd4f506eb4e4f70ab6bc6782924073584af9099af2bfc803"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "8cacb849684be7c1b4861180e4589419cb283a669a07345f1e907ac812e7ace1"
+SOURCE_SHA256 = "cecd82a6234b234bfbe45b8ffa1fdc0b891a9c1e535968b1934821ab0eda8e8f"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

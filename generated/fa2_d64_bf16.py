@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "476c01f65617af8231199a5f068684b34a45778b88fbd6e4b6b24f8a78d5029e"
+SOURCE_SHA256 = "10b3db5f5d62d6e9e1102e3ae018a9fa8009edf0e2bbbc61392f529f17ec36a3"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "f86f0943407f203b748af2128f182184f20313ac4f25ad03d7c4ea98b4b91b50"
+SOURCE_SHA256 = "68ac3c94bfdf0d30749a420d0c84ec451c7f10f5ef6583bd36b3a19fde6f9ac1"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "e85d7bcbb950f6fb15aa99b821b4d5245a5054209c9f790619f02befb12f1efd"
+SOURCE_SHA256 = "3f629c9f23676a60d576ebbef7bbe272d662438140c05a4e7f6e49aae4df252b"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -461,8 +461,14 @@ fa2_d64_fp16_bwd(
           if (row < seqlen_q && col < kHeadDim) atomicAdd(dq_accum + (stat0 + row) * kHeadDim + col, dq[0][dt][e]);
         }
     }
-    __syncthreads();  // Q_i, dO_i and dS are replaced next
+    // No barrier before the next step's refills: the one after the dS store above already
+    // orders every read of Q_i, dO_i and the statistics, and dS is rewritten only after the
+    // next step's first barrier (tests/test_barrier_mutations.py).
   }
+  // No later step reads a copy: the loop's last wait landed every one (the groups it leaves
+  // are empty), and a block with no Q block reads no shared memory. The wait stays so that
+  // no thread exits with a cp.async in flight, which the PTX ISA does not define (the
+  // emulator lands copies at exit, so a mutation cannot show it).
   fagen::cp_async_wait_all();
 
   // Line 24: write dK_j = tau * dK~_j and dV_j to HBM (per query head; the op

@@ -27,7 +27,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "95c0d6de7e82a2461bb475266a762e88c0aa9a2dca664095a533bdf7cef79fb0"
+SOURCE_SHA256 = "6d12fff8f6b92e8a7a26f6016c9ee40025c5ba2fe7af5b72405220ab110f75f5"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

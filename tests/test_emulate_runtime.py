@@ -259,7 +259,6 @@ def _launch_scale_in_child(source: str) -> bool:
     return bool(torch.equal(y, x * 2 + 3 + 4))
 
 
-@pytest.mark.slow
 def test_portable_ucontext_fibers(monkeypatch):
     """The fiber switch used where there is no hand-written one (not x86-64)."""
     monkeypatch.setenv("FAGEN_EMULATE_CXXFLAGS", "-DFAGEN_EMU_FORCE_UCONTEXT")

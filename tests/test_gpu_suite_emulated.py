@@ -12,12 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.mark.slow
 def test_gpu_kernel_tests_pass_on_the_emulator():
     env = {**os.environ, "FAGEN_GPU_TESTS_DEVICE": "cpu"}
     result = subprocess.run(

@@ -28,9 +28,17 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(ops, "_empty", poisoned_empty)
 
 
+# forward: warps advance in lockstep; warp-serial-reverse: the last warp runs a whole barrier
+# interval before the others, which exposes a missing barrier between reading a shared
+# tile and refilling it (fagen/emulate/README.md).
+SCHEDULES = ("forward", "warp-serial-reverse")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("version, mask, dropout, dtype, head_dim", MATRIX,
                          ids=["-".join(map(str, case)) for case in MATRIX])
-def test_kernel_matrix(version, mask, dropout, dtype, head_dim):
+def test_kernel_matrix(version, mask, dropout, dtype, head_dim, schedule, monkeypatch):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
     spec = Spec(head_dim=head_dim, version=version, dtype=dtype, dropout=dropout, **MASKS[mask])
     shape = RAGGED[MATRIX.index((version, mask, dropout, dtype, head_dim)) % len(RAGGED)]
     run_and_check(spec, shape)

@@ -4,8 +4,8 @@ The kernel matrix (test_kernels_emulated.py) covers every flag with the default
 tiles; tuning explores other tiles. Here hypothesis draws both: any legal
 (block_m, block_n, num_warps, num_stages, bwd_stages) with any flags, head dim,
 GQA ratio and ragged shape, forward and backward, under FlashAttention-2's
-rule, with the emulator's threads scheduled in either order. CI runs a fixed
-(derandomized) sample; FAGEN_FUZZ_EXAMPLES=N draws more.
+rule, with the emulator's threads scheduled in any of its four orders. CI runs
+a fixed (derandomized) sample; FAGEN_FUZZ_EXAMPLES=N draws more.
 """
 
 import os
@@ -91,10 +91,11 @@ def poisoned_outputs(monkeypatch):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize="FAGEN_FUZZ_EXAMPLES" not in os.environ,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                  HealthCheck.filter_too_much])
-@given(case=cases(), schedule=st.sampled_from(("forward", "reverse")))
+@given(case=cases(), schedule=st.sampled_from(("forward", "reverse", "warp-serial", "warp-serial-reverse")))
 def test_random_variant_on_a_random_shape(case, schedule):
-    """`schedule` is the emulator's fiber order: each thread runs ahead to its next barrier in
-    thread order or in reverse, so a missing barrier gives wrong data in one of them."""
+    """`schedule` is the emulator's fiber order: thread by thread in either order (warps in
+    lockstep), or warp by warp in either order (a warp runs a whole barrier interval ahead),
+    so a missing barrier gives wrong data in one of them."""
     with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule}):
         run_and_check(*case)
 

@@ -7,12 +7,10 @@ import sysconfig
 import venv
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
 def test_wheel_installs_and_builds_from_another_directory(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist)],

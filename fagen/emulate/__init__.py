@@ -6,7 +6,8 @@ thread is a fiber, a block's threads take turns on one OS thread, and barriers,
 warp shuffles and the tensor-core / ldmatrix / cp.async wrappers are warp- or
 block-wide rendezvous with the PTX ISA's fragment layouts. Faults (a barrier
 not reached by every thread, a warp-collective op called by part of a warp,
-out-of-bounds accesses in a checked build) raise EmulationError.
+out-of-bounds accesses in a checked build) raise EmulationError; racecheck's
+hazards (an instrumented build) raise RaceError.
 
     module = load_module(source)                      # cached build of the .so
     module.get_function(name)(grid, block, args, shared_mem=nbytes)
@@ -15,7 +16,8 @@ The call is CuPy's RawKernel convention; fagen.launch uses it for CPU tensors.
 fagen/emulate/README.md describes the runtime contract.
 """
 
-from .errors import EmulationError
+from .errors import EmulationError, RaceError
+from .instrumentation import LaunchReport, collect_counters
 from .module import EmulatedFunction, EmulatedModule, load_module
 from .poison import assert_written, poison_, unwritten_mask
 
@@ -23,6 +25,9 @@ __all__ = [
     "EmulationError",
     "EmulatedFunction",
     "EmulatedModule",
+    "LaunchReport",
+    "RaceError",
+    "collect_counters",
     "load_module",
     "poison_",
     "unwritten_mask",

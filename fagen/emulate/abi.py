@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ERROR_BUFFER_BYTES = 16384
 
 SCALAR_TYPES = {
@@ -45,6 +45,33 @@ C_NAMES = {
 INTEGER_CODES = {"i8", "u8", "i16", "u16", "i32", "u32", "i64", "u64"}
 
 
+# InstrumentFlags and TensorFlags (include/fagen_emulate/export.h).
+INSTRUMENT_RACECHECK, INSTRUMENT_COUNTERS, INSTRUMENT_LENIENT_WARP = 1, 2, 4
+TENSOR_WRITABLE = 1
+TENSOR_COUNTERS = ("read_bytes", "written_bytes", "atomic_bytes", "unique_read_bytes", "unique_written_bytes")
+LAUNCH_COUNTERS = (
+    "blocks", "global_load_requests", "global_load_sectors", "global_store_requests", "global_store_sectors",
+    "shared_load_requests", "shared_load_wavefronts", "shared_load_conflicts",
+    "shared_store_requests", "shared_store_wavefronts", "shared_store_conflicts",
+    "ldmatrix_requests", "ldmatrix_wavefronts", "ldmatrix_conflicts",
+    "mma", "barriers", "philox_calls", "cp_async_copies", "cp_async_bytes",
+)
+
+
+class TensorRange(ctypes.Structure):
+    """Mirror of fagen_emu::TensorRange."""
+
+    _fields_ = [("begin", ctypes.c_uint64), ("bytes", ctypes.c_uint64), ("argument", ctypes.c_int32),
+                ("element_bytes", ctypes.c_int32), ("flags", ctypes.c_int32), ("reserved", ctypes.c_int32),
+                *[(name, ctypes.c_uint64) for name in TENSOR_COUNTERS]]
+
+
+class LaunchCounters(ctypes.Structure):
+    """Mirror of fagen_emu::LaunchCounters."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in LAUNCH_COUNTERS]
+
+
 class LaunchConfig(ctypes.Structure):
     """Mirror of fagen_emu::LaunchConfig (include/fagen_emulate/export.h)."""
 
@@ -54,6 +81,10 @@ class LaunchConfig(ctypes.Structure):
         ("shared_mem_bytes", ctypes.c_uint64),
         ("os_threads", ctypes.c_int32),
         ("schedule", ctypes.c_int32),
+        ("instrument", ctypes.c_int32),
+        ("tensor_count", ctypes.c_uint32),
+        ("tensors", ctypes.POINTER(TensorRange)),
+        ("counters", ctypes.POINTER(LaunchCounters)),
     ]
 
 
@@ -155,14 +186,23 @@ class Library:
         return launcher, parameters(signature().decode())
 
 
-def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: int, values: list) -> str | None:
-    """Run the grid; None, or the runtime's error message. `values` are ctypes objects, one per parameter."""
+def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: int, values: list,
+           instrument: int = 0, tensors=None, counters: LaunchCounters | None = None) -> str | None:
+    """Run the grid; None, or the runtime's error message. `values` are ctypes objects, one per
+    parameter; with `instrument`, `tensors` is a ctypes array of TensorRange (its counters are
+    filled in) and `counters` a LaunchCounters to fill."""
     config = LaunchConfig()
     config.grid[:] = grid
     config.block[:] = block
     config.shared_mem_bytes = shared_mem
     config.os_threads = os_threads
     config.schedule = schedule
+    config.instrument = instrument
+    if tensors is not None and len(tensors):
+        config.tensor_count = len(tensors)
+        config.tensors = ctypes.cast(tensors, ctypes.POINTER(TensorRange))
+    if counters is not None:
+        config.counters = ctypes.pointer(counters)
     pointers = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
     error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     status = launcher(ctypes.byref(config), pointers, error, ERROR_BUFFER_BYTES)

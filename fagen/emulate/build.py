@@ -51,6 +51,13 @@ KERNEL_OPTS = ("-O0", "-O1", "-O2", "-O3", "-Og")
 # preloaded (fagen/emulate/checked.py).
 CHECKED_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
                  "-fno-sanitize-recover=all", "-fno-sanitize=vptr")
+# The instrumented build (racecheck and the counters): ThreadSanitizer's
+# compiler instrumentation, without its runtime. The compiler calls
+# __tsan_read4(address) and the like before every load and store; the
+# emulator's runtime defines them (src/instrument.cpp), so the module is linked
+# without libtsan. -g lets a report name the .cu line of an access, through
+# the inline chain of the helpers (all inlined: FAGEN_EMU_ALWAYS_INLINE).
+INSTRUMENT_FLAGS = ("-O1", "-g", "-fsanitize=thread", "-DFAGEN_EMU_ALWAYS_INLINE")
 LINK_FLAGS = ("-shared", "-Wl,-z,defs", "-ldl")
 RUNTIME_DEFINE = "-DFAGEN_EMU_BUILDING_RUNTIME"
 
@@ -228,15 +235,27 @@ class BuiltModule:
     source: Path
     key: str
     checked: bool
+    instrumented: bool = False
 
 
-def build(source: str, *, checked: bool = False) -> BuiltModule:
-    """Compile `source` (a kernel source starting with #include <fagen/prelude.cuh>) into a .so."""
+def instrument_flags(cxx: str) -> tuple[str, ...]:
+    """INSTRUMENT_FLAGS, without function entry/exit hooks (nothing uses them)."""
+    entry_exit = ("--param=tsan-instrument-func-entry-exit=0" if is_gcc(cxx)
+                  else "-mllvm -tsan-instrument-func-entry-exit=0")
+    return (*INSTRUMENT_FLAGS, *shlex.split(entry_exit))
+
+
+def build(source: str, *, checked: bool = False, instrument: bool = False) -> BuiltModule:
+    """Compile `source` (a kernel source starting with #include <fagen/prelude.cuh>) into a .so:
+    the fast build, the checked one (sanitizers), or the instrumented one (racecheck, counters)."""
     from ..compiler import process_umask, write_atomic
 
+    if checked and instrument:
+        raise EmulationError("a module is built either checked (sanitizers) or instrumented (racecheck, "
+                             "counters), not both")
     chain = toolchain(checked)
     runtime = runtime_library(chain)
-    opt = () if checked else (kernel_opt(),)
+    opt = instrument_flags(chain.cxx) if instrument else (() if checked else (kernel_opt(),))
     digest = hashlib.sha256()
     digest.update(chain.key.encode())
     digest.update(" ".join(opt).encode())
@@ -246,21 +265,36 @@ def build(source: str, *, checked: bool = False) -> BuiltModule:
     key = digest.hexdigest()[:32]
     root = _cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    tag = "checked" if checked else "fast"
+    tag = "checked" if checked else "instrumented" if instrument else "fast"
     library = root / f"{key}-{tag}.so"
     source_path = root / f"{key}.cu"
     if not source_path.is_file():
         write_atomic(source_path, source.encode())
     if not library.is_file():
-        fd, tmp = tempfile.mkstemp(prefix=f"{key}-", suffix=".so.tmp", dir=root)
-        os.close(fd)
-        try:
-            command = [chain.cxx, *chain.flags, *opt, "-x", "c++", str(source_path), "-x", "none", str(runtime),
-                       *LINK_FLAGS, "-Wl,-rpath,$ORIGIN", "-o", tmp]
-            _run_compiler(command, f"kernel source {source_path.name}")
-            os.chmod(tmp, 0o777 & ~process_umask())  # as a linker's own output: not mkstemp's 0600
-            os.replace(tmp, library)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return BuiltModule(library=library, source=source_path, key=key, checked=checked)
+        _compile_module(chain, opt, source_path, runtime, root, key, library, separate_link=instrument)
+        os.chmod(library, 0o777 & ~process_umask())  # as a linker's own output: not mkstemp's 0600
+    return BuiltModule(library=library, source=source_path, key=key, checked=checked, instrumented=instrument)
+
+
+def _compile_module(chain: Toolchain, opt, source_path: Path, runtime: Path, root: Path, key: str, library: Path,
+                    separate_link: bool) -> None:
+    """Compile and link one kernel module under a temporary name, then rename it into place.
+    `separate_link`: the instrumented build compiles with -fsanitize=thread but must not link
+    libtsan, so compiling and linking are two steps."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{key}-", suffix=".so.tmp", dir=root)
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        what = f"kernel source {source_path.name}"
+        link = [str(runtime), *LINK_FLAGS, "-Wl,-rpath,$ORIGIN", "-o", tmp]
+        if separate_link:
+            _run_compiler([chain.cxx, *chain.flags, *opt, "-c", "-x", "c++", str(source_path), "-o", obj], what)
+            flags = [f for f in chain.flags if not f.startswith("-I") and f not in chain.include_dirs]
+            _run_compiler([chain.cxx, *flags, obj, *link], what)
+        else:
+            _run_compiler([chain.cxx, *chain.flags, *opt, "-x", "c++", str(source_path), "-x", "none", *link], what)
+        os.replace(tmp, library)
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)

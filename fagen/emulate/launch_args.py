@@ -17,7 +17,11 @@ from .errors import EmulationError
 
 THREADS_ENV = "FAGEN_EMULATE_THREADS"
 SCHEDULE_ENV = "FAGEN_EMULATE_SCHEDULE"
-SCHEDULES = {"forward": 0, "reverse": 1}
+# The Schedule enum of include/fagen_emulate/export.h.
+SCHEDULES = {"forward": 0, "reverse": 1, "warp-serial": 2, "warp-serial-reverse": 3}
+RACECHECK_ENV = "FAGEN_EMULATE_RACECHECK"
+RACECHECK_MODES = {"": 0, "0": 0, "1": abi.INSTRUMENT_RACECHECK,
+                   "lenient": abi.INSTRUMENT_RACECHECK | abi.INSTRUMENT_LENIENT_WARP}
 
 
 def os_threads() -> int:
@@ -50,3 +54,12 @@ def dim3(value, what: str) -> tuple[int, int, int]:
 
 def dtype_code(dtype: torch.dtype) -> str:
     return abi.DTYPE_CODES.get(str(dtype).removeprefix("torch."), str(dtype))
+
+
+def racecheck_flags() -> int:
+    """FAGEN_EMULATE_RACECHECK as instrument flags: 1 checks; `lenient` also lets warp-collective
+    ops order the lanes of a warp (they do not on Volta and later, so the default reports it)."""
+    text = os.environ.get(RACECHECK_ENV, "")
+    if text not in RACECHECK_MODES:
+        raise EmulationError(f"{RACECHECK_ENV}={text!r}: expected 0, 1 or lenient")
+    return RACECHECK_MODES[text]

@@ -13,24 +13,26 @@ pointer points to, since a wrong scalar type silently garbles a GPU launch.
 
 Environment (read at each launch; fagen/emulate/README.md lists the build ones):
     FAGEN_EMULATE_THREADS   OS threads that run blocks in parallel (default: all CPUs)
-    FAGEN_EMULATE_SCHEDULE  "forward" (default) or "reverse": the order in
-                            which a block's threads take turns; running a test
-                            both ways exposes a missing barrier in either direction
+    FAGEN_EMULATE_SCHEDULE  the order in which a block's threads take turns: "forward"
+                            (default) or "reverse" (thread by thread: warps advance in
+                            lockstep), "warp-serial" or "warp-serial-reverse" (one warp
+                            runs a whole barrier interval before the next)
+    FAGEN_EMULATE_RACECHECK "1" (or "lenient"): modules are built instrumented and every
+                            launch is race-checked (also read by load_module)
     FAGEN_EMULATE_STACK_KB  stack per emulated thread (default 256 KiB, 1 MiB checked)
 """
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import torch
 
-from . import abi
+from . import abi, instrumentation
 from .build import BuiltModule, build
 from .checked import CheckedModule
 from .errors import EmulationError
-from .launch_args import dim3, dtype_code, os_threads, schedule
+from .launch_args import dim3, dtype_code, os_threads, racecheck_flags, schedule
 
 
 class EmulatedFunction:
@@ -41,6 +43,7 @@ class EmulatedFunction:
         self.name = name
         self._launcher = launcher
         self.parameters = parameters
+        self.parameter_names: list[str] = []  # set by fagen.launch: counter reports name tensors by them
 
     def convert(self, args) -> list:
         """ctypes values for `args`, after checking each against its parameter."""
@@ -68,10 +71,24 @@ class EmulatedFunction:
         grid, block = dim3(grid, "grid"), dim3(block, "block")
         if int(shared_mem) < 0:
             raise EmulationError(f"{self.name}: shared_mem must be >= 0, got {shared_mem}")
+        args = tuple(args)
         values = self.convert(args)
-        error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values)
+        flags = self.module.instrument_flags()
+        if not flags:
+            error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values)
+            if error is not None:
+                raise EmulationError(error)
+            return
+        tensors, indices = instrumentation.tensor_ranges(self.parameters, args)
+        counters = abi.LaunchCounters()
+        error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
+                           instrument=flags, tensors=tensors, counters=counters)
         if error is not None:
-            raise EmulationError(error)
+            raise instrumentation.launch_error(error, self.module.library_path, self.module.source_path)
+        if flags & abi.INSTRUMENT_COUNTERS:
+            names = dict(enumerate(self.parameter_names)) if self.parameter_names else {}
+            instrumentation.record(instrumentation.report_of(self.name, grid, block, counters, tensors, indices,
+                                                             names))
 
     def __repr__(self) -> str:
         params = ", ".join(p.c_type for p in self.parameters)
@@ -81,15 +98,26 @@ class EmulatedFunction:
 class EmulatedModule:
     """A kernel source compiled for the host, loaded into this process."""
 
-    def __init__(self, built: BuiltModule):
+    def __init__(self, built: BuiltModule, racecheck: int = 0, counters: bool = False):
         self.built = built
         self.library_path = built.library
         self.source_path = built.source
+        self.racecheck = racecheck  # instrument flags asked for at load (FAGEN_EMULATE_RACECHECK adds to them)
+        self.counters = counters
         try:
             self._library = abi.Library(str(built.library))
         except abi.ArgumentError as error:
             raise EmulationError(str(error)) from None
         self._functions: dict[str, EmulatedFunction] = {}
+
+    def instrument_flags(self) -> int:
+        """What this launch instruments: nothing unless the module is instrumented."""
+        if not self.built.instrumented:
+            return 0
+        flags = self.racecheck | racecheck_flags()
+        if self.counters or instrumentation.collecting():
+            flags |= abi.INSTRUMENT_COUNTERS
+        return flags
 
     @property
     def kernel_names(self) -> list[str]:
@@ -106,24 +134,33 @@ class EmulatedModule:
         return self._functions[name]
 
 
-_modules: dict[Path, object] = {}
+_modules: dict[tuple, object] = {}
 _modules_lock = threading.Lock()
 
 
-def load_module(source: str, *, checked: bool = False):
+def load_module(source: str, *, checked: bool = False, racecheck: bool | None = None, counters: bool = False):
     """Compile (or fetch from the cache) and load a kernel source for the emulator.
 
     checked=True builds with AddressSanitizer and UBSan and runs every launch
     in a helper process (fagen/emulate/checked.py): slower, but out-of-bounds
     accesses are reported as EmulationError instead of going unnoticed.
+
+    racecheck=True (or FAGEN_EMULATE_RACECHECK=1; None follows it) builds the
+    module instrumented and race-checks every launch: a hazard raises RaceError.
+    counters=True collects counters for every launch (see
+    `fagen.emulate.collect_counters`); an instrumented module also collects
+    them inside a collect_counters() block.
     """
-    built = build(source, checked=checked)
+    flags = racecheck_flags() if racecheck is None else (abi.INSTRUMENT_RACECHECK if racecheck else 0)
+    instrument = bool(flags) or counters
+    if checked and instrument:
+        raise EmulationError("racecheck and counters need the instrumented build, not the checked one: "
+                             "unset FAGEN_EMULATE_CHECKED or FAGEN_EMULATE_RACECHECK")
+    built = build(source, checked=checked, instrument=instrument)
+    key = (built.library, flags, counters)
     with _modules_lock:
-        module = _modules.get(built.library)
+        module = _modules.get(key)
         if module is None:
-            if checked:
-                module = CheckedModule(built)
-            else:
-                module = EmulatedModule(built)
-            _modules[built.library] = module
+            module = CheckedModule(built) if checked else EmulatedModule(built, racecheck=flags, counters=counters)
+            _modules[key] = module
         return module

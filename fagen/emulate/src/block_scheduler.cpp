@@ -1,9 +1,14 @@
 // Running one thread block: its threads as fibers on this OS thread, the
 // block barrier, the warp rendezvous, and the messages that name a fault.
 //
-// Scheduling: the scheduler resumes runnable fibers in thread order (or the
-// reverse order); a fiber runs until it blocks at a barrier or warp-collective
-// op, or exits. The last thread to arrive at a rendezvous completes it and
+// Scheduling (FAGEN_EMULATE_SCHEDULE): forward / reverse resume runnable
+// fibers in thread order (or the reverse order); a fiber runs until it blocks
+// at a barrier or warp-collective op, or exits, so the warps of a block
+// advance in lockstep, at most about one collective apart. warp-serial /
+// warp-serial-reverse run one warp until all its lanes wait at the block
+// barrier, then the next: a warp runs a whole barrier interval ahead of the
+// others, which is what exposes a missing barrier between a read of a shared
+// tile and its refill. The last thread to arrive at a rendezvous completes it and
 // keeps running; the others become runnable. A thread therefore runs ahead
 // of the threads after it up to its next synchronisation point, which is what
 // makes a missing barrier show up as wrong data. Faults are detected at the
@@ -15,6 +20,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstring>
 #include <new>
@@ -104,6 +110,7 @@ void fiber_main(void* argument) {
 void resume(Worker& worker, Fiber& fiber) {
   current_fiber = &fiber;
   current_thread = &fiber.coords;
+  fiber.block->running = &fiber;
   switch_context(worker.scheduler_context, fiber.context, StackBounds{fiber.stack, fiber.stack_size},
                  /*from_finished=*/false);
   current_fiber = nullptr;
@@ -155,6 +162,14 @@ void fail_current(const std::string& message) {
   __builtin_unreachable();
 }
 
+void fail_race(const std::string& message) {
+  Fiber& fiber = *current_fiber;
+  fiber.block->failed = true;
+  fiber.block->error = message;
+  switch_to_scheduler(fiber, /*finished=*/true);
+  __builtin_unreachable();
+}
+
 void fail(Site site, const char* format, ...) {
   char buffer[1024];
   va_list args;
@@ -177,6 +192,7 @@ void yield_to_block() {
     fail_current("livelock: threads keep spinning in __nanosleep while no barrier or warp-collective op "
                  "completes and no thread exits");
   }
+  fiber.block->yielded = true;
   switch_to_scheduler(fiber, /*finished=*/false);
 }
 
@@ -246,6 +262,7 @@ void warp_collective(const char* op, unsigned mask, const void* in, void* out, C
   state.pending[index] = state.pending[--state.count];
   block.idle_yields = 0;
   compute(rendezvous);
+  instrument_warp_sync(block, warp, mask, /*collective=*/op != kSyncWarpOp);
   for (unsigned other = 0; other < 32; ++other) {
     if (other == lane || !(mask >> other & 1u)) continue;
     Fiber& fiber = block.fibers[warp * 32 + other];
@@ -286,6 +303,7 @@ int sync_threads_count(int predicate, Site site) {
     return self.barrier_result;
   }
   const int count = block.barrier_count;
+  instrument_barrier(block);
   for (unsigned w = 0; w < block.warp_count; ++w) {
     for (unsigned lanes = block.barrier_lanes[w]; lanes; lanes &= lanes - 1) {
       Fiber& fiber = block.fibers[w * 32 + static_cast<unsigned>(__builtin_ctz(lanes))];
@@ -297,6 +315,12 @@ int sync_threads_count(int predicate, Site site) {
   }
   block.barrier_arrived = 0;
   block.idle_yields = 0;
+  block.barriers_completed += 1;
+  if (block.launch->config.schedule >= kScheduleWarpSerial) {
+    // Warp-serial: the next phase starts from the first warp in order, not from
+    // the thread that happened to arrive last.
+    switch_to_scheduler(self, /*finished=*/false);
+  }
   return count;
 }
 
@@ -343,11 +367,72 @@ void Worker::ensure_fibers(unsigned count, std::size_t wanted_stack_size) {
   }
 }
 
+namespace {
+
+void mark_deadlock_unless(bool ran, BlockRun& block) {
+  if (!ran && !block.failed) {
+    block.failed = true;
+    block.error = describe_deadlock(block);
+  }
+}
+
+// forward / reverse: pass over the threads in order, each running until it blocks.
+void run_thread_order(Worker& worker, BlockRun& block, bool reverse) {
+  const unsigned n = block.thread_count;
+  while (block.live > 0 && !block.failed) {
+    bool ran = false;
+    for (unsigned k = 0; k < n && !block.failed; ++k) {
+      Fiber& fiber = block.fibers[reverse ? n - 1 - k : k];
+      if (fiber.state != FiberState::runnable) continue;
+      ran = true;
+      resume(worker, fiber);
+    }
+    mark_deadlock_unless(ran, block);
+  }
+}
+
+// Runs warp `w` until none of its lanes can go on (they wait at the block barrier,
+// or exited), the barrier completes, or a lane yields in __nanosleep (so that a
+// warp spinning on another one lets it run).
+bool run_one_warp(Worker& worker, BlockRun& block, unsigned w, uint64_t phase) {
+  bool ran = false;
+  const unsigned first = w * 32, last = std::min(block.thread_count, first + 32);
+  for (bool progress = true; progress && !block.failed;) {
+    progress = false;
+    block.yielded = false;
+    for (unsigned id = first; id < last && !block.failed; ++id) {
+      Fiber& fiber = block.fibers[id];
+      if (fiber.state != FiberState::runnable) continue;
+      progress = ran = true;
+      resume(worker, fiber);
+      if (block.barriers_completed != phase) return true;
+    }
+    if (block.yielded) break;
+  }
+  return ran;
+}
+
+// warp-serial / warp-serial-reverse: one warp at a time, each up to the next
+// block barrier; after a barrier, from the first warp in order again.
+void run_warp_serial(Worker& worker, BlockRun& block, bool reverse) {
+  const unsigned warps = block.warp_count;
+  while (block.live > 0 && !block.failed) {
+    bool ran = false;
+    const uint64_t phase = block.barriers_completed;
+    for (unsigned k = 0; k < warps && !block.failed && block.barriers_completed == phase; ++k)
+      ran |= run_one_warp(worker, block, reverse ? warps - 1 - k : k, phase);
+    mark_deadlock_unless(ran, block);
+  }
+}
+
+}  // namespace
+
 bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   const LaunchConfig& config = launch.config;
   BlockRun block;
   block.launch = &launch;
   block.worker = &worker;
+  block.linear_block = linear_block;
   block.block_idx = uint3{static_cast<unsigned>(linear_block % config.grid[0]),
                           static_cast<unsigned>(linear_block / config.grid[0] % config.grid[1]),
                           static_cast<unsigned>(linear_block / config.grid[0] / config.grid[1])};
@@ -381,21 +466,13 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   }
   block.live = block.thread_count;
 
-  const bool reverse = config.schedule == 1;
-  const unsigned n = block.thread_count;
-  while (block.live > 0 && !block.failed) {
-    bool ran = false;
-    for (unsigned k = 0; k < n && !block.failed; ++k) {
-      Fiber& fiber = block.fibers[reverse ? n - 1 - k : k];
-      if (fiber.state != FiberState::runnable) continue;
-      ran = true;
-      resume(worker, fiber);
-    }
-    if (!ran && !block.failed) {
-      block.failed = true;
-      block.error = describe_deadlock(block);
-    }
+  instrument_block_start(block);
+  if (config.schedule >= kScheduleWarpSerial) {
+    run_warp_serial(worker, block, config.schedule == kScheduleWarpSerialReverse);
+  } else {
+    run_thread_order(worker, block, config.schedule == kScheduleReverse);
   }
+  instrument_block_end(block);
   if (block.failed) {
     launch.record_error(std::string(launch.entry.name) + ": " + describe_block(block) + ": " + block.error);
     return false;

@@ -10,16 +10,20 @@
 namespace fagen_emu {
 namespace {
 
-void land(const PendingCopy& copy) { std::memcpy(copy.destination, copy.data, sizeof copy.data); }
+// `site`: where the copy lands (its thread's wait), for racecheck's reports.
+void land(const Fiber& fiber, const PendingCopy& copy, SiteCode site) {
+  if (instrumenting()) cp_async_landed(thread_ref(fiber), copy.destination, site);
+  std::memcpy(copy.destination, copy.data, sizeof copy.data);
+}
 
 // Lands, in issue order, every copy of a group numbered below
 // `first_kept_group`; the others stay in flight.
-void land_groups_before(Fiber& fiber, uint32_t first_kept_group) {
+void land_groups_before(Fiber& fiber, uint32_t first_kept_group, SiteCode site) {
   std::size_t kept = 0;
   for (std::size_t i = 0; i < fiber.copies.size(); ++i) {
     const PendingCopy& copy = fiber.copies[i];
     if (copy.group < first_kept_group) {
-      land(copy);
+      land(fiber, copy, site);
     } else {
       fiber.copies[kept++] = copy;
     }
@@ -42,6 +46,15 @@ void cp_async_16(void* shared_dst, const void* global_src, int src_bytes, Site s
   PendingCopy copy;
   copy.destination = static_cast<unsigned char*>(shared_dst);
   copy.group = fiber.committed_groups;
+  copy.site = 0;
+  if (instrumenting()) {
+    const ThreadRef thread = thread_ref(fiber);
+    copy.site = call_site(__builtin_return_address(0), site);
+    cp_async_issued(thread, shared_dst, copy.site);
+    global_access(thread, global_src, static_cast<std::size_t>(src_bytes), /*write=*/false, /*atomic=*/false,
+                  copy.site);
+    count_cp_async(src_bytes);
+  }
   // src-size 0 reads nothing: a zero-filled chunk may name any address.
   if (src_bytes > 0) std::memcpy(copy.data, global_src, static_cast<std::size_t>(src_bytes));
   std::memset(copy.data + src_bytes, 0, sizeof copy.data - static_cast<std::size_t>(src_bytes));
@@ -51,21 +64,27 @@ void cp_async_16(void* shared_dst, const void* global_src, int src_bytes, Site s
 
 void cp_async_commit(Site) { current_fiber->committed_groups += 1; }
 
-void cp_async_wait(int pending_groups, Site site) {
+namespace {
+
+void wait_groups(int pending_groups, Site site, const void* caller) {
   Fiber& fiber = *current_fiber;
   if (pending_groups < 0) fail(site, "cp.async.wait_group %d: the count must be >= 0", pending_groups);
   const uint32_t committed = fiber.committed_groups;
   const uint32_t kept = static_cast<uint32_t>(pending_groups);
-  land_groups_before(fiber, committed > kept ? committed - kept : 0);
+  land_groups_before(fiber, committed > kept ? committed - kept : 0, instrumenting() ? call_site(caller, site) : 0);
 }
+
+}  // namespace
+
+void cp_async_wait(int pending_groups, Site site) { wait_groups(pending_groups, site, __builtin_return_address(0)); }
 
 void cp_async_wait_all(Site site) {
   cp_async_commit(site);
-  cp_async_wait(0, site);
+  wait_groups(0, site, __builtin_return_address(0));
 }
 
 void land_all_copies(Fiber& fiber) {
-  for (const PendingCopy& copy : fiber.copies) land(copy);
+  for (const PendingCopy& copy : fiber.copies) land(fiber, copy, copy.site);
   fiber.copies.clear();
 }
 

@@ -202,11 +202,16 @@ void poison_block_shared_memory(void (*kernel)(), std::size_t dynamic_bytes) {
   const std::size_t rounded = (dynamic_bytes + 7) & ~std::size_t{7};
   ASAN_POISON_MEMORY_REGION(smem + rounded, kMaxDynamicSharedBytes - rounded);
 #endif
+  const StaticShared statics = static_shared_of(kernel);
+  if (statics.data && statics.size) std::memset(statics.data, kGarbageByte, statics.size);
+}
+
+StaticShared static_shared_of(void (*kernel)()) {
   // The kernel module's own thread_local storage is nothing but its static
   // __shared__ arrays.
   TlsSearch search{reinterpret_cast<uintptr_t>(kernel), {}};
   dl_iterate_phdr(&find_tls_image, &search);
-  if (search.image.data && search.image.size) std::memset(search.image.data, kGarbageByte, search.image.size);
+  return StaticShared{static_cast<unsigned char*>(search.image.data), search.image.size};
 }
 
 void LaunchState::record_error(const std::string& message) {
@@ -231,6 +236,51 @@ std::string check_config(const LaunchConfig& c) {
     return "dynamic shared memory of " + std::to_string(c.shared_mem_bytes) + " bytes exceeds the " +
            std::to_string(kMaxDynamicSharedBytes) + " bytes a block may have (sm_90)";
   return "";
+}
+
+// Racecheck's record of which block stored each byte costs 12 bytes per byte of
+// a tensor the kernel writes; past this size a tensor is not checked.
+constexpr uint64_t kMaxGlobalShadowBytes = uint64_t{64} << 20;
+
+// The launch's instrumentation: the kernel module's address range (sites are
+// offsets into it), the tensors sorted by address, their shadows.
+std::unique_ptr<Instrumentation> make_instrumentation(const KernelEntry& entry, const LaunchConfig& config) {
+  auto inst = std::make_unique<Instrumentation>();
+  inst->flags = config.instrument;
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(entry.kernel), &info) && info.dli_fbase) {
+    inst->module_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
+    inst->module_end = inst->module_base + (uintptr_t{1} << 31);
+  }
+  for (uint32_t i = 0; i < config.tensor_count; ++i) {
+    TensorRange& range = config.tensors[i];
+    range.read_bytes = range.written_bytes = range.atomic_bytes = 0;
+    range.unique_read_bytes = range.unique_written_bytes = 0;
+    if (range.bytes) inst->tensors.push_back(&range);
+  }
+  std::sort(inst->tensors.begin(), inst->tensors.end(),
+            [](const TensorRange* a, const TensorRange* b) { return a->begin < b->begin; });
+  if (!inst->tensors.empty()) {
+    inst->tensors_begin = inst->tensors.front()->begin;
+    for (const TensorRange* range : inst->tensors)
+      inst->tensors_end = std::max<uintptr_t>(inst->tensors_end, range->begin + range->bytes);
+  }
+  for (TensorRange* range : inst->tensors) {
+    const bool shadowed = inst->racecheck() && (range->flags & kTensorWritable) && range->bytes <= kMaxGlobalShadowBytes;
+    inst->written_by.push_back(shadowed ? std::make_unique<GlobalShadow>(range->bytes) : nullptr);
+    inst->read_bytes.push_back(inst->counting() ? std::make_unique<UniqueBytes>(range->bytes) : nullptr);
+    inst->written_bytes.push_back(inst->counting() ? std::make_unique<UniqueBytes>(range->bytes) : nullptr);
+  }
+  return inst;
+}
+
+void report_counters(Instrumentation& inst, const LaunchConfig& config) {
+  if (!inst.counting()) return;
+  if (config.counters) *config.counters = inst.totals;
+  for (std::size_t i = 0; i < inst.tensors.size(); ++i) {
+    inst.tensors[i]->unique_read_bytes = inst.read_bytes[i]->count();
+    inst.tensors[i]->unique_written_bytes = inst.written_bytes[i]->count();
+  }
 }
 
 void copy_message(const std::string& message, char* error, unsigned long error_size) {
@@ -258,6 +308,7 @@ int launch(const KernelEntry& entry, const LaunchConfig* config, void** args, ch
     state.config = *config;
     state.total_blocks = uint64_t{config->grid[0]} * config->grid[1] * config->grid[2];
     state.stack_size = default_stack_size();
+    if (config->instrument) state.instrumentation = make_instrumentation(entry, *config);
     const int os_threads = static_cast<int>(std::clamp<int64_t>(
         std::min<int64_t>(config->os_threads, static_cast<int64_t>(state.total_blocks)), 1, kMaxOsThreads));
     while (static_cast<int>(m.workers.size()) < os_threads) m.workers.push_back(std::make_unique<Worker>());
@@ -278,6 +329,7 @@ int launch(const KernelEntry& entry, const LaunchConfig* config, void** args, ch
       copy_message(state.error, error, error_size);
       return 1;
     }
+    if (state.instrumentation) report_counters(*state.instrumentation, *config);
     return 0;
   } catch (const std::exception& exception) {
     copy_message(std::string(entry.name) + ": emulator error: " + exception.what(), error, error_size);

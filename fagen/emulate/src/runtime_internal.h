@@ -8,6 +8,10 @@
 //   tensor_core.cpp      mma.sync and ldmatrix twins
 //   cp_async.cpp         cp.async twins
 //   launch.cpp           grid launch on a pool of OS threads, per-block shared memory
+//   instrument.cpp       the hooks an instrumented kernel module calls on every
+//                        load and store (ThreadSanitizer's ABI, no libtsan)
+//   racecheck.cpp        shadow state of shared memory: hazards between threads
+//   counters.cpp         memory traffic, bank conflicts and op counts
 //
 // They are built into one shared library (compiled with
 // -DFAGEN_EMU_BUILDING_RUNTIME) that every kernel module links against.
@@ -18,6 +22,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -79,6 +84,7 @@ enum class FiberState : uint8_t { runnable, blocked, exited };
 struct PendingCopy {
   unsigned char* destination;
   uint32_t group;
+  uint32_t site;  // a SiteCode, when instrumenting
   unsigned char data[16];
 };
 
@@ -135,6 +141,63 @@ struct WarpState {
   }
 };
 
+// -- instrumentation (racecheck.cpp, counters.cpp) ----------------------------------
+
+// A thread as instrumentation names it.
+struct ThreadRef {
+  uint16_t linear;
+  uint8_t warp;
+  uint8_t lane;
+};
+
+// Where an access happened, in 32 bits: an offset into the kernel module (a
+// return address of an instrumented access; Python turns it into a .cu line
+// with addr2line), or, with the top bit set, an index into the launch's
+// table of runtime sites (ldmatrix and cp.async name their kernel line).
+using SiteCode = uint32_t;
+constexpr SiteCode kRuntimeSiteBit = 0x80000000u;
+
+// Racecheck: which block (and thread) stored each byte of a tensor.
+struct GlobalShadow {
+  explicit GlobalShadow(std::size_t bytes)
+      : owner(new std::atomic<uint64_t>[bytes]()), site(new std::atomic<uint32_t>[bytes]()) {}
+  std::unique_ptr<std::atomic<uint64_t>[]> owner;  // (block + 1) << 10 | thread; 0: not written
+  std::unique_ptr<std::atomic<uint32_t>[]> site;
+};
+
+// Counters: which bytes of a tensor were touched, one bit each.
+struct UniqueBytes {
+  explicit UniqueBytes(std::size_t bytes) : words((bytes + 63) / 64), bits(new std::atomic<uint64_t>[words]()) {}
+  void mark(uint64_t offset, std::size_t count);
+  uint64_t count() const;
+  std::size_t words;
+  std::unique_ptr<std::atomic<uint64_t>[]> bits;
+};
+
+struct Instrumentation {
+  int32_t flags = 0;
+  uintptr_t module_base = 0;  // the kernel module's load address
+  uintptr_t module_end = 0;
+  std::vector<TensorRange*> tensors;  // sorted by begin
+  uintptr_t tensors_begin = 0, tensors_end = 0;  // the span they cover
+  std::vector<std::unique_ptr<GlobalShadow>> written_by;    // parallel to tensors (racecheck)
+  std::vector<std::unique_ptr<UniqueBytes>> read_bytes;     // parallel to tensors (counters)
+  std::vector<std::unique_ptr<UniqueBytes>> written_bytes;
+  std::mutex mutex;  // the site table and the launch totals
+  std::vector<Site> sites;
+  LaunchCounters totals{};
+
+  Instrumentation();
+  ~Instrumentation();
+  bool racecheck() const { return flags & kInstrumentRacecheck; }
+  bool counting() const { return flags & kInstrumentCounters; }
+  bool lenient() const { return flags & kInstrumentLenientWarp; }
+  SiteCode runtime_site(Site site);
+  std::string describe_site(SiteCode code);
+  // The tensor holding [address, address + bytes), or -1.
+  int tensor_of(uintptr_t address) const;
+};
+
 struct LaunchState {
   KernelEntry entry{};
   void** args = nullptr;
@@ -145,6 +208,7 @@ struct LaunchState {
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
   std::string error;
+  std::unique_ptr<Instrumentation> instrumentation;  // null unless config.instrument != 0
 
   void record_error(const std::string& message);
 };
@@ -165,6 +229,10 @@ struct BlockRun {
   int barrier_count = 0;
   int first_exited = -1;             // linear id of the first thread that exited
   uint64_t idle_yields = 0;          // __nanosleep yields since a rendezvous last completed
+  uint64_t barriers_completed = 0;
+  bool yielded = false;              // a thread yielded in __nanosleep (warp-serial moves on)
+  Fiber* running = nullptr;          // the fiber the scheduler resumed last
+  uint64_t linear_block = 0;
   bool failed = false;
   std::string error;
 };
@@ -188,6 +256,8 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block);
 
 // Fault in the running fiber: abandons the block. Never returns.
 [[noreturn]] void fail_current(const std::string& message);
+// A hazard racecheck found: `message` names both threads. Never returns.
+[[noreturn]] void fail_race(const std::string& message);
 // Parks the running fiber in `op` until a rendezvous releases it.
 void block_current(const char* op, Site site);
 // A warp-collective op: see warp.h for the rules it enforces.
@@ -201,12 +271,70 @@ std::string format_threads(const std::vector<unsigned>& linear_ids);
 // shared memory (addresses outside the dynamic buffer are not checked).
 void check_dynamic_shared_range(const void* address, std::size_t bytes, const char* what, Site site);
 
+// Instrumentation of one block, called by the scheduler (no-ops when the
+// launch has none): a block starts or ends, a barrier completes, and the lanes
+// `mask` of a warp synchronise (__syncwarp, or under the lenient switch any
+// warp-collective op).
+void instrument_block_start(BlockRun& block);
+void instrument_block_end(BlockRun& block);
+void instrument_barrier(BlockRun& block);
+void instrument_warp_sync(BlockRun& block, unsigned warp, unsigned mask, bool collective);
+
+// Shared-memory accesses the runtime makes on a thread's behalf (ldmatrix
+// rows, cp.async destinations) and global reads (cp.async sources).
+bool instrumenting();
+ThreadRef thread_ref(const Fiber& fiber);
+void shared_access(const ThreadRef& thread, const void* address, std::size_t bytes, bool write, SiteCode site);
+void cp_async_issued(const ThreadRef& thread, const void* destination, SiteCode site);
+void cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode site);
+void global_access(const ThreadRef& thread, const void* address, std::size_t bytes, bool write, bool atomic,
+                   SiteCode site);
+SiteCode runtime_site(Site site);
+// The site of a runtime op called from the kernel module at return address `pc` (so a
+// report can name the .cu line through the inlined wrappers), else `fallback`.
+SiteCode call_site(const void* pc, Site fallback);
+// Counters of warp-collective ops: an mma, an ldmatrix's rows (for bank conflicts).
+void count_mma();
+void count_ldmatrix(const void* const* row_addresses, int matrices);
+void count_cp_async(int src_bytes);
+// The name __syncwarp's rendezvous has (warp_ops.cpp): it orders lanes even when strict.
+extern const char kSyncWarpOp[];
+
+// racecheck.cpp (called by instrument.cpp)
+void race_block_start(BlockRun& block);
+void race_barrier();
+void race_warp_sync(unsigned warp, unsigned mask);
+bool race_shared_access(const ThreadRef& thread, const void* address, std::size_t bytes, bool write, SiteCode site);
+void race_cp_async_issued(const ThreadRef& thread, const void* destination, SiteCode site);
+void race_cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode site);
+void race_global_write(const ThreadRef& thread, int tensor, uintptr_t address, std::size_t bytes, SiteCode site);
+// counters.cpp (called by instrument.cpp)
+void counters_block_start(BlockRun& block);
+void counters_flush(BlockRun& block);      // at barriers and at the block's end
+void counters_block_end(BlockRun& block);  // adds the block's counts to the launch's
+void counters_access(const ThreadRef& thread, uintptr_t address, std::size_t bytes, bool write, bool shared,
+                     SiteCode site);
+void counters_tensor_bytes(int tensor, uint64_t offset, std::size_t bytes, bool write, bool atomic);
+void count_barrier();
+void count_mma_op();
+void count_philox();
+void count_cp_async_copy(int src_bytes);
+void count_ldmatrix_rows(const void* const* rows, int matrices);
+// Whether an address is the running block's shared memory (dynamic or static).
+bool is_shared_address(const void* address);
+
 // -- shared memory (launch.cpp) -------------------------------------------------
 unsigned char* dynamic_shared_base();
 // Fills this OS thread's shared memory with garbage bytes before a block of
 // `kernel` runs: the dynamic buffer, and the kernel module's static
 // __shared__ arrays (its thread_local storage).
 void poison_block_shared_memory(void (*kernel)(), std::size_t dynamic_bytes);
+// This OS thread's copy of the kernel module's static __shared__ arrays.
+struct StaticShared {
+  unsigned char* data = nullptr;
+  std::size_t size = 0;
+};
+StaticShared static_shared_of(void (*kernel)());
 
 // -- cp_async.cpp -------------------------------------------------------------------
 void land_all_copies(Fiber& fiber);

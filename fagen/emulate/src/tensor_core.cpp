@@ -31,8 +31,13 @@ double decode(uint32_t bits16) {
   return bit_cast<float>(bits16 << 16);  // bf16 is the high half of an fp32
 }
 
+// The return address of the ldmatrix call being completed: the last lane's, which is
+// the site every lane called it from.
+__thread const void* ldmatrix_caller = nullptr;
+
 template <MmaInput kInput>
 void compute_mma(WarpRendezvous& w) {
+  count_mma();
   double a[16][16], b[16][8], c[16][8];
   for (int lane = 0; lane < 32; ++lane) {
     const auto& operands = *static_cast<const MmaOperands*>(w.in[lane]);
@@ -71,6 +76,9 @@ struct LdmatrixOp {
 
   static void compute(WarpRendezvous& w) {
     uint16_t m[kCount][8][8];
+    const void* rows[kCount * 8];
+    const bool instrumented = instrumenting();
+    const SiteCode site = instrumented ? call_site(ldmatrix_caller, w.site) : 0;
     for (int k = 0; k < kCount; ++k) {
       for (int r = 0; r < 8; ++r) {
         const int lane = 8 * k + r;
@@ -79,9 +87,17 @@ struct LdmatrixOp {
           fail(w.site, "%s: lane %d's row address %p is not 16-byte aligned", name, lane, row);
         }
         check_dynamic_shared_range(row, 16, name, w.site);
+        if (instrumented) {
+          // Lane 8k+r's row is read on its behalf: racecheck attributes it to that lane.
+          const Fiber& self = *current_fiber;
+          shared_access(thread_ref(self.block->fibers[self.coords.warp * 32 + static_cast<unsigned>(lane)]), row,
+                        16, /*write=*/false, site);
+        }
+        rows[lane] = row;
         std::memcpy(m[k][r], row, 16);
       }
     }
+    if (instrumented) count_ldmatrix(rows, kCount);
     for (int lane = 0; lane < 32; ++lane) {
       uint32_t* regs = static_cast<uint32_t*>(w.out[lane]);
       const int row = lane / 4, col = 2 * (lane % 4);
@@ -119,6 +135,7 @@ void mma_m16n8k16(MmaInput input, float acc[4], const uint32_t a[4], const uint3
 }
 
 void ldmatrix(int count, bool transpose, uint32_t* regs, const void* row_address, Site site) {
+  ldmatrix_caller = __builtin_return_address(0);
   switch (count * 2 + (transpose ? 1 : 0)) {
     case 2: return run_ldmatrix<1, false>(regs, row_address, site);
     case 3: return run_ldmatrix<1, true>(regs, row_address, site);

@@ -20,7 +20,6 @@ const char kShflUp[] = "__shfl_up_sync";
 const char kShflDown[] = "__shfl_down_sync";
 const char kShflXor[] = "__shfl_xor_sync";
 const char kBallot[] = "__ballot_sync";
-const char kSyncWarp[] = "__syncwarp";
 
 const char* shuffle_name(ShuffleMode mode) {
   switch (mode) {
@@ -71,6 +70,8 @@ void compute_nothing(WarpRendezvous&) {}
 
 }  // namespace
 
+const char kSyncWarpOp[] = "__syncwarp";
+
 uint64_t shuffle(ShuffleMode mode, unsigned mask, uint64_t value, int lane_operand, int width, Site site) {
   const char* op = shuffle_name(mode);
   if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
@@ -95,6 +96,8 @@ unsigned ballot(unsigned mask, int predicate, Site site) {
   return result;
 }
 
-void sync_warp(unsigned mask, Site site) { warp_collective(kSyncWarp, mask, nullptr, nullptr, &compute_nothing, site); }
+void sync_warp(unsigned mask, Site site) {
+  warp_collective(kSyncWarpOp, mask, nullptr, nullptr, &compute_nothing, site);
+}
 
 }  // namespace fagen_emu

@@ -92,6 +92,9 @@ FAGEN_HOST_DEVICE PhiloxKey philox4x32_bumpkey(PhiloxKey key) {
 
 // Philox4x32-10: ten rounds, the key bumped between consecutive rounds.
 FAGEN_HOST_DEVICE PhiloxWords philox4x32_10(PhiloxWords ctr, PhiloxKey key) {
+#ifdef FAGEN_EMULATE
+  ::fagen_emu::count_philox_call();  // the emulator's counters (`fagen profile`); nothing on the GPU
+#endif
   ctr = philox4x32_round(ctr, key);
 #if defined(__CUDA_ARCH__)
 #pragma unroll

@@ -12,7 +12,7 @@
 //     "f32", "f64", ..., and pointers as "p:<pointee>" or "pc:<pointee>"
 //     (pointer to const), e.g. "pc:f16,p:f32,i32,i64".
 // and registers k so that fagen_emulate_kernels() lists it. Every module also
-// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version().
+// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (2).
 #pragma once
 
 #include <cstdint>
@@ -23,13 +23,67 @@
 
 namespace fagen_emu {
 
-// Mirrored by ctypes in fagen/emulate/module.py.
+// The order in which a block's threads take turns (fagen/emulate/README.md).
+enum Schedule : int32_t {
+  kScheduleForward = 0,           // thread by thread, increasing; warps advance in lockstep
+  kScheduleReverse = 1,           // the same, decreasing
+  kScheduleWarpSerial = 2,        // one warp runs until it waits at a block barrier, then the next
+  kScheduleWarpSerialReverse = 3, // the same, from the last warp
+};
+
+// Instrumentation a launch asks for; it needs a module built with instrument=True
+// (every plain load and store of the kernel reaches the runtime).
+enum InstrumentFlags : int32_t {
+  kInstrumentRacecheck = 1,   // shared-memory hazards and unsynchronised global writes
+  kInstrumentCounters = 2,    // memory traffic, bank conflicts, mma, barriers, Philox
+  kInstrumentLenientWarp = 4, // warp-collective ops order the lanes of a warp (pre-Volta view)
+};
+
+// One tensor argument, so that global accesses can be attributed to it. The
+// runtime fills the counters when kInstrumentCounters is set.
+enum TensorFlags : int32_t { kTensorWritable = 1 };  // a pointer to non-const
+
+struct TensorRange {
+  uint64_t begin;               // address of the first byte the kernel may touch
+  uint64_t bytes;
+  int32_t argument;             // its parameter index
+  int32_t element_bytes;
+  int32_t flags;                // TensorFlags
+  int32_t reserved;
+  uint64_t read_bytes;          // plain loads and cp.async sources
+  uint64_t written_bytes;       // plain stores
+  uint64_t atomic_bytes;        // atomic read-modify-writes
+  uint64_t unique_read_bytes;   // distinct bytes read
+  uint64_t unique_written_bytes;
+};
+
+// Per-launch counters (kInstrumentCounters). A warp-level access groups the
+// lanes of one warp that execute the same load or store for the same time.
+struct LaunchCounters {
+  uint64_t blocks;
+  uint64_t global_load_requests, global_load_sectors;    // 32-byte sectors per warp-level load
+  uint64_t global_store_requests, global_store_sectors;
+  uint64_t shared_load_requests, shared_load_wavefronts, shared_load_conflicts;
+  uint64_t shared_store_requests, shared_store_wavefronts, shared_store_conflicts;
+  uint64_t ldmatrix_requests, ldmatrix_wavefronts, ldmatrix_conflicts;  // conflicts: wavefronts past the minimum
+  uint64_t mma;              // warp-level mma.sync m16n8k16
+  uint64_t barriers;         // completed __syncthreads, summed over blocks
+  uint64_t philox_calls;     // per thread
+  uint64_t cp_async_copies;  // 16-byte cp.async issued
+  uint64_t cp_async_bytes;   // bytes they read from global memory (src-size)
+};
+
+// Mirrored by ctypes in fagen/emulate/abi.py.
 struct LaunchConfig {
   uint32_t grid[3];
   uint32_t block[3];
   uint64_t shared_mem_bytes;
   int32_t os_threads;  // blocks run in parallel on up to this many OS threads
-  int32_t schedule;    // 0: threads of a block run in increasing order; 1: decreasing
+  int32_t schedule;    // a Schedule
+  int32_t instrument;  // InstrumentFlags
+  uint32_t tensor_count;
+  TensorRange* tensors;
+  LaunchCounters* counters;
 };
 
 using KernelThunk = void (*)(void (*kernel)(), void** args);
@@ -131,7 +185,7 @@ struct KernelRegistration {
 // Defined once per kernel module: a generated source includes the prelude,
 // hence this header, exactly once.
 FAGEN_EMU_API const char* fagen_emulate_kernels() { return ::fagen_emu::module_kernel_list(); }
-FAGEN_EMU_API int fagen_emulate_abi_version() { return 1; }
+FAGEN_EMU_API int fagen_emulate_abi_version() { return 2; }
 #endif
 
 #define FAGEN_EXPORT(kernel)                                                                            \

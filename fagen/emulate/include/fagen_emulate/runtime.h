@@ -53,8 +53,14 @@
 #define __constant__
 #define __managed__
 #define __grid_constant__
-// Plain `inline`: always_inline on every helper only slows the host build.
+// Plain `inline`: always_inline on every helper only slows the host build. The
+// instrumented build inlines them all, so that a report's inline chain reaches
+// the kernel's own .cu line.
+#ifdef FAGEN_EMU_ALWAYS_INLINE
+#define __forceinline__ inline __attribute__((always_inline))
+#else
 #define __forceinline__ inline
+#endif
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 // thread_local at block scope implies static, so both `__shared__ float x[8];`
@@ -103,6 +109,8 @@ extern __thread BlockCoords current_block FAGEN_EMU_RUNTIME_API;
 [[noreturn]] FAGEN_EMU_RUNTIME_API void assert_failed(const char* expression, const char* file, int line);
 // Lets the other threads of the block run (used by __nanosleep spin loops).
 FAGEN_EMU_RUNTIME_API void yield_to_block();
+// Counts one Philox4x32-10 call when the launch collects counters (fagen/philox.cuh).
+FAGEN_EMU_RUNTIME_API void count_philox_call();
 
 }  // namespace fagen_emu
 

@@ -1,0 +1,188 @@
+"""`fagen profile`: how a variant's kernels use memory, counted on the CPU.
+
+The variant runs in the emulator's instrumented build on random inputs of the
+given shape; every load and store is counted (fagen/emulate/instrumentation.py):
+HBM bytes per tensor, 32-byte sectors per warp-level request, shared-memory
+bank conflicts, mma.sync, barriers, Philox calls. Beside each pass (forward,
+backward) stands the FlashAttention IO model's HBM traffic for the same shape
+and tiles, from the tiled executable specifications in `fagen.reference`
+(fa1/fa2 with `hbm.IOCount`): what the paper's algorithm reads and writes.
+These are counts of a model machine, not timings of a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import attention_kernels
+from .codegen import source_for
+from .emulate import LaunchReport, collect_counters
+from .reference import fa1_backward, fa1_forward, fa2_backward, fa2_forward
+from .spec import Spec
+
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Bytes per element of each array the IO model counts: the inputs and outputs in the
+# variant's 16-bit dtype, the statistics and the dQ accumulator in fp32.
+FP32_ARRAYS = {"L", "m", "l", "D", "dQ"}
+# Tensors the IO model has no array for: per-batch lengths, read by every thread (they stay
+# in cache on a GPU). The passes' comparison with the model leaves them out.
+NOT_IN_MODEL = {"seqlens_k"}
+DROPOUT_P = 0.1
+SEED, OFFSET = 0x5EED, 0
+
+
+@dataclass
+class PassProfile:
+    """One pass (forward or backward): its kernels' counters and the IO model's bytes."""
+
+    name: str
+    launches: list[LaunchReport]
+    model_read_bytes: int
+    model_write_bytes: int
+
+    def _bytes(self, kinds: tuple[str, ...]) -> int:
+        return sum(t[kind] for r in self.launches for name, t in r.tensors.items() if name not in NOT_IN_MODEL
+                   for kind in kinds)
+
+    @property
+    def read_bytes(self) -> int:
+        """HBM bytes read by the pass's kernels, over the arrays the IO model has."""
+        return self._bytes(("read_bytes", "atomic_bytes"))
+
+    @property
+    def write_bytes(self) -> int:
+        return self._bytes(("written_bytes", "atomic_bytes"))
+
+
+@dataclass
+class Profile:
+    spec: Spec
+    shape: dict
+    passes: list[PassProfile] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        kernels = {}
+        for p in self.passes:
+            for r in p.launches:
+                kernels[r.kernel] = {
+                    "pass": p.name, "grid": list(r.grid), "hbm_read_bytes": r.hbm_read_bytes,
+                    "hbm_write_bytes": r.hbm_write_bytes, "bank_conflicts": r.bank_conflicts,
+                    "sectors_per_request": round(r.sectors_per_request, 3), "mma": r.counters["mma"],
+                    "barriers": r.counters["barriers"], "philox_calls": r.counters["philox_calls"],
+                    "cp_async_bytes": r.counters["cp_async_bytes"], "tensors": r.tensors, "counters": r.counters,
+                }
+        model = {p.name: {"model_read_bytes": p.model_read_bytes, "model_write_bytes": p.model_write_bytes,
+                          "read_bytes": p.read_bytes, "write_bytes": p.write_bytes} for p in self.passes}
+        return {"spec": self.spec.name, "shape": self.shape, "kernels": kernels, "passes": model,
+                "note": "counted on the CPU emulator's model of the memory system, not timed on a GPU"}
+
+
+def _model_bytes(io, dtype_bytes: int) -> tuple[int, int]:
+    def size(counts):
+        return sum(n * (4 if name in FP32_ARRAYS else dtype_bytes) for name, n in counts.items())
+
+    return size(io.reads), size(io.writes)
+
+
+def _tiles_spec(spec: Spec, block_m: int, block_n: int) -> Spec:
+    """`spec` with other tiles for the IO model (the backward's), with any legal warp count."""
+    warps = max(w for w in (1, 2, 4, 8) if block_m % (16 * w) == 0)
+    return spec.replace(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=1)
+
+
+def random_inputs(spec: Spec, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[spec.dtype]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    q, k, v = randn(batch, seqlen_q, heads, spec.head_dim), randn(batch, seqlen_k, kv_heads, spec.head_dim), \
+        randn(batch, seqlen_k, kv_heads, spec.head_dim)
+    dout = randn(batch, seqlen_q, heads, spec.head_dim)
+    seqlens_k = torch.full((batch,), seqlen_k, dtype=torch.int32) if spec.key_padding else None
+    return q, k, v, dout, seqlens_k
+
+
+def profile(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: int = 1, heads: int = 1,
+            kv_heads: int | None = None, backward: bool = False) -> Profile:
+    """Run `spec` on the emulator with its counters on, and the IO model beside it."""
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    kv_heads = heads if kv_heads is None else kv_heads
+    for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("batch", batch), ("heads", heads),
+                        ("kv_heads", kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    q, k, v, dout, seqlens_k = random_inputs(spec, batch, heads, kv_heads, seqlen_q, seqlen_k)
+    source = source_for(spec)
+    p = DROPOUT_P if spec.dropout else 0.0
+    keep = None
+    if spec.dropout:
+        from .reference import dropout_keep_mask
+
+        keep = dropout_keep_mask(SEED, OFFSET, batch, heads, seqlen_q, seqlen_k, p)
+    model_kwargs = dict(seqlens_k=seqlens_k, dropout_p=p, keep_mask=keep)
+    result = Profile(spec, {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
+                            "seqlen_k": seqlen_k})
+    with collect_counters() as forward_reports:
+        out, stats = attention_kernels.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
+                                               philox_offset=OFFSET)
+    forward_model = (fa2_forward if spec.version == 2 else fa1_forward)(q, k, v, spec, **model_kwargs)
+    result.passes.append(PassProfile("forward", list(forward_reports), *_model_bytes(forward_model[-1], 2)))
+    if backward:
+        drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
+        with collect_counters() as backward_reports:
+            attention_kernels.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop)
+        tiles = spec.backward_tiles
+        model_spec = _tiles_spec(spec, tiles.block_m, tiles.block_n)
+        ref_out, ref_stats = forward_model[0], forward_model[1:-1]
+        model = (fa2_backward(q, k, v, ref_out, dout, ref_stats[0], model_spec, **model_kwargs) if spec.version == 2
+                 else fa1_backward(q, k, v, ref_out, dout, *ref_stats, model_spec, **model_kwargs))
+        result.passes.append(PassProfile("backward", list(backward_reports), *_model_bytes(model[-1], 2)))
+    return result
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:9.3f}"
+
+
+def _ratio(measured: int, model: int) -> str:
+    return f"{measured / model:6.3f}" if model else "     -"
+
+
+def format_table(result: Profile) -> str:
+    shape = result.shape
+    lines = [f"{result.spec.name}: batch {shape['batch']}, heads {shape['heads']}/{shape['kv_heads']}, "
+             f"seqlen {shape['seqlen_q']} x {shape['seqlen_k']} (counted on the CPU emulator, not timed)", "",
+             f"{'kernel':<38} {'read MiB':>9} {'write MiB':>9} {'sect/req':>8} {'bank cf':>8} "
+             f"{'mma':>9} {'barriers':>8} {'philox':>8}"]
+    for p in result.passes:
+        for r in p.launches:
+            c = r.counters
+            lines.append(f"{r.kernel:<38} {_mib(r.hbm_read_bytes)} {_mib(r.hbm_write_bytes)} "
+                         f"{r.sectors_per_request:8.2f} {r.bank_conflicts:8d} {c['mma']:9d} {c['barriers']:8d} "
+                         f"{c['philox_calls']:8d}")
+    lines += ["", f"{'pass':<10} {'read MiB':>9} {'model MiB':>9} {'ratio':>6}   {'write MiB':>9} "
+                  f"{'model MiB':>9} {'ratio':>6}"]
+    for p in result.passes:
+        lines.append(f"{p.name:<10} {_mib(p.read_bytes)} {_mib(p.model_read_bytes)} "
+                     f"{_ratio(p.read_bytes, p.model_read_bytes)}   {_mib(p.write_bytes)} "
+                     f"{_mib(p.model_write_bytes)} {_ratio(p.write_bytes, p.model_write_bytes)}")
+    lines.append("model: the tiled FlashAttention algorithm's HBM traffic (fagen.reference, FA-1/FA-2 "
+                 "paper IO analysis) for the same tiles")
+    return "\n".join(lines)
+
+
+def write_json(result: Profile, path: Path) -> None:
+    from .compiler import write_atomic
+
+    write_atomic(Path(path), (json.dumps(result.to_json(), indent=2) + "\n").encode())
+
