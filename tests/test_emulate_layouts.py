@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+import isa_fragments as isa
+
 KERNELS = Path(__file__).parent / "kernels"
 I32 = np.int32
 
@@ -159,19 +161,75 @@ def test_mma_with_ldmatrix_operands(backend, dtype):
     torch.testing.assert_close(args[5].cpu(), expected, rtol=0, atol=0, msg="B from an n x k tile")
 
 
+# -- mma against the PTX ISA's tables (tests/isa_fragments.py) ----------------------
+
+def bits16(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+
+
+def pack(matrix: torch.Tensor, grid: str, registers: int) -> np.ndarray:
+    """Per-lane 32-bit registers holding `matrix`'s 16-bit elements where the ISA's grid puts
+    them: element e of a lane in register e // 2, the lower e in the low half."""
+    out, bits = np.zeros((32, registers), dtype=np.uint32), bits16(matrix)
+    for (lane, element), (r, c) in isa.parse(grid).items():
+        out[lane, element // 2] |= bits[r, c] << (16 * (element % 2))
+    return out
+
+
+def test_isa_tables_name_every_element_once():
+    for grid, shape, per_lane in ((isa.MMA_A, (16, 16), 8), (isa.MMA_B, (16, 8), 4), (isa.MMA_C, (16, 8), 4),
+                                  (isa.LDMATRIX, (8, 8), 2), (isa.LDMATRIX_TRANS, (8, 8), 2)):
+        where = isa.parse(grid)
+        assert sorted(set(where.values())) == [(r, c) for r in range(shape[0]) for c in range(shape[1])]
+        assert sorted(where) == [(lane, e) for lane in range(32) for e in range(per_lane)]
+
+
+@pytest.mark.parametrize("values", ["random", "distinct"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_mma_registers_follow_the_isa_tables(backend, dtype, values):
+    """Operands packed per (lane, register) from the ISA's grids, the result read back through
+    the C/D grid: exactly A @ B + C. `distinct` makes every A element different and B one-hot
+    per k, so any two swapped fragment slots change the product."""
+    kernel = backend.function("warp_layouts.cu", "mma_f16_registers" if dtype == torch.float16
+                              else "mma_bf16_registers")
+    if values == "random":
+        gen = torch.Generator().manual_seed(4)
+        A, B = small_ints((16, 16), dtype, gen), small_ints((16, 8), dtype, gen)
+        C = small_ints((16, 8), torch.float32, gen, -100, 100)
+    else:
+        A = torch.arange(256, dtype=torch.float32).reshape(16, 16).to(dtype)
+        B = torch.zeros(16, 8)
+        for n in range(8):
+            B[n, n], B[n + 8, n] = 1.0, 2.0
+        B, C = B.to(dtype), torch.arange(128, dtype=torch.float32).reshape(16, 8) * 1000
+    c_where = isa.parse(isa.MMA_C)
+    c_regs = np.zeros((32, 4), dtype=np.float32)
+    for (lane, e), (r, c) in c_where.items():
+        c_regs[lane, e] = C[r, c].item()
+    args = [torch.from_numpy(pack(A, isa.MMA_A, 4).view(np.int32)),
+            torch.from_numpy(pack(B, isa.MMA_B, 2).view(np.int32)), torch.from_numpy(c_regs),
+            torch.full((32, 4), float("nan"))]
+    args = [t.to(backend.device) for t in args]
+    kernel((1, 1, 1), (32, 1, 1), tuple(args))
+    d_regs, D = args[3].cpu(), torch.full((16, 8), float("nan"))
+    for (lane, e), (r, c) in c_where.items():
+        D[r, c] = d_regs[lane, e]
+    torch.testing.assert_close(D, reference_mma(A, B, C), rtol=0, atol=0)
+
+
 # -- ldmatrix -------------------------------------------------------------------
 
 def expected_ldmatrix(rows: np.ndarray, perm: np.ndarray, count: int, transpose: bool) -> np.ndarray:
-    """Per the PTX ISA (fagen/ldmatrix.cuh): lane 8k+r points at row r of matrix k;
-    register k of lane l holds M_k[l/4][2(l%4)+{0,1}] (or transposed)."""
+    """From the PTX ISA's tables (tests/isa_fragments.py): matrix i's row j is the row whose
+    address lane LDMATRIX_ADDRESS_LANES[count][i][j] supplies; register i of each lane holds
+    the two elements its grid cell names for matrix i."""
+    grid = isa.parse(isa.LDMATRIX_TRANS if transpose else isa.LDMATRIX)
     out = np.zeros((32, 4), dtype=np.uint32)
     u16 = rows.astype(np.uint16).astype(np.uint32)
-    for k in range(count):
-        matrix = u16[perm[8 * k:8 * k + 8]]  # 8 x 8
-        for lane in range(32):
-            r, c = lane // 4, 2 * (lane % 4)
-            lo, hi = (matrix[c, r], matrix[c + 1, r]) if transpose else (matrix[r, c], matrix[r, c + 1])
-            out[lane, k] = lo | (hi << 16)
+    for i, lanes in isa.LDMATRIX_ADDRESS_LANES[count].items():
+        matrix = u16[perm[list(lanes)]]   # 8 x 8
+        for (lane, half), (r, c) in grid.items():
+            out[lane, i] |= matrix[r, c] << (16 * half)
     return out
 
 

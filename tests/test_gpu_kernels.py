@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from fagen.emulate import assert_written
 from fagen.reference import attention_backward, attention_forward, dropout_keep_mask
 
 # FAGEN_GPU_TESTS_DEVICE=cpu runs these same tests through the emulator (slow; not in CI):
@@ -47,16 +48,14 @@ def flash_attn_func():
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Every buffer fagen's kernels write starts as NaN (where ops allocates
-    through `_empty`), so an element the kernel never wrote fails the test
-    instead of passing on whatever memory held."""
+    """Every buffer fagen's kernels write starts as the CPU tests' sentinel NaN
+    (fagen.emulate.poison_, where ops allocates through `_empty`), so an element the
+    kernel never wrote fails the test (assert_written names it) instead of passing on
+    whatever memory held."""
     from fagen import attention_kernels as ops
+    from kernel_cases import poisoned_empty
 
-    if hasattr(ops, "_empty"):
-        def poisoned(*shape, dtype, device):
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-        monkeypatch.setattr(ops, "_empty", poisoned)
+    monkeypatch.setattr(ops, "_empty", poisoned_empty)
 
 
 def inputs(shape, dtype, head_dim, *, seed=0, requires_grad=False):
@@ -102,6 +101,7 @@ def max_error(a, b) -> float:
 
 
 def assert_fa2_rule(name, ours, torch_pt, ref, factor):
+    assert_written(ours.detach(), name)
     assert torch.isfinite(ours).all(), f"{name}: NaN or inf (unwritten or overflowed elements)"
     err, err_pt = max_error(ours, ref), max_error(torch_pt, ref)
     assert err <= factor * err_pt + ABS_FLOOR, (
@@ -139,8 +139,8 @@ def test_lse_matches_reference(version, dtype, causal, head_dim):
     lse = lse.detach().cpu().double()
     assert lse.shape == ref_lse.shape
     finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "rows that see no key must have an infinite L"
-    assert not torch.isnan(lse).any()
+    assert torch.equal(lse[~finite], torch.full_like(lse[~finite], float("inf"))), "rows that see no key need L = +inf"
+    assert torch.isfinite(lse[finite]).all(), "rows that see a key need a finite L"
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
 
 

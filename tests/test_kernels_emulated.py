@@ -2,8 +2,11 @@
 
 Every combination of version x mask x dropout x dtype x head dim is run,
 forward and backward, against the float64 oracle under FlashAttention-2's
-tolerance rule (tests/kernel_cases.py); the shapes cycle through ragged ones
-so that each is met by both versions, every mask and both dtypes.
+tolerance rule (tests/kernel_cases.py). The shapes follow a covering design:
+within each head dim the cases cycle through the six shapes, shifted by the
+head dim's position, so that every (version, head dim) meets a ragged shape,
+Nq = 1, Nq != Nk, MQA, GQA and (with key padding) an entry with no keys;
+test_the_matrix_covers_every_property_per_head_dim holds it to that.
 """
 
 import itertools
@@ -15,12 +18,37 @@ from fagen import attention_kernels as ops
 from fagen.codegen import render
 from fagen.reference import dropout_keep_mask
 from fagen.spec import Spec
-from kernel_cases import OFFSET, SEED, Shape, make_inputs, poisoned_empty, run_and_check
+import kernel_checks as checks
+from kernel_cases import OFFSET, SEED, Shape, key_lengths, make_inputs, poisoned_empty, run_and_check
 
 RAGGED = [Shape(2, 128, 128), Shape(1, 17, 200), Shape(2, 200, 17), Shape(1, 1, 77),
           Shape(2, 130, 130, heads=4, kv_heads=1), Shape(1, 96, 64, heads=4, kv_heads=2)]
 MASKS = {"none": {}, "causal": {"mask": "causal"}, "padding": {"key_padding": True}}
-MATRIX = list(itertools.product((1, 2), MASKS, (False, True), ("fp16", "bf16"), (32, 64, 128, 256)))
+HEAD_DIMS = (32, 64, 128, 256)
+CASES_PER_HEAD_DIM = list(itertools.product((1, 2), MASKS, (False, True), ("fp16", "bf16")))
+MATRIX = [(*case, head_dim) for case in CASES_PER_HEAD_DIM for head_dim in HEAD_DIMS]
+
+
+def matrix_shape(version, mask, dropout, dtype, head_dim) -> Shape:
+    """The covering design: the case's position among its head dim's cases, shifted by the
+    head dim's position, picks the shape (each head dim meets every shape four times, twice
+    per version, and with key padding at least two of the batch-2 shapes)."""
+    position = CASES_PER_HEAD_DIM.index((version, mask, dropout, dtype))
+    return RAGGED[(position + HEAD_DIMS.index(head_dim)) % len(RAGGED)]
+
+
+def shape_properties(spec: Spec, shape: Shape) -> set[str]:
+    met = {"ragged"} if shape.seqlen_q % 16 or shape.seqlen_k % 16 else set()
+    met |= {"Nq = 1"} if shape.seqlen_q == 1 else set()
+    met |= {"Nq != Nk"} if shape.seqlen_q != shape.seqlen_k else set()
+    met |= {"MQA"} if shape.kv_heads == 1 < shape.heads else set()
+    met |= {"GQA"} if 1 < shape.kv_heads < shape.heads else set()
+    met |= {"empty padded entry"} if spec.key_padding and 0 in key_lengths(spec, shape) else set()
+    return met
+
+
+def matrix_spec(version, mask, dropout, dtype, head_dim) -> Spec:
+    return Spec(head_dim=head_dim, version=version, dtype=dtype, dropout=dropout, **MASKS[mask])
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +67,16 @@ SCHEDULES = ("forward", "warp-serial-reverse")
                          ids=["-".join(map(str, case)) for case in MATRIX])
 def test_kernel_matrix(version, mask, dropout, dtype, head_dim, schedule, monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
-    spec = Spec(head_dim=head_dim, version=version, dtype=dtype, dropout=dropout, **MASKS[mask])
-    shape = RAGGED[MATRIX.index((version, mask, dropout, dtype, head_dim)) % len(RAGGED)]
-    run_and_check(spec, shape)
+    case = (version, mask, dropout, dtype, head_dim)
+    run_and_check(matrix_spec(*case), matrix_shape(*case))
+
+
+def test_the_matrix_covers_every_property_per_head_dim():
+    required = {"ragged", "Nq = 1", "Nq != Nk", "MQA", "GQA", "empty padded entry"}
+    for version, head_dim in itertools.product((1, 2), HEAD_DIMS):
+        met = set().union(*(shape_properties(matrix_spec(*case), matrix_shape(*case))
+                            for case in MATRIX if case[0] == version and case[-1] == head_dim))
+        assert met >= required, f"v{version} d{head_dim} never meets {sorted(required - met)}"
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (128, 128), (200, 200), (70, 250),
@@ -63,19 +98,12 @@ def test_gqa_and_mqa(version):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_deterministic_backward_is_bit_identical(version):
+def test_deterministic_backward_is_correct_and_bit_identical(version):
+    """Repeats in opposite block orders (tests/test_kernels_determinism.py has the positive
+    control: the atomic variant fails the same check)."""
     spec = Spec(64, version=version, mask="causal", deterministic=True, dropout=True)
-    shape = Shape(1, 150, 150, heads=2, kv_heads=1)
-    run_and_check(spec, shape)
-    q, k, v, dout, _ = make_inputs(spec, shape)
-    source = render(spec)
-    out, stats = ops.forward(source, q, k, v, dropout_p=0.25, seed=SEED, philox_offset=OFFSET)
-    drop = ops.dropout_args(0.25, SEED, OFFSET)
-    first = ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop)
-    for _ in range(19):
-        again = ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop)
-        for a, b in zip(first, again):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    run_and_check(spec, Shape(1, 150, 150, heads=2, kv_heads=1))
+    checks.repeat_check(spec)
 
 
 def test_causal_skips_masked_tiles_and_launches_the_heaviest_blocks_first():

@@ -1,23 +1,32 @@
 """Random variants on random shapes, run by the emulator against the float64 oracle.
 
 The kernel matrix (test_kernels_emulated.py) covers every flag with the default
-tiles; tuning explores other tiles. Here hypothesis draws both: any legal
+tiles; tuning explores other tiles. Here both are drawn: any legal
 (block_m, block_n, num_warps, num_stages, bwd_stages) with any flags, head dim,
 GQA ratio and ragged shape, forward and backward, under FlashAttention-2's
-rule, with the emulator's threads scheduled in any of its four orders. CI runs
-a fixed (derandomized) sample; FAGEN_FUZZ_EXAMPLES=N draws more.
+rule, with the emulator's threads scheduled in any of its four orders.
+
+CI runs a stratified sample: one random case in each of the 32 strata
+version x mask x key padding x dropout x dtype, the rest of the case drawn.
+Each run draws a fresh seed (tests/conftest.py; pytest's header prints it) and
+FAGEN_FUZZ_SEED=<seed> replays it; a failure names the seed, spec, shape and
+schedule. The slow tier adds hypothesis's unstratified search, with shrinking
+(FAGEN_FUZZ_EXAMPLES=N examples, 24 by default, from the same seed).
 """
 
+import itertools
 import os
+import random
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from fagen import attention_kernels as ops
 from fagen.codegen import render
+from fagen.emulate import EmulationError
 from fagen.reference import attention_forward, dropout_keep_mask, fa2_backward
 from fagen.reference.problem import make_problem
 from fagen.spec import Spec
@@ -25,25 +34,39 @@ from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, key_lengths, make_inpu
                           run_and_check)
 
 EXAMPLES = int(os.environ.get("FAGEN_FUZZ_EXAMPLES", "24"))
+FUZZ_SEED = int(os.environ["FAGEN_FUZZ_SEED"])   # set by tests/conftest.py when not given
+SCHEDULES = ("forward", "reverse", "warp-serial", "warp-serial-reverse")
+HEAD_DIMS = (8, 16, 24, 40, 64, 72, 96, 128, 136, 192, 256)
+# The strata: every combination of these flags gets a case in every CI run.
+STRATA = [dict(zip(("version", "mask", "key_padding", "dropout", "dtype"), values))
+          for values in itertools.product((1, 2), ("none", "causal"), (False, True), (False, True),
+                                          ("fp16", "bf16"))]
+
+
+def stratum_id(stratum: dict) -> str:
+    return (f"v{stratum['version']}-{stratum['mask']}-{'pad' if stratum['key_padding'] else 'dense'}-"
+            f"{'drop' if stratum['dropout'] else 'nodrop'}-{stratum['dtype']}")
+
+
+def spec_fields(draw_one, draw_int, draw_bool) -> dict:
+    """The drawn fields of a Spec, from either source of randomness (hypothesis or random)."""
+    num_warps = draw_one((1, 2, 4, 8))
+    return dict(head_dim=draw_one(HEAD_DIMS), version=draw_one((1, 2)), dtype=draw_one(("fp16", "bf16")),
+                mask=draw_one(("none", "causal")), key_padding=draw_bool(), dropout=draw_bool(),
+                deterministic=draw_bool(), num_warps=num_warps, block_m=16 * num_warps * draw_one((1, 2)),
+                block_n=draw_one((16, 32, 64)), num_stages=draw_int(1, 3), bwd_stages=draw_int(1, 3))
+
+
+def shape_fields(draw_int, min_seqlen_k: int) -> Shape:
+    kv_heads = draw_int(1, 2)
+    return Shape(batch=draw_int(1, 3), seqlen_q=draw_int(1, 140), seqlen_k=draw_int(min_seqlen_k, 140),
+                 heads=kv_heads * draw_int(1, 3), kv_heads=kv_heads)
 
 
 @st.composite
 def specs(draw) -> Spec:
-    num_warps = draw(st.sampled_from((1, 2, 4, 8)))
-    fields = dict(
-        head_dim=draw(st.sampled_from((8, 16, 24, 40, 64, 72, 96, 128, 136, 192, 256))),
-        version=draw(st.sampled_from((1, 2))),
-        dtype=draw(st.sampled_from(("fp16", "bf16"))),
-        mask=draw(st.sampled_from(("none", "causal"))),
-        key_padding=draw(st.booleans()),
-        dropout=draw(st.booleans()),
-        deterministic=draw(st.booleans()),
-        num_warps=num_warps,
-        block_m=16 * num_warps * draw(st.sampled_from((1, 2))),
-        block_n=draw(st.sampled_from((16, 32, 64))),
-        num_stages=draw(st.integers(1, 3)),
-        bwd_stages=draw(st.integers(1, 3)),
-    )
+    fields = spec_fields(lambda options: draw(st.sampled_from(options)), lambda a, b: draw(st.integers(a, b)),
+                         lambda: draw(st.booleans()))
     try:
         return Spec(**fields)
     except ValueError:   # tiles beyond any arch's shared memory: not a variant
@@ -52,10 +75,7 @@ def specs(draw) -> Spec:
 
 @st.composite
 def shapes(draw, min_seqlen_k: int = 1) -> Shape:
-    kv_heads = draw(st.integers(1, 2))
-    return Shape(batch=draw(st.integers(1, 3)), seqlen_q=draw(st.integers(1, 140)),
-                 seqlen_k=draw(st.integers(min_seqlen_k, 140)), heads=kv_heads * draw(st.integers(1, 3)),
-                 kv_heads=kv_heads)
+    return shape_fields(lambda a, b: draw(st.integers(a, b)), min_seqlen_k)
 
 
 @st.composite
@@ -88,16 +108,54 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(ops, "_empty", poisoned_empty)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize="FAGEN_FUZZ_EXAMPLES" not in os.environ,
-          database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                                 HealthCheck.filter_too_much])
-@given(case=cases(), schedule=st.sampled_from(("forward", "reverse", "warp-serial", "warp-serial-reverse")))
-def test_random_variant_on_a_random_shape(case, schedule):
+def stratified_case(stratum: dict, rng: random.Random) -> tuple[Spec, Shape, str]:
+    """A random legal case with the stratum's flags: the other fields redrawn until the Spec
+    is legal and the shape has enough visible scores (see `cases`)."""
+    while True:
+        fields = {**spec_fields(rng.choice, rng.randint, lambda: rng.random() < 0.5), **stratum}
+        try:
+            spec = Spec(**fields)
+        except ValueError:
+            continue
+        shape = shape_fields(rng.randint, 2 if spec.dropout else 1)
+        if visible_scores(spec, shape) >= MIN_VISIBLE_SCORES:
+            return spec, shape, rng.choice(SCHEDULES)
+
+
+def run_case(spec: Spec, shape: Shape, schedule: str) -> None:
     """`schedule` is the emulator's fiber order: thread by thread in either order (warps in
     lockstep), or warp by warp in either order (a warp runs a whole barrier interval ahead),
     so a missing barrier gives wrong data in one of them."""
     with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule}):
-        run_and_check(*case)
+        run_and_check(spec, shape)
+
+
+@pytest.mark.parametrize("stratum", STRATA, ids=stratum_id)
+def test_random_case_in_every_stratum(stratum):
+    spec, shape, schedule = stratified_case(stratum, random.Random(f"{FUZZ_SEED}:{stratum_id(stratum)}"))
+    try:
+        run_case(spec, shape, schedule)
+    except (AssertionError, EmulationError) as failure:
+        raise AssertionError(f"falsifying case (FAGEN_FUZZ_SEED={FUZZ_SEED}): {spec!r} on {shape}, schedule "
+                             f"{schedule}\n{failure}") from failure
+
+
+def test_the_strata_cover_every_flag_combination_and_draw_reproducibly():
+    assert len({stratum_id(s) for s in STRATA}) == 2 ** 5
+    for stratum in STRATA[::7]:
+        first = stratified_case(stratum, random.Random(f"{FUZZ_SEED}:{stratum_id(stratum)}"))
+        again = stratified_case(stratum, random.Random(f"{FUZZ_SEED}:{stratum_id(stratum)}"))
+        assert first == again and all(getattr(first[0], key) == value for key, value in stratum.items())
+
+
+@pytest.mark.slow
+@seed(FUZZ_SEED)
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.filter_too_much])
+@given(case=cases(), schedule=st.sampled_from(SCHEDULES))
+def test_random_variant_on_a_random_shape(case, schedule):
+    run_case(*case, schedule)
 
 
 

@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ERROR_BUFFER_BYTES = 16384
 
 SCALAR_TYPES = {
@@ -82,6 +82,7 @@ class LaunchConfig(ctypes.Structure):
         ("os_threads", ctypes.c_int32),
         ("schedule", ctypes.c_int32),
         ("instrument", ctypes.c_int32),
+        ("block_order", ctypes.c_int32),
         ("tensor_count", ctypes.c_uint32),
         ("tensors", ctypes.POINTER(TensorRange)),
         ("counters", ctypes.POINTER(LaunchCounters)),
@@ -187,10 +188,11 @@ class Library:
 
 
 def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: int, values: list,
-           instrument: int = 0, tensors=None, counters: LaunchCounters | None = None) -> str | None:
+           instrument: int = 0, tensors=None, counters: LaunchCounters | None = None,
+           block_order: int = 0) -> str | None:
     """Run the grid; None, or the runtime's error message. `values` are ctypes objects, one per
     parameter; with `instrument`, `tensors` is a ctypes array of TensorRange (its counters are
-    filled in) and `counters` a LaunchCounters to fill."""
+    filled in) and `counters` a LaunchCounters to fill; `block_order` is a BlockOrder."""
     config = LaunchConfig()
     config.grid[:] = grid
     config.block[:] = block
@@ -198,6 +200,7 @@ def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: in
     config.os_threads = os_threads
     config.schedule = schedule
     config.instrument = instrument
+    config.block_order = block_order
     if tensors is not None and len(tensors):
         config.tensor_count = len(tensors)
         config.tensors = ctypes.cast(tensors, ctypes.POINTER(TensorRange))

@@ -1,6 +1,6 @@
 """What every emulated launch hands the runtime besides the kernel's own arguments.
 
-The environment's OS thread count and thread schedule (read at each launch),
+The environment's OS thread count, thread schedule and block order (read at each launch),
 grid and block dimensions, and the dtype codes pointer parameters are checked
 against. Shared by in-process launches (module.py) and checked ones in the
 helper process (checked.py).
@@ -19,6 +19,9 @@ THREADS_ENV = "FAGEN_EMULATE_THREADS"
 SCHEDULE_ENV = "FAGEN_EMULATE_SCHEDULE"
 # The Schedule enum of include/fagen_emulate/export.h.
 SCHEDULES = {"forward": 0, "reverse": 1, "warp-serial": 2, "warp-serial-reverse": 3}
+BLOCK_ORDER_ENV = "FAGEN_EMULATE_BLOCK_ORDER"
+# The BlockOrder enum of include/fagen_emulate/export.h.
+BLOCK_ORDERS = {"forward": 0, "reverse": 1}
 RACECHECK_ENV = "FAGEN_EMULATE_RACECHECK"
 RACECHECK_MODES = {"": 0, "0": 0, "1": abi.INSTRUMENT_RACECHECK,
                    "lenient": abi.INSTRUMENT_RACECHECK | abi.INSTRUMENT_LENIENT_WARP}
@@ -42,6 +45,13 @@ def schedule() -> int:
     if text not in SCHEDULES:
         raise EmulationError(f"{SCHEDULE_ENV}={text!r}: expected one of {', '.join(SCHEDULES)}")
     return SCHEDULES[text]
+
+
+def block_order() -> int:
+    text = os.environ.get(BLOCK_ORDER_ENV, "forward")
+    if text not in BLOCK_ORDERS:
+        raise EmulationError(f"{BLOCK_ORDER_ENV}={text!r}: expected one of {', '.join(BLOCK_ORDERS)}")
+    return BLOCK_ORDERS[text]
 
 
 def dim3(value, what: str) -> tuple[int, int, int]:

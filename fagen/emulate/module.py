@@ -17,6 +17,8 @@ Environment (read at each launch; fagen/emulate/README.md lists the build ones):
                             (default) or "reverse" (thread by thread: warps advance in
                             lockstep), "warp-serial" or "warp-serial-reverse" (one warp
                             runs a whole barrier interval before the next)
+    FAGEN_EMULATE_BLOCK_ORDER "forward" (default) or "reverse": the order blocks are taken
+                            in (with one OS thread, the order they run in)
     FAGEN_EMULATE_RACECHECK "1" (or "lenient"): modules are built instrumented and every
                             launch is race-checked (also read by load_module)
     FAGEN_EMULATE_STACK_KB  stack per emulated thread (default 256 KiB, 1 MiB checked)
@@ -32,7 +34,7 @@ from . import abi, instrumentation
 from .build import BuiltModule, build
 from .checked import CheckedModule
 from .errors import EmulationError
-from .launch_args import dim3, dtype_code, os_threads, racecheck_flags, schedule
+from .launch_args import block_order, dim3, dtype_code, os_threads, racecheck_flags, schedule
 
 
 class EmulatedFunction:
@@ -75,14 +77,15 @@ class EmulatedFunction:
         values = self.convert(args)
         flags = self.module.instrument_flags()
         if not flags:
-            error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values)
+            error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
+                               block_order=block_order())
             if error is not None:
                 raise EmulationError(error)
             return
         tensors, indices = instrumentation.tensor_ranges(self.parameters, args)
         counters = abi.LaunchCounters()
         error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
-                           instrument=flags, tensors=tensors, counters=counters)
+                           instrument=flags, tensors=tensors, counters=counters, block_order=block_order())
         if error is not None:
             raise instrumentation.launch_error(error, self.module.library_path, self.module.source_path)
         if flags & abi.INSTRUMENT_COUNTERS:

@@ -77,7 +77,32 @@ __device__ void mma_by_ldmatrix(const T* A, const T* B_kn, const T* B_nk, const 
   }
 }
 
+// Raw registers: lane l's operands are a[4l + i], b[2l + j] and c[4l + e], packed by the
+// test from the PTX ISA's fragment tables (tests/isa_fragments.py); d[4l + e] are the
+// lane's result registers. No layout formula here: the layout lives only in the tables.
+template <class T>
+__device__ void mma_by_registers(const uint32_t* a, const uint32_t* b, const float* c, float* d) {
+  const int lane = threadIdx.x % 32;
+  uint32_t a_regs[4], b_regs[2];
+  float acc[4];
+  for (int i = 0; i < 4; ++i) a_regs[i] = a[4 * lane + i];
+  for (int j = 0; j < 2; ++j) b_regs[j] = b[2 * lane + j];
+  for (int e = 0; e < 4; ++e) acc[e] = c[4 * lane + e];
+  mma_tile(acc, a_regs, b_regs, T());
+  for (int e = 0; e < 4; ++e) d[4 * lane + e] = acc[e];
+}
+
 }  // namespace
+
+extern "C" __global__ void mma_f16_registers(const unsigned* a, const unsigned* b, const float* c, float* d) {
+  mma_by_registers<__half>(a, b, c, d);
+}
+FAGEN_EXPORT(mma_f16_registers)
+
+extern "C" __global__ void mma_bf16_registers(const unsigned* a, const unsigned* b, const float* c, float* d) {
+  mma_by_registers<__nv_bfloat16>(a, b, c, d);
+}
+FAGEN_EXPORT(mma_bf16_registers)
 
 extern "C" __global__ void mma_f16_layout(const __half* A, const __half* B, const float* C, float* D) {
   mma_by_layout(A, B, C, D);

@@ -232,6 +232,8 @@ std::string check_config(const LaunchConfig& c) {
       c.grid[2] > 65535)
     return "invalid grid (" + std::to_string(c.grid[0]) + "," + std::to_string(c.grid[1]) + "," +
            std::to_string(c.grid[2]) + ")";
+  if (c.block_order != kBlockOrderForward && c.block_order != kBlockOrderReverse)
+    return "invalid block order " + std::to_string(c.block_order);
   if (c.shared_mem_bytes > kMaxDynamicSharedBytes)
     return "dynamic shared memory of " + std::to_string(c.shared_mem_bytes) + " bytes exceeds the " +
            std::to_string(kMaxDynamicSharedBytes) + " bytes a block may have (sm_90)";
@@ -317,8 +319,9 @@ int launch(const KernelEntry& entry, const LaunchConfig* config, void** args, ch
       Worker& worker = *m.workers[static_cast<std::size_t>(index)];
       try {
         while (!state.failed.load()) {
-          const uint64_t block = state.next_block.fetch_add(1);
-          if (block >= state.total_blocks) break;
+          const uint64_t taken = state.next_block.fetch_add(1);
+          if (taken >= state.total_blocks) break;
+          const uint64_t block = config->block_order == kBlockOrderReverse ? state.total_blocks - 1 - taken : taken;
           if (!run_block(worker, state, block)) break;
         }
       } catch (const std::exception& exception) {

@@ -12,7 +12,7 @@
 //     "f32", "f64", ..., and pointers as "p:<pointee>" or "pc:<pointee>"
 //     (pointer to const), e.g. "pc:f16,p:f32,i32,i64".
 // and registers k so that fagen_emulate_kernels() lists it. Every module also
-// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (2).
+// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (3).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,16 @@ enum Schedule : int32_t {
   kScheduleReverse = 1,           // the same, decreasing
   kScheduleWarpSerial = 2,        // one warp runs until it waits at a block barrier, then the next
   kScheduleWarpSerialReverse = 3, // the same, from the last warp
+};
+
+// The order in which blocks are handed to the OS threads (with one OS thread, the
+// order they run in): linear block index increasing, or decreasing. Reversal reorders
+// whatever blocks race on (float atomics into one element, the last writer of a
+// shared output), which is how a test shows that a non-deterministic variant's
+// results can differ between runs.
+enum BlockOrder : int32_t {
+  kBlockOrderForward = 0,
+  kBlockOrderReverse = 1,
 };
 
 // Instrumentation a launch asks for; it needs a module built with instrument=True
@@ -81,6 +91,7 @@ struct LaunchConfig {
   int32_t os_threads;  // blocks run in parallel on up to this many OS threads
   int32_t schedule;    // a Schedule
   int32_t instrument;  // InstrumentFlags
+  int32_t block_order; // a BlockOrder
   uint32_t tensor_count;
   TensorRange* tensors;
   LaunchCounters* counters;
@@ -185,7 +196,7 @@ struct KernelRegistration {
 // Defined once per kernel module: a generated source includes the prelude,
 // hence this header, exactly once.
 FAGEN_EMU_API const char* fagen_emulate_kernels() { return ::fagen_emu::module_kernel_list(); }
-FAGEN_EMU_API int fagen_emulate_abi_version() { return 2; }
+FAGEN_EMU_API int fagen_emulate_abi_version() { return 3; }
 #endif
 
 #define FAGEN_EXPORT(kernel)                                                                            \

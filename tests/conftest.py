@@ -1,0 +1,19 @@
+"""Suite-wide settings: the fuzz seed (tests/test_kernels_fuzz.py).
+
+Each run draws a fresh seed unless FAGEN_FUZZ_SEED gives one; pytest prints it in its
+header, and FAGEN_FUZZ_SEED=<that seed> replays the run's draws exactly.
+"""
+
+import os
+import secrets
+
+os.environ.setdefault("FAGEN_FUZZ_SEED", str(secrets.randbits(32)))
+
+
+def pytest_report_header(config):
+    return f"fagen fuzz seed: FAGEN_FUZZ_SEED={os.environ['FAGEN_FUZZ_SEED']}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # The header is hidden under -q (the README's command): say it at the end as well.
+    terminalreporter.write_line(pytest_report_header(None))
