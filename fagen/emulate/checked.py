@@ -200,7 +200,8 @@ class CheckedFunction:
         request = {
             "library": str(self.module.library_path), "name": self.name,
             "grid": dim3(grid, "grid"), "block": dim3(block, "block"), "shared_mem": int(shared_mem),
-            "os_threads": os_threads(), "schedule": schedule(), "block_order": block_order(), "args": described, "storages": storages,
+            "os_threads": os_threads(), "schedule": schedule(), "block_order": block_order(),
+            "args": described, "storages": storages,
         }
         result = runner().run(request)
         if not result["ok"]:
