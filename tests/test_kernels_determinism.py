@@ -54,7 +54,7 @@ def poisoned_outputs(monkeypatch):
 
 def test_no_deterministic_variant_calls_an_atomic():
     variants = deterministic_variants()
-    assert len(variants) > 200
+    assert len(variants) > 400
     for spec in variants:
         checks.no_atomics_check(spec)
 
