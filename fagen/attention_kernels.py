@@ -118,8 +118,13 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dk = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
     dv = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
     drop = dropout_args or {}
+    # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
+    # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
+    block_m = spec.backward_tiles.block_m
+    padded_rows = -(-seqlen_q // block_m) * block_m
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
-               "delta": _empty(batch, heads, seqlen_q, **f32), "seqlens_k": seqlens_k,
+               "delta": _empty(batch, heads, padded_rows, **f32),
+               "lse_log2": _empty(batch, heads, padded_rows, **f32), "seqlens_k": seqlens_k,
                "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **(debug or {})}
     if spec.version == 2:
         tensors["lse"] = stats[0]

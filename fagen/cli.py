@@ -1,4 +1,4 @@
-"""The `fagen` command line: build | list | show | verify | tune | profile | bench.
+"""The `fagen` command line: build | list | show | verify | tune | profile | sass | bench.
 
     fagen build --d 64 --causal          (also: python -m fagen build --d 64 --causal)
 
@@ -24,7 +24,7 @@ from .variant_flags import add_variant_flags, build_command, variant_fields, var
 
 DEFAULT_OUT = "generated"
 TILE_OPTIONS = (("block_m", "--block-m"), ("block_n", "--block-n"), ("num_warps", "--num-warps"),
-                ("num_stages", "--num-stages"), ("bwd_stages", "--bwd-stages"))
+                ("num_stages", "--num-stages"), ("bwd_stages", "--bwd-stages"), ("bwd_block_n", "--bwd-block-n"))
 
 
 class CommandError(ValueError):
@@ -45,6 +45,9 @@ def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
     parser.add_argument("--bwd-stages", type=int,
                         help="backward Q/dO pipeline depth (default: the table's, made shallow "
                              "enough for every --arch)")
+    parser.add_argument("--bwd-block-n", type=int,
+                        help="keys per backward thread block (default: the table's, made small enough "
+                             "for every --arch)")
 
 
 def _spec_options_given(args) -> list[str]:
@@ -106,7 +109,7 @@ def cmd_build(args) -> int:
                                f"{', '.join(given)} (drop --default-set to build your own)")
     specs = default_specs() if args.default_set else _specs_from_args(args)
     archs, where = _archs(args)
-    if args.bwd_stages is None:
+    if args.bwd_stages is None and args.bwd_block_n is None:
         # One source serves every arch named: its backward must fit the smallest.
         smallest = min(smem_limit(arch) for arch in archs)
         specs = [spec.fit_backward(smallest) for spec in specs]
@@ -193,17 +196,22 @@ def cmd_verify(args) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-# -- profile ---------------------------------------------------------------
-
-def cmd_profile(args) -> int:
-    from . import profiling
-
+def _one_spec(args) -> Spec:
+    """The variant a command names, by NAME or by --d and its flags (not both)."""
     given = _spec_options_given(args)
     if args.name and given:
         raise CommandError(f"{args.name} names the whole variant; it takes no {', '.join(given)}")
     if not args.name and args.head_dim is None:
         raise CommandError("name a variant (e.g. fa2_d64_causal_fp16) or give --d and its flags")
-    spec = Spec.from_name(args.name) if args.name else _specs_from_args(args)[0]
+    return Spec.from_name(args.name) if args.name else _specs_from_args(args)[0]
+
+
+# -- profile ---------------------------------------------------------------
+
+def cmd_profile(args) -> int:
+    from . import profiling
+
+    spec = _one_spec(args)
     print(f"profiling {spec.name} on the CPU emulator's instrumented build (the first run compiles it)...",
           file=sys.stderr, flush=True)
     result = profiling.profile(spec, seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, batch=args.batch,
@@ -211,6 +219,30 @@ def cmd_profile(args) -> int:
     print(profiling.format_table(result))
     if args.json:
         profiling.write_json(result, Path(args.json))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# -- sass ------------------------------------------------------------------
+
+def cmd_sass(args) -> int:
+    from .compiler import find_cuobjdump, parse_archs
+    from .sass.report import format_reports, report_for_spec
+
+    archs = parse_archs(args.arch)
+    if len(archs) != 1:
+        raise CommandError(f"--arch takes one arch, got {args.arch!r}")
+    arch = archs[0]
+    if find_cuobjdump() is None:
+        raise CommandError("fagen sass reads machine code with cuobjdump: "
+                           "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (the `test` extra has them)")
+    spec = _one_spec(args)
+    reports = report_for_spec(spec, arch)
+    print(f"{spec.name} on {arch}: each kernel's main loop, one steady-state iteration, per warp "
+          f"(instructions per useful HMMA: FlashAttention-2's measure)")
+    print(format_reports(reports, opcodes=args.opcodes))
+    if args.json:
+        Path(args.json).write_text(json.dumps({name: r.to_json() for name, r in reports.items()}, indent=1))
         print(f"\nwrote {args.json}")
     return 0
 
@@ -284,6 +316,19 @@ def make_parser() -> argparse.ArgumentParser:
     prof.add_argument("--backward", action="store_true", help="profile the backward kernels too")
     prof.add_argument("--json", metavar="FILE", help="also write the counters as JSON")
     prof.set_defaults(func=cmd_profile)
+
+    sass = sub.add_parser("sass", help="count the main loops' instructions per tensor-core op from SASS (no GPU)",
+                          description="Compile a variant with NVRTC, disassemble it (cuobjdump) and, for each "
+                                      "kernel, count one steady-state iteration of its main loop by instruction "
+                                      "class, per useful HMMA (gemms x block_m x block_n x d / 2048 / warps), with "
+                                      "registers, spills, shared memory and occupancy. See fagen/sass/.")
+    sass.add_argument("name", nargs="?", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 "
+                                                              "(or give --d and its flags)")
+    _add_spec_args(sass, many=False)
+    sass.add_argument("--arch", default="sm_90", help="the one arch to compile for (default sm_90)")
+    sass.add_argument("--json", metavar="FILE", help="also write the figures as JSON, per kernel")
+    sass.add_argument("--opcodes", action="store_true", help="also list each main loop's opcodes per iteration")
+    sass.set_defaults(func=cmd_sass)
 
     bench = sub.add_parser("bench", help="the GPU check and benchmarks (see `fagen bench gpu-check --help`)",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -164,12 +164,14 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
     elem = ELEM_CTYPE[spec.dtype]
     scales = [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
     dq_accum = [] if spec.deterministic else [_tensor("dq_accum", "float")]
-    inputs = [_tensor(n, elem, const=True) for n in ("q", "k", "v", "dout")] + _stats(spec, const=True)
-    inputs.append(_tensor("delta", "float", const=True))
+    # The preprocess kernel turns the forward's statistics into lse_log2 (and D) for the
+    # others, in rows padded to whole backward Q blocks.
+    inputs = [_tensor(n, elem, const=True) for n in ("q", "k", "v", "dout")]
+    inputs += [_tensor("lse_log2", "float", const=True), _tensor("delta", "float", const=True)]
     params = {
-        "bwd_preprocess": [_tensor("out", elem, const=True), _tensor("dout", elem, const=True),
-                           _tensor("delta", "float")] + dq_accum
-                          + [Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")]
+        "bwd_preprocess": [_tensor("out", elem, const=True), _tensor("dout", elem, const=True)]
+                          + _stats(spec, const=True) + [_tensor("delta", "float"), _tensor("lse_log2", "float")]
+                          + dq_accum + [Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")]
                           + _strides("o", "do"),
         "bwd_main": inputs + dq_accum + [_tensor("dk_out", elem), _tensor("dv_out", elem)] + _sizes(spec)
                     + _strides("q", "k", "v", "do", "dk", "dv") + scales + _dropout(spec)

@@ -123,6 +123,10 @@ def _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, 
         return dropout_p, 1.0 / math.sqrt(head_dim)
     if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        # The kernels take each row's max of the raw scores S and fold the scale into the
+        # exponent: max(tau S) = tau max(S) holds for tau > 0 only.
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
     return dropout_p, float(softmax_scale)
 
 

@@ -71,6 +71,11 @@ def default_tiles(head_dim: int, version: int = 2) -> dict:
     return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": 2}
 
 
+def backward_block_n_choices(head_dim: int) -> tuple[int, ...]:
+    """The backward's keys per thread block at a head dim, the table's default first."""
+    return (128, 64) if head_dim <= 128 else (32,)
+
+
 def check_dropout_p(dropout_p) -> float:
     """Validate a dropout probability; returns it as a float."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
@@ -118,12 +123,15 @@ class SharedLayout:
 
 @dataclass(frozen=True)
 class BackwardTiles:
-    """Tiles of the backward kernels, derived from the head dim.
+    """Tiles of the backward kernels, derived from the head dim (and `bwd_block_n`).
 
     The main backward kernel owns block_n keys (K_j, V_j stay on chip) and
     loops over Q blocks of block_m rows. Its warps form key_groups x dim_split:
-    each warp owns 16 keys and a 1/dim_split slice of the head dim for its dK
-    and dV accumulators (splitting d keeps them in registers at d > 128).
+    each warp owns key_tiles x 16 keys and a 1/dim_split slice of the head dim for its
+    dK and dV accumulators. At d <= 128 dim_split is 1 and no warp computes what another
+    does; at d > 128 splitting d keeps dK and dV in registers, and the warps of a key
+    group then share the work of S^T and dP^T by recomputing it. dQ = dS K is split over
+    all warps in tiles of dq_tiles = (16-row tiles, 8-column tiles).
     The deterministic dQ kernel uses the same block_m with warps splitting Q.
     """
 
@@ -133,6 +141,7 @@ class BackwardTiles:
     num_stages: int
     dim_split: int
     dq_block_n: int  # keys per K/V tile of the deterministic dQ kernel
+    key_tiles: int = 1  # 16-key mma tiles per warp
     head_dim: int = 0  # d (set by Spec.backward_tiles)
 
     @property
@@ -149,6 +158,24 @@ class BackwardTiles:
     def threads(self) -> int:
         return 32 * self.num_warps
 
+    @property
+    def dq_tiles(self) -> tuple[int, int]:
+        """(row tiles, column tiles) of one warp's dQ task: the most reuse of each ldmatrix
+        (fewest loads per mma) among those whose tasks split evenly over the warps, at
+        most 8 accumulator tiles (32 registers) each."""
+        rows, cols = self.block_m // MMA_M, self.head_dim_pad // 8
+        best = None
+        for r in (d for d in range(1, rows + 1) if rows % d == 0):
+            for c in (d for d in range(2, cols + 1, 2) if cols % d == 0):
+                tasks = (rows // r) * (cols // c)
+                if r * c > 8:
+                    continue
+                # Loads per mma, then tasks left over when they do not split evenly.
+                key = (tasks % self.num_warps != 0, -(-tasks // self.num_warps) * (r + c / 2), (r + c / 2) / (r * c))
+                if best is None or key < best[0]:
+                    best = (key, (r, c))
+        return best[1]
+
 
 @dataclass(frozen=True)
 class BackwardLayout:
@@ -160,9 +187,10 @@ class BackwardLayout:
     q_offset: int      # stage s at q_offset + s * qdo_stage_bytes
     do_offset: int     # stage s at do_offset + s * qdo_stage_bytes
     qdo_stage_bytes: int
-    ds_offset: int     # dS (block_m x block_n), for dQ = dS K
+    ds_offset: int     # dS^T (block_n keys x block_m queries), for dQ = dS K
     ds_row_elems: int
-    stats_offset: int  # fp32 L_i (log2 units) then D_i of the current Q block
+    stats_offset: int  # stage s at stats_offset + s * stats_stage_bytes: fp32 L_i (log2 units), then D_i
+    stats_stage_bytes: int
     total_bytes: int
 
 
@@ -183,8 +211,9 @@ class Spec:
     deterministic  the backward pass uses no atomics
     bwd_stages   depth of the backward's Q/dO pipeline (and of the deterministic
                  dQ kernel's K/V pipeline); unset takes the backward tile table's.
-                 1 halves the backward's staging memory: the 99 KB parts
-                 (sm_86/89/120) need it at 64 < d <= 128 (`fit_backward`).
+    bwd_block_n  keys per backward thread block (BACKWARD_BLOCK_N lists the choices per
+                 head dim); unset takes the table's. The 99 KB parts (sm_86/89/120)
+                 need a smaller one, or a shallower pipeline (`fit_backward`).
     """
 
     head_dim: int
@@ -199,6 +228,7 @@ class Spec:
     dropout: bool = False
     deterministic: bool = False
     bwd_stages: int | None = None
+    bwd_block_n: int | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -215,6 +245,8 @@ class Spec:
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
+        if self.bwd_block_n is None:
+            object.__setattr__(self, "bwd_block_n", backward_block_n_choices(self.head_dim)[0])
         if self.bwd_stages is None:
             object.__setattr__(self, "bwd_stages", self._backward_tile_table().num_stages)
         self._check_tiles()
@@ -254,6 +286,10 @@ class Spec:
         stages = self.bwd_stages
         if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
             raise ValueError(f"bwd_stages must be an int in 1..{MAX_STAGES}, got {stages!r}")
+        choices = backward_block_n_choices(self.head_dim)
+        if isinstance(self.bwd_block_n, bool) or self.bwd_block_n not in choices:
+            raise ValueError(f"bwd_block_n must be one of {choices} at head_dim={self.head_dim}, "
+                             f"got {self.bwd_block_n!r}")
 
     def check_arch(self, arch: str, backward: bool = True, shared_limit: int | None = None) -> None:
         """Raise ValueError if this spec's tiles do not fit `arch`'s shared memory.
@@ -282,12 +318,14 @@ class Spec:
                 f"pass fits){hint}")
 
     def fit_backward(self, shared_limit: int) -> "Spec":
-        """This spec with the deepest backward pipeline (at most its own) that fits
-        `shared_limit` bytes per block; itself if it fits, or if nothing shallower does."""
-        for stages in range(self.bwd_stages, 0, -1):
-            candidate = self if stages == self.bwd_stages else self.replace(bwd_stages=stages)
-            if candidate.backward_shared_bytes <= shared_limit:
-                return candidate
+        """This spec with the largest backward block (at most its own), then the deepest
+        pipeline (at most its own), that fits `shared_limit` bytes per block; itself if it
+        fits, or if nothing smaller does."""
+        for block_n in (n for n in backward_block_n_choices(self.head_dim) if n <= self.bwd_block_n):
+            for stages in range(self.bwd_stages, 0, -1):
+                candidate = self.replace(bwd_block_n=block_n, bwd_stages=stages)
+                if candidate.backward_shared_bytes <= shared_limit:
+                    return self if candidate == self else candidate
         return self
 
     # -- derived facts ----------------------------------------------------
@@ -328,14 +366,15 @@ class Spec:
         return max(self.backward_layout.total_bytes, self.dq_layout.total_bytes)
 
     def _backward_tile_table(self) -> BackwardTiles:
-        if self.head_dim <= 64:
-            return BackwardTiles(block_m=64, block_n=64, num_warps=4, num_stages=2, dim_split=1,
-                                 dq_block_n=64)
+        """One warp per 16 keys and the whole d up to d = 128 (dK and dV in registers,
+        nothing computed twice); 99 KB parts take bwd_block_n = 64 (four warps). Past 128
+        four warps split d and share a key group."""
+        block_n = self.bwd_block_n or backward_block_n_choices(self.head_dim)[0]
         if self.head_dim <= 128:
-            return BackwardTiles(block_m=64, block_n=64, num_warps=8, num_stages=2, dim_split=2,
+            return BackwardTiles(block_m=64, block_n=block_n, num_warps=block_n // 16, num_stages=2, dim_split=1,
                                  dq_block_n=64)
-        return BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4,
-                             dq_block_n=32)
+        # dq_block_n = 16 keeps the deterministic dQ pass (d x 16 rows of fp32 per warp) spill-free.
+        return BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4, dq_block_n=16)
 
     @property
     def backward_layout(self) -> BackwardLayout:
@@ -346,11 +385,12 @@ class Spec:
         q_offset = 2 * kv_bytes
         do_offset = q_offset + t.num_stages * stage
         ds_offset = do_offset + t.num_stages * stage
-        ds_row = t.block_n + SMEM_ROW_PAD
-        stats_offset = ds_offset + t.block_m * ds_row * ELEMENT_BYTES
-        total = stats_offset + 2 * t.block_m * 4
+        ds_row = t.block_m + SMEM_ROW_PAD
+        stats_offset = ds_offset + t.block_n * ds_row * ELEMENT_BYTES
+        stats_stage = 2 * t.block_m * 4
+        total = stats_offset + t.num_stages * stats_stage
         return BackwardLayout(row, 0, kv_bytes, q_offset, do_offset, stage, ds_offset, ds_row,
-                              stats_offset, total)
+                              stats_offset, stats_stage, total)
 
     @property
     def dq_layout(self) -> SharedLayout:
@@ -393,6 +433,8 @@ class Spec:
             parts.append(f"m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}")
         if self.bwd_stages != self._backward_tile_table().num_stages:
             parts.append(f"bwd{self.bwd_stages}")
+        if self.bwd_block_n != backward_block_n_choices(self.head_dim)[0]:
+            parts.append(f"bwdn{self.bwd_block_n}")
         return "_".join(parts)
 
     def to_dict(self) -> dict:
@@ -411,6 +453,10 @@ class Spec:
         """Parse a name like `fa2_d64_causal_bf16` or `fa1_d128_fp16_pad_m64n32w4s2_bwd1`."""
         fields: dict = {}
         parts = name.split("_")
+        block_n = re.fullmatch(r"bwdn(\d+)", parts[-1]) if parts else None
+        if block_n:
+            parts.pop()
+            fields["bwd_block_n"] = int(block_n.group(1))
         bwd = re.fullmatch(r"bwd(\d+)", parts[-1]) if parts else None
         if bwd:
             parts.pop()

@@ -54,8 +54,11 @@ def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
     if spec.tiles != default_tiles(spec.head_dim, spec.version):
         parts += ["--block-m", str(spec.block_m), "--block-n", str(spec.block_n),
                   "--num-warps", str(spec.num_warps), "--num-stages", str(spec.num_stages)]
-    if spec.bwd_stages != Spec(spec.head_dim, version=spec.version).bwd_stages:
+    table = Spec(spec.head_dim, version=spec.version)
+    if spec.bwd_stages != table.bwd_stages:
         parts += ["--bwd-stages", str(spec.bwd_stages)]
+    if spec.bwd_block_n != table.bwd_block_n:
+        parts += ["--bwd-block-n", str(spec.bwd_block_n)]
     if out_dir is not None:
         parts += ["--out", str(out_dir)]
     return shlex.join(parts)

@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "115a6759faf8f71c67117de875692aa8260c7cf4614ca8189c72a2ffe8d3bf31"
+SOURCE_SHA256 = "93f21c56bee9d6ee266e8bd2b77f312257db4083449e26d98fa704d9565ce60d"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "c87a9166c8eda16efdd823eee688812b154d574fccf02384515f9d9fc446fecf"
+SOURCE_SHA256 = "b9ebd9761a8587d30bfe3bce2fc34c86d6b7d41bab33a5557f70aa4d6549c5ef"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

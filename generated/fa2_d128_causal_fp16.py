@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "232847f23a53b3d4cd4f506eb4e4f70ab6bc6782924073584af9099af2bfc803"
+SOURCE_SHA256 = "f5b26580d34282f264335ab2dd30f8bb55f292182c9663b2ad94d4b16dc5e333"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

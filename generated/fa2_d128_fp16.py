@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "cecd82a6234b234bfbe45b8ffa1fdc0b891a9c1e535968b1934821ab0eda8e8f"
+SOURCE_SHA256 = "059320a51ed08b600eb22e080f0c62fe9d6205b3bf44d386c177bb6a6051194d"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

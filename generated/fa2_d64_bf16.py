@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "10b3db5f5d62d6e9e1102e3ae018a9fa8009edf0e2bbbc61392f529f17ec36a3"
+SOURCE_SHA256 = "ab13d1633b983ae88b4a22dffbbd082f16957f8554c3acec429d92b6858fd598"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "68ac3c94bfdf0d30749a420d0c84ec451c7f10f5ef6583bd36b3a19fde6f9ac1"
+SOURCE_SHA256 = "2af510b0e48dbdf36dc2e584336daf3e5148981b0ab7d66734f2c089081a1dc7"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

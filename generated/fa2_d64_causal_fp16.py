@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "3f629c9f23676a60d576ebbef7bbe272d662438140c05a4e7f6e49aae4df252b"
+SOURCE_SHA256 = "4e3a60d4369128c05956662e60abf212352d7e1f603b268e0159ad15cfc23c52"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -16,6 +16,7 @@ from fagen.spec import Spec
 
 SPEC = Spec.from_dict({'block_m': 128,
  'block_n': 64,
+ 'bwd_block_n': 128,
  'bwd_stages': 2,
  'deterministic': False,
  'dropout': False,
@@ -27,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "6d12fff8f6b92e8a7a26f6016c9ee40025c5ba2fe7af5b72405220ab110f75f5"
+SOURCE_SHA256 = "fb35cffb3dc3088cf68d1e44c59304de73d5c5fa1e09085bd2d023062f1874c8"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -25,7 +25,8 @@ TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR = 2.0, 3.0
 ABS_FLOOR = 1e-5
 SEED, OFFSET, DROPOUT_P = 0x1234_5678_9ABC, 3, 0.25
-ATOMIC_CALL = re.compile(r"\batomic[A-Z]\w*\s*\(")
+# CUDA's atomics (atomicAdd, ...) and fagen's own wrappers (fagen/global_reduce.cuh: atomic_add_pair).
+ATOMIC_CALL = re.compile(r"\batomic(?:[A-Z]\w*|_\w+)\s*\(")
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,12 @@ def test_build_several_variants_shows_progress(tmp_path, capsys):
 
 
 def test_build_for_a_99kb_part_fits_the_backward(tmp_path, capsys):
-    """One source serves every arch named; with sm_86 among them the backward takes
-    one Q/dO stage (its name says so) unless --bwd-stages is given."""
+    """One source serves every arch named; with sm_86 among them the backward takes 64-key
+    blocks and one Q/dO stage (its name says so) unless --bwd-stages or --bwd-block-n is given."""
     out = tmp_path / "rtx"
     assert main(["build", "--d", "128", "--block-n", "32", "--arch", "sm_86", "--out", str(out)]) == 0
-    manifest = json.loads((out / "fa2_d128_fp16_m128n32w8s2_bwd1.json").read_text())
-    assert manifest["spec"]["bwd_stages"] == 1
+    manifest = json.loads((out / "fa2_d128_fp16_m128n32w8s2_bwd1_bwdn64.json").read_text())
+    assert manifest["spec"]["bwd_stages"] == 1 and manifest["spec"]["bwd_block_n"] == 64
     bwd = next(k for k in manifest["kernels"] if k["name"].endswith("_bwd"))
     assert bwd["dynamic_shared_bytes"] <= 101376
     capsys.readouterr()

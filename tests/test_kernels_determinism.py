@@ -38,7 +38,8 @@ def deterministic_variants() -> list[Spec]:
     found = {s.replace(deterministic=True) for s in default_specs()}
     found |= {Spec(d, deterministic=True, **flags) for d in HEAD_DIMS for flags in FLAGS}
     base = Spec(64, mask="causal", key_padding=True, dropout=True, deterministic=True)
-    found |= {fallback_spec(base.replace(head_dim=d), arch) for d in (64, 128, 256) for arch in SMEM_LIMIT_BYTES}
+    found |= {fallback_spec(Spec(d, mask="causal", key_padding=True, dropout=True, deterministic=True), arch)
+              for d in (64, 128, 256) for arch in SMEM_LIMIT_BYTES}
     for tiles in DEFAULT_GRID.combinations():
         try:
             found.add(base.replace(**tiles))

@@ -176,6 +176,25 @@ def test_pipeline_depths_with_blocks_that_see_no_key(version, num_stages):
     run_and_check(spec.replace(key_padding=True, mask="none"), Shape(2, 70, 90))
 
 
+def fallback_variants() -> list[tuple[Spec, str]]:
+    """The tiles untuned calls run with, one variant per distinct tiling over the arch
+    families (sm_80, the 99 KB parts, Hopper)."""
+    from fagen.tuning import fallback_spec
+
+    found: dict[Spec, str] = {}
+    for arch in ("sm_80", "sm_86", "sm_90"):
+        for head_dim in (64, 128):
+            found.setdefault(fallback_spec(Spec(head_dim, mask="causal", dropout=True), arch), arch)
+    return list(found.items())
+
+
+@pytest.mark.parametrize(("spec", "arch"), fallback_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_fallback_tiles_of_each_arch_family(spec, arch):
+    """Each arch family's fallback tiles (Hopper's 128 x 128 at d=128, three stages at d=64,
+    the 99 KB parts' half-height K/V tiles) on a ragged causal shape with several K/V blocks."""
+    run_and_check(spec, Shape(1, 150, 270, heads=2, kv_heads=1))
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_single_stage_backward_of_99kb_parts(version):
     """d=128 with one Q/dO stage (what sm_86/89/120 run), with every flag that touches the

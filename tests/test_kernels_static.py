@@ -3,11 +3,14 @@ and the machine code uses what the design says (tensor cores in the main
 loops, ldmatrix, 128-bit global accesses). No GPU needed; SASS comes from
 cuobjdump (PyPI's nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm)."""
 
+import re
+
 import pytest
 
 from fagen.build import default_specs
 from fagen.codegen import render
 from fagen.compiler import compile_source, disassemble, find_cuobjdump, sass_reports
+from fagen.sass.report import report_for_spec
 from fagen.spec import SMEM_LIMIT_BYTES, Spec
 
 ARCHS = ("sm_80", "sm_90")
@@ -45,12 +48,14 @@ def test_compiles_without_spills(spec, arch):
         assert report.registers <= 255
 
 
-SMALL_SMEM_ARCHS = ("sm_86", "sm_89")   # 99 KB per block: the fallback's tiles and backward depth
+# One arch per fallback family (163, 99 and 227 KB per block; sm_89 also 99 KB): the tiles an
+# untuned call runs with there, and the backward depth fitted to them.
+FALLBACK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 
-@pytest.mark.parametrize("arch", SMALL_SMEM_ARCHS)
+@pytest.mark.parametrize("arch", FALLBACK_ARCHS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fallback_for_99kb_parts_compiles_without_spills_and_fits(head_dim, arch):
+def test_fallback_tiles_compile_without_spills_and_fit(head_dim, arch):
     from fagen.tuning import fallback_spec
 
     spec = fallback_spec(Spec(head_dim, mask="causal", dropout=True, deterministic=True), arch)
@@ -104,3 +109,43 @@ def test_sass_report_finds_loops():
     (report,) = sass_reports(sass).values()
     assert (report.tensor_core_ops, report.tensor_core_in_loop, report.ldmatrix_ops) == (2, 1, 1)
     assert (report.global_loads_128, report.global_stores_128) == (1, 1)
+
+
+# Integer division in SASS: a run-time divisor takes the reciprocal trick (I2F.*.RP, MUFU.RCP,
+# F2I.*.TRUNC), a constant one a multiply-high (IMAD.HI). Philox's rounds multiply-high
+# too, so with dropout only the first kind is looked for.
+RUNTIME_DIVISION = re.compile(r"^(I2F\S*\.RP|F2I\S*\.TRUNC|MUFU\.RCP)")
+CONSTANT_DIVISION = re.compile(r"^IMAD\.HI")
+
+
+def shipped_variants():
+    """(spec, arch): the default set as built, and the fallback tiles untuned calls run with."""
+    from fagen.tuning import fallback_spec
+
+    extra = [Spec(64, mask="causal", deterministic=True, dropout=True)]
+    pairs = [(spec, arch) for arch in ARCHS for spec in default_specs() + extra]
+    for arch in ARCHS:
+        for spec in default_specs() + extra:
+            tuned = fallback_spec(spec, arch)
+            if (tuned, arch) not in pairs:
+                pairs.append((tuned, arch))
+    return pairs
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize(("spec", "arch"), shipped_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_main_loops_run_only_useful_tensor_core_work_and_no_division(spec, arch):
+    """A structural check of the machine code, not a timing (fagen/sass): each kernel's main
+    loop is straight-line work per iteration (no nested loop; with dropout only the
+    backward's Philox loop, kept rolled on purpose), executes no HMMA beyond the useful
+    count of its tiles, and holds no integer division."""
+    reports = report_for_spec(spec, arch)
+    looped = [r for r in reports.values() if r.loop_address is not None]
+    assert {r.kernel for r in looped} >= {spec.name + "_fwd", spec.name + "_bwd"}
+    for report in looped:
+        rolled_philox = spec.dropout and report.kernel.endswith("_bwd") and len(report.trips) == 1
+        assert not report.trips or rolled_philox, f"{report.kernel}: nested loops in the main loop {report.trips}"
+        assert report.hmma <= report.useful_hmma, f"{report.kernel}: {report.hmma} HMMA for {report.useful_hmma}"
+        divisions = sorted(op for op in report.opcodes if RUNTIME_DIVISION.match(op)
+                           or (not spec.dropout and CONSTANT_DIVISION.match(op)))
+        assert not divisions, f"{report.kernel} on {arch}: integer division in the main loop: {divisions}"

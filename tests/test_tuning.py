@@ -451,9 +451,11 @@ def test_fallback_tiles_fit_every_arch_and_head_dim():
 
 def test_fallback_shortens_the_backward_pipeline_only_where_it_must():
     assert fallback_spec(Spec(128), "sm_86").bwd_stages == 1
-    assert fallback_spec(Spec(128), "sm_89").name == "fa2_d128_fp16_m128n32w8s2_bwd1"
+    assert fallback_spec(Spec(128), "sm_86").bwd_block_n == 64   # 128 keys fit no pipeline in 99 KB
+    assert fallback_spec(Spec(128), "sm_89").name == "fa2_d128_fp16_m128n32w8s2_bwd1_bwdn64"
     for arch in ("sm_80", "sm_90"):
         assert fallback_spec(Spec(128), arch).bwd_stages == Spec(128).bwd_stages == 2
+        assert fallback_spec(Spec(128), arch).bwd_block_n == Spec(128).bwd_block_n == 128
     assert fallback_spec(Spec(64), "sm_86").bwd_stages == 2
     # An unlisted arch is fitted by the shared memory its device reports.
     assert fallback_spec(Spec(128), "sm_121", shared_per_block_optin=101376).bwd_stages == 1

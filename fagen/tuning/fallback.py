@@ -26,13 +26,16 @@ HEAD_DIM_BUCKETS = (64, 128, 256)   # a head dim falls in the first bucket >= it
 # every entry builds a legal Spec that fits every arch of its family.
 FALLBACK_OVERRIDES: dict[tuple[str, int], dict] = {
     # The base d=128 tiles (128 x 64, two K/V stages) need 104448 bytes; 99 KB
-    # parts take half-height K/V tiles instead. (Their backward, 114176 bytes
-    # with two Q/dO stages, is fitted separately: `fit_backward_to`.)
+    # parts take half-height K/V tiles instead. (Their backward, 158720 bytes
+    # with 128 keys and two Q/dO stages, is fitted separately: `fit_backward_to`.)
     ("sm86", 128): {"block_n": 32},
     # Hopper has 227 KB per block: a third K/V stage hides more load latency
     # and changes no register use.
     ("sm90", 64): {"num_stages": 3},
-    ("sm90", 128): {"num_stages": 3},
+    # ... or, at d=128, whole 128-key K/V tiles in two stages (174 KB, spill-free):
+    # 2.47 non-matmul instructions per useful mma against 3.07 for 128 x 64, the
+    # machine-code sweep of benchmarks/sass_tile_sweep.py (benchmarks/RESULTS.md).
+    ("sm90", 128): {"block_n": 128},
     ("sm90", 256): {"num_stages": 3},
 }
 
@@ -90,9 +93,10 @@ def fallback_spec(spec: Spec, arch: str = DEFAULT_ARCH, shared_per_block_optin: 
 def fit_backward_to(spec: Spec, arch: str, shared_per_block_optin: int | None = None) -> Spec:
     """`spec` with its backward pipeline (`bwd_stages`) made shallow enough for `arch`.
 
-    At 64 < d <= 128 the backward's two Q/dO stages need 114176 bytes; the
-    99 KB parts (sm_86/89/120) train with one. Applied to tuned specs too:
-    tuning times the forward tiles only.
+    At 64 < d <= 128 the backward's 128-key tile with two Q/dO stages needs
+    158720 bytes; the 99 KB parts (sm_86/89/120) train with 64 keys and one
+    stage (`Spec.fit_backward`). Applied to tuned specs too: tuning times the
+    forward tiles only.
     """
     limit = _shared_limit(arch, shared_per_block_optin)
     return spec if limit is None else spec.fit_backward(limit)

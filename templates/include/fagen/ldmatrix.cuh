@@ -29,6 +29,41 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 }
 #endif
 
+// A lane's row address as the loads below take it: a 32-bit offset in the shared window
+// on the GPU (a host pointer in the emulator), plus a byte offset. Computing a lane's
+// address once per tile and stepping it by compile-time byte offsets lets ptxas fold
+// each step into the load's immediate, instead of recomputing a generic-to-shared
+// conversion per load.
+#ifdef FAGEN_EMULATE
+typedef const unsigned char* smem_address_t;
+__device__ __forceinline__ smem_address_t smem_address(const void* p) { return static_cast<const unsigned char*>(p); }
+#else
+typedef uint32_t smem_address_t;
+__device__ __forceinline__ smem_address_t smem_address(const void* p) { return shared_address(p); }
+#endif
+
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t regs[4], smem_address_t row FAGEN_CALL_SITE_PARAMS) {
+#ifdef FAGEN_EMULATE
+  ::fagen_emu::ldmatrix(4, false, regs, row, FAGEN_CALL_SITE);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(row)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t regs[4], smem_address_t row FAGEN_CALL_SITE_PARAMS) {
+#ifdef FAGEN_EMULATE
+  ::fagen_emu::ldmatrix(4, true, regs, row, FAGEN_CALL_SITE);
+#else
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(row)
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ void ldmatrix_x1(uint32_t regs[1], const void* row FAGEN_CALL_SITE_PARAMS) {
 #ifdef FAGEN_EMULATE
   ::fagen_emu::ldmatrix(1, false, regs, row, FAGEN_CALL_SITE);

@@ -24,6 +24,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// 2^x on the special-function unit: ex2.approx.ftz.f32, one MUFU.EX2, within a few ulp
+// (the PTX ISA's ex2.approx bound); results below 2^-126 are flushed to zero. exp2f
+// keeps those subnormal results at the price of a range test and two multiplies per
+// call, which the softmax does not need: a probability below 2^-126 is lost in P V anyway.
+// Emulated twin: the host's exp2f, with subnormal results flushed to zero likewise.
+__device__ __forceinline__ float exp2_approx(float x) {
+#ifdef FAGEN_EMULATE
+  const float result = exp2f(x);
+  return result < 1.17549435e-38f ? 0.f : result;  // FLT_MIN: the smallest normal float
+#else
+  float result;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x));
+  return result;
+#endif
+}
+
 // +infinity without <math.h>, which NVRTC does not provide.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 

@@ -10,7 +10,6 @@
 #pragma once
 
 #include <fagen/numeric.cuh>
-#include <fagen/cp_async.cuh>
 #include <fagen/ldmatrix.cuh>
 #include <fagen/mma.cuh>
 
@@ -53,26 +52,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// -- global -> shared copies -------------------------------------------------
-
-// Copy rows [0, kRows) of a head-major global tile into a padded shared tile
-// with 16-byte cp.async, kThreads threads cooperating. Rows at or past
-// `valid_rows` and columns past kHeadDim (padding up to kHeadDimPad) are
-// zero-filled (src-size 0), reading nothing: ragged tails never touch memory
-// out of bounds. `safe` is any valid global address, used as the dummy
-// source of zero-filled chunks.
-template <int kRows, int kHeadDim, int kHeadDimPad, int kRowElems, int kThreads, class T>
-__device__ __forceinline__ void copy_tile_async(T* tile, const T* rows, long long row_stride,
-                                                int valid_rows, const T* safe) {
-  constexpr int kChunksPerRow = kHeadDimPad / 8;  // 8 elements = 16 bytes
-  for (int chunk = threadIdx.x; chunk < kRows * kChunksPerRow; chunk += kThreads) {
-    const int r = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
-    const bool inside = r < valid_rows && col < kHeadDim;
-    const T* src = inside ? rows + r * row_stride + col : safe;
-    cp_async_16(tile + r * kRowElems + col, src, inside ? 16 : 0);
-  }
-}
-
 // -- tile products -------------------------------------------------------------
 //
 // Three shapes cover every matmul of the forward and backward passes. All
@@ -86,21 +65,21 @@ template <int kRowTiles, int kNTiles, int kKSteps, int kRowElems, class T>
 __device__ __forceinline__ void warp_mma_abt(float (&c)[kRowTiles][kNTiles][4], const T* a_tile,
                                              int a_row0, const T* b_tile) {
   static_assert(kNTiles % 2 == 0, "n comes in pairs of 8-wide tiles");
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  // A: x4 matrices rows 0-7|8-15 (lane % 16) x k 0-7|8-15 (lane / 16).
+  const smem_address_t a_lane = smem_address(a_tile + (a_row0 + lane % 16) * kRowElems + (lane / 16) * 8);
+  // B: x4 matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+  const smem_address_t b_lane = smem_address(b_tile + ((m / 2) * 8 + lane % 8) * kRowElems + (m % 2) * 8);
   FAGEN_UNROLL
   for (int ks = 0; ks < kKSteps; ++ks) {
     unsigned a[kRowTiles][4];
     FAGEN_UNROLL
-    for (int rt = 0; rt < kRowTiles; ++rt) {
-      // x4 matrices: rows 0-7|8-15 (lane % 16) x k 0-7|8-15 (lane / 16).
-      ldmatrix_x4(a[rt], a_tile + (a_row0 + rt * 16 + lane % 16) * kRowElems + ks * 16 + (lane / 16) * 8);
-    }
+    for (int rt = 0; rt < kRowTiles; ++rt)
+      ldmatrix_x4_at(a[rt], a_lane + (rt * 16 * kRowElems + ks * 16) * sizeof(T));
     FAGEN_UNROLL
     for (int np = 0; np < kNTiles / 2; ++np) {
-      // x4 matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
-      const int m = lane / 8;
       unsigned b[4];
-      ldmatrix_x4(b, b_tile + (np * 16 + (m / 2) * 8 + lane % 8) * kRowElems + ks * 16 + (m % 2) * 8);
+      ldmatrix_x4_at(b, b_lane + (np * 16 * kRowElems + ks * 16) * sizeof(T));
       FAGEN_UNROLL
       for (int rt = 0; rt < kRowTiles; ++rt) {
         mma_16x8x16<T>(c[rt][2 * np], a[rt], b);
@@ -110,27 +89,26 @@ __device__ __forceinline__ void warp_mma_abt(float (&c)[kRowTiles][kNTiles][4], 
   }
 }
 
-// The B operand for k-step ks and n-tiles (2 np, 2 np + 1) from a row-major
-// (K x N) shared tile: ldmatrix .trans turns its rows (the k index) into
-// mma's "col" layout. x4 matrices: (k 0-7, n 0-7), (k 8-15, n 0-7),
-// (k 0-7, n 8-15), (k 8-15, n 8-15).
+// A lane's address for the B operand of mma_a_times_b: a row-major (K x N) shared tile read
+// with ldmatrix .trans, which turns its rows (the k index) into mma's "col" layout. x4
+// matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
 template <int kRowElems, class T>
-__device__ __forceinline__ void load_b_trans(unsigned (&b)[4], const T* b_tile, int ks, int n0) {
+__device__ __forceinline__ smem_address_t b_trans_lane(const T* b_tile, int b_col0) {
   const int lane = threadIdx.x % 32, m = lane / 8;
-  ldmatrix_x4_trans(b, b_tile + (ks * 16 + (m % 2) * 8 + lane % 8) * kRowElems + n0 + (m / 2) * 8);
+  return smem_address(b_tile + ((m % 2) * 8 + lane % 8) * kRowElems + b_col0 + (m / 2) * 8);
 }
 
 // One k-step of C[rt][nt] += A B: the A fragments (one 16x16 per row tile) are
-// in registers, B's k-step ks comes from a row-major (K x N) shared tile from
-// column b_col0, two n-tiles per ldmatrix. The inner step of warp_mma_ab and
-// warp_mma_pb, which differ only in where A comes from.
+// in registers, B's k-step ks comes from a row-major (K x N) shared tile through
+// b_lane (b_trans_lane), two n-tiles per ldmatrix. The inner step of warp_mma_ab,
+// warp_mma_atb and warp_mma_pb, which differ only in where A comes from.
 template <int kRowTiles, int kNTiles, int kRowElems, class T>
 __device__ __forceinline__ void mma_a_times_b(float (&c)[kRowTiles][kNTiles][4], const unsigned (&a)[kRowTiles][4],
-                                              const T* b_tile, int ks, int b_col0) {
+                                              smem_address_t b_lane, int ks) {
   FAGEN_UNROLL
   for (int np = 0; np < kNTiles / 2; ++np) {
     unsigned b[4];
-    load_b_trans<kRowElems>(b, b_tile, ks, b_col0 + np * 16);
+    ldmatrix_x4_trans_at(b, b_lane + (ks * 16 * kRowElems + np * 16) * sizeof(T));
     FAGEN_UNROLL
     for (int rt = 0; rt < kRowTiles; ++rt) {
       mma_16x8x16<T>(c[rt][2 * np], a[rt], b);
@@ -141,19 +119,44 @@ __device__ __forceinline__ void mma_a_times_b(float (&c)[kRowTiles][kNTiles][4],
 
 // C[rt][nt] += A B: A (rows x K) row-major in shared memory (rows of
 // kARowElems), B (K x N) row-major in shared memory (rows of kBRowElems) from
-// column b_col0. (dQ = dS K in the backward.)
+// column b_col0. (The deterministic dQ pass's tests.)
 template <int kRowTiles, int kNTiles, int kKSteps, int kARowElems, int kBRowElems, class T>
 __device__ __forceinline__ void warp_mma_ab(float (&c)[kRowTiles][kNTiles][4], const T* a_tile,
                                             int a_row0, const T* b_tile, int b_col0) {
   static_assert(kNTiles % 2 == 0, "n comes in pairs of 8-wide tiles");
   const int lane = threadIdx.x % 32;
+  const smem_address_t a_lane = smem_address(a_tile + (a_row0 + lane % 16) * kARowElems + (lane / 16) * 8);
+  const smem_address_t b_lane = b_trans_lane<kBRowElems>(b_tile, b_col0);
   FAGEN_UNROLL
   for (int ks = 0; ks < kKSteps; ++ks) {
     unsigned a[kRowTiles][4];
     FAGEN_UNROLL
     for (int rt = 0; rt < kRowTiles; ++rt)
-      ldmatrix_x4(a[rt], a_tile + (a_row0 + rt * 16 + lane % 16) * kARowElems + ks * 16 + (lane / 16) * 8);
-    mma_a_times_b<kRowTiles, kNTiles, kBRowElems>(c, a, b_tile, ks, b_col0);
+      ldmatrix_x4_at(a[rt], a_lane + (rt * 16 * kARowElems + ks * 16) * sizeof(T));
+    mma_a_times_b<kRowTiles, kNTiles, kBRowElems, T>(c, a, b_lane, ks);
+  }
+}
+
+// C[rt][nt] += A B with A (rows x K) stored transposed, as a row-major (K x rows) shared
+// tile (rows of kARowElems) whose columns from a_col0 are A's rows: ldmatrix .trans of
+// its 8x8 blocks yields A's fragments. B (K x N) row-major from column b_col0. (dQ = dS K from the
+// backward's dS^T tile.)
+template <int kRowTiles, int kNTiles, int kKSteps, int kARowElems, int kBRowElems, class T>
+__device__ __forceinline__ void warp_mma_atb(float (&c)[kRowTiles][kNTiles][4], const T* a_tile_t,
+                                             int a_col0, const T* b_tile, int b_col0) {
+  static_assert(kNTiles % 2 == 0, "n comes in pairs of 8-wide tiles");
+  const int lane = threadIdx.x % 32, m = lane / 8;
+  // x4 .trans matrices a0..a3 = (k 0-7, m 0-7), (k 0-7, m 8-15), (k 8-15, m 0-7), (k 8-15, m 8-15)
+  // of the stored (k x m) tile: lane 8i + r points at stored row k = 8 (i / 2) + r, column m = 8 (i % 2).
+  const smem_address_t a_lane = smem_address(a_tile_t + ((m / 2) * 8 + lane % 8) * kARowElems + a_col0 + (m % 2) * 8);
+  const smem_address_t b_lane = b_trans_lane<kBRowElems>(b_tile, b_col0);
+  FAGEN_UNROLL
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    unsigned a[kRowTiles][4];
+    FAGEN_UNROLL
+    for (int rt = 0; rt < kRowTiles; ++rt)
+      ldmatrix_x4_trans_at(a[rt], a_lane + (ks * 16 * kARowElems + rt * 16) * sizeof(T));
+    mma_a_times_b<kRowTiles, kNTiles, kBRowElems, T>(c, a, b_lane, ks);
   }
 }
 
@@ -167,6 +170,7 @@ __device__ __forceinline__ void warp_mma_pb(float (&c)[kRowTiles][kNTiles][4],
                                             const float (&p)[kRowTiles][kKTiles][4], const T* b_tile,
                                             int b_col0) {
   static_assert(kNTiles % 2 == 0 && kKTiles % 2 == 0, "tiles come in pairs");
+  const smem_address_t b_lane = b_trans_lane<kRowElems>(b_tile, b_col0);
   FAGEN_UNROLL
   for (int ks = 0; ks < kKTiles / 2; ++ks) {
     unsigned a[kRowTiles][4];
@@ -177,7 +181,7 @@ __device__ __forceinline__ void warp_mma_pb(float (&c)[kRowTiles][kNTiles][4],
       a[rt][2] = pack2<T>(p[rt][2 * ks + 1][0], p[rt][2 * ks + 1][1]);
       a[rt][3] = pack2<T>(p[rt][2 * ks + 1][2], p[rt][2 * ks + 1][3]);
     }
-    mma_a_times_b<kRowTiles, kNTiles, kRowElems>(c, a, b_tile, ks, b_col0);
+    mma_a_times_b<kRowTiles, kNTiles, kRowElems, T>(c, a, b_lane, ks);
   }
 }
 

@@ -1,0 +1,15 @@
+"""Reading machine code on a CPU: the main loop's steady-state instructions per tensor-core op.
+
+FlashAttention-2's optimisation target is the non-matmul work per tensor-core instruction.
+`fagen sass` measures it from a kernel's SASS (`cuobjdump -sass`, no GPU needed):
+
+- listing.py: the listing as functions of instructions;
+- cfg.py: basic blocks, dominators, natural loops;
+- classes.py: instruction classes (HMMA, LDSM, LDGSTS, BAR, SHFL, MUFU, fp32, integer, ...);
+- steady_state.py: one steady-state iteration of the main loop;
+- report.py: per-kernel reports against the useful HMMA count of the kernel's tiles.
+"""
+
+from .report import KernelGeometry, KernelReport, analyse_function
+
+__all__ = ["KernelGeometry", "KernelReport", "analyse_function"]

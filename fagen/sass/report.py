@@ -1,0 +1,218 @@
+"""Per-kernel SASS reports: the main loop's steady-state instructions per useful HMMA.
+
+The main loop is the natural loop with the most HMMA in its own blocks (a loop nested
+in it runs inside its iterations). One steady-state iteration of it
+(steady_state.py) is divided by the iteration's useful HMMA per warp,
+
+    useful = gemms * block_m * block_n * d / 2048 / warps
+
+(2 GEMMs forward, S = Q K^T and O += P V; 5 backward, S, dP, dV, dK and dQ; an m16n8k16
+HMMA does 16 * 8 * 16 = 2048 multiply-adds), so kernels with different tiles compare on
+FlashAttention-2's own measure: non-matmul instructions per tensor-core instruction.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .cfg import build_graph
+from .classes import CLASSES
+from .listing import Instruction, parse_listing
+from .steady_state import steady_iteration
+
+MMA_MACS = 16 * 8 * 16
+# Per-SM resources (CUDA C Programming Guide, "Technical Specifications per Compute Capability").
+SM_LIMITS = {   # arch: (shared bytes per SM usable by blocks, registers, max warps, max blocks)
+    "sm_80": (167936, 65536, 64, 32), "sm_86": (102400, 65536, 48, 16), "sm_87": (167936, 65536, 48, 16),
+    "sm_89": (102400, 65536, 48, 24), "sm_90": (233472, 65536, 64, 32),
+}
+SHARED_RESERVED_PER_BLOCK = 1024   # the driver's per-block reservation on sm_80 and later
+
+
+@dataclass(frozen=True)
+class KernelGeometry:
+    """What one main-loop iteration of a kernel does, from its tiles.
+
+    `rows` x `cols` is the score tile one iteration covers (forward: block_m queries x
+    block_n keys; backward: block_m queries x block_n keys of the K/V block), `head_dim`
+    the padded d the mma steps over, `copied_bytes` what the iteration brings into shared
+    memory with cp.async (the next tiles: K and V forward, Q and dO backward)."""
+
+    gemms: int
+    rows: int
+    cols: int
+    head_dim: int
+    warps: int
+    copied_bytes: int
+    executed_hmma: int | None = None   # the kernel's own mma per warp and iteration, if it differs
+
+
+    @property
+    def useful_hmma(self) -> float:
+        return self.gemms * self.rows * self.cols * self.head_dim / MMA_MACS / self.warps
+
+    @property
+    def expected_ldgsts(self) -> int:
+        return self.copied_bytes // 16 // (32 * self.warps)
+
+
+@dataclass
+class KernelReport:
+    kernel: str
+    arch: str
+    counts: Counter                     # instruction class -> per steady-state iteration, per warp
+    useful_hmma: float
+    expected_ldgsts: int | None
+    loop_address: int | None            # the main loop's header
+    visits: Counter = field(default_factory=Counter)    # block address -> runs per iteration
+    trips: dict = field(default_factory=dict)           # nested loop header -> trip count
+    opcodes: Counter = field(default_factory=Counter)   # opcode (with modifiers) -> per iteration
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None     # dynamic + static, per block
+    threads: int | None = None
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def hmma(self) -> int:
+        return self.counts["HMMA"]
+
+    @property
+    def non_hmma_per_useful_hmma(self) -> float | None:
+        if not self.useful_hmma:
+            return None
+        return (self.instructions - self.hmma) / self.useful_hmma
+
+    @property
+    def warps_per_sm(self) -> int | None:
+        return occupancy(self.arch, self.registers, self.shared_bytes, self.threads)
+
+    def to_json(self) -> dict:
+        data = {"kernel": self.kernel, "arch": self.arch, "instructions": self.instructions, "hmma": self.hmma,
+                "useful_hmma": self.useful_hmma, "non_hmma_per_useful_hmma": self.non_hmma_per_useful_hmma,
+                "registers": self.registers, "spill_bytes": self.spill_bytes, "shared_bytes": self.shared_bytes,
+                "warps_per_sm": self.warps_per_sm, "expected_ldgsts": self.expected_ldgsts,
+                "main_loop": None if self.loop_address is None else f"{self.loop_address:#06x}",
+                "trips": {f"{k:#06x}": v for k, v in self.trips.items()}}
+        data.update({name: self.counts.get(name, 0) for name in CLASSES})
+        return data
+
+
+def occupancy(arch: str, registers: int | None, shared_bytes: int | None, threads: int | None) -> int | None:
+    """Resident warps per SM, from registers (allocated per warp in units of 256), shared
+    memory (plus the per-block reservation) and the thread limits."""
+    if arch not in SM_LIMITS or None in (registers, shared_bytes, threads):
+        return None
+    smem, regfile, max_warps, max_blocks = SM_LIMITS[arch]
+    warps = -(-threads // 32)
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    blocks = min(max_blocks, max_warps // warps, regfile // (per_warp * warps),
+                 smem // (shared_bytes + SHARED_RESERVED_PER_BLOCK))
+    return blocks * warps
+
+
+def analyse_function(name: str, instructions: list[Instruction], arch: str,
+                     geometry: KernelGeometry | None) -> KernelReport:
+    """The report of one function: its main loop's steady-state iteration against `geometry`
+    (None: instructions only, no per-HMMA figures)."""
+    graph = build_graph(instructions)
+    expected = geometry.expected_ldgsts if geometry else None
+    useful = geometry.useful_hmma if geometry else 0.0
+
+    def own_hmma(loop):   # in the loop's own blocks, not in the loops nested in it
+        nested = set().union(*(child.body for child in loop.children)) if loop.children else set()
+        return sum(1 for b in loop.body - nested for i in graph.blocks[b].instructions if i.base == "HMMA")
+
+    loops = [loop for loop in graph.loops if own_hmma(loop) > 0]
+    if not loops:
+        return KernelReport(name, arch, Counter(), useful, expected, None)
+    main = max(loops, key=lambda loop: (own_hmma(loop), -loop.depth))
+    iteration = steady_iteration(graph, main, expected, geometry.executed_hmma if geometry else None)
+    by_start = {block.start: block for block in graph.blocks}
+    opcodes = Counter()
+    for start, times in iteration.visits.items():
+        for instruction in by_start[start].instructions:
+            opcodes[instruction.opcode] += times
+    return KernelReport(name, arch, iteration.counts, useful, expected, graph.blocks[main.header].start,
+                        iteration.visits, iteration.trips, opcodes)
+
+
+def analyse_listing(sass: str, arch: str, geometries: dict[str, KernelGeometry | None]) -> dict[str, KernelReport]:
+    functions = parse_listing(sass)
+    return {name: analyse_function(name, functions[name], arch, geometry)
+            for name, geometry in geometries.items() if name in functions}
+
+
+# -- fagen's own kernels -------------------------------------------------------------------------
+
+def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
+    """Each kernel of a rendered variant and its main loop's geometry (None: no tensor-core loop
+    to measure, e.g. the backward's pre-pass and dQ conversion)."""
+    geometries: dict[str, KernelGeometry | None] = {e.name: None for e in entries.all}
+    d = spec.head_dim_pad
+    if spec.version == 2:   # the K/V loop: K_j and V_j arrive per iteration
+        geometries[entries.forward.name] = KernelGeometry(2, spec.block_m, spec.block_n, d, spec.num_warps,
+                                                          2 * spec.block_n * d * 2)
+    else:                   # FA-1's inner Q loop: Q_i arrives per iteration, K_j and V_j stay
+        geometries[entries.forward.name] = KernelGeometry(2, spec.block_m, spec.block_n, d, spec.num_warps,
+                                                          spec.block_m * d * 2)
+    t = spec.backward_tiles
+    bd = t.head_dim_pad
+    # The backward's own mma per warp: S^T and dP^T over the full d by every warp of a key
+    # group (dim_split warps share one), dV and dK over the warp's d slice, and dQ (not in
+    # the deterministic variant's main kernel) shared by all warps.
+    gemms = 4 if spec.deterministic else 5
+    executed = 2 * t.block_m * bd * t.key_tiles // 128 + 2 * t.block_m * bd * t.key_tiles // (128 * t.dim_split)
+    if not spec.deterministic:
+        executed += t.block_m * t.block_n * bd // (MMA_MACS * t.num_warps)
+    geometries[entries.bwd_main.name] = KernelGeometry(gemms, t.block_m, t.block_n, bd, t.num_warps,
+                                                       2 * t.block_m * bd * 2, executed)
+    if entries.bwd_dq is not None:   # the deterministic dQ pass: K_j, V_j per iteration; S, dP and dQ
+        geometries[entries.bwd_dq.name] = KernelGeometry(3, t.block_m, t.dq_block_n, spec.head_dim_pad,
+                                                         t.block_m // 16, 2 * t.dq_block_n * spec.head_dim_pad * 2)
+    return geometries
+
+
+def report_for_spec(spec, arch: str) -> dict[str, KernelReport]:
+    """Compile a variant for `arch` (through the cache), disassemble it and report each kernel."""
+    from ..codegen import render
+    from ..compiler import compile_source, disassemble
+
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    reports = analyse_listing(disassemble(compiled.cubin), arch, spec_geometries(spec, source.kernels))
+    for entry in source.entries:
+        report, resources = reports.get(entry.name), compiled.resources.get(entry.name)
+        if report is None or resources is None:
+            continue
+        report.registers, report.spill_bytes = resources.registers, resources.spill_bytes
+        report.shared_bytes = entry.shared_bytes + resources.static_shared_bytes
+        report.threads = entry.threads
+    return reports
+
+
+# -- the `fagen sass` table -------------------------------------------------------------------------
+
+def format_reports(reports: dict[str, KernelReport], *, opcodes: bool = False) -> str:
+    lines = [f"{'kernel':<34} {'loop':>7} {'instr':>6} {'HMMA':>5} {'useful':>7} {'non-HMMA/useful':>15} "
+             f"{'regs':>5} {'spill':>5} {'smem':>7} {'warps/SM':>8}"]
+    for name, r in reports.items():
+        if r.loop_address is None:
+            lines.append(f"{name:<34} {'-':>7} {'(no tensor-core loop)':>37} {r.registers or '':>5} "
+                         f"{r.spill_bytes or 0:>5} {r.shared_bytes or 0:>7} {r.warps_per_sm or '':>8}")
+            continue
+        per = r.non_hmma_per_useful_hmma
+        lines.append(f"{name:<34} {r.loop_address:#7x} {r.instructions:>6} {r.hmma:>5} {r.useful_hmma:>7g} "
+                     f"{per if per is None else f'{per:.2f}':>15} {r.registers or '':>5} {r.spill_bytes or 0:>5} "
+                     f"{r.shared_bytes or 0:>7} {r.warps_per_sm or '':>8}")
+        lines.append("    " + "  ".join(f"{c} {r.counts.get(c, 0)}" for c in CLASSES)
+                     + (f"   (nested loop trips: {', '.join(f'{a:#x}: {t}' for a, t in sorted(r.trips.items()))})"
+                        if r.trips else ""))
+        if opcodes:
+            for opcode, n in sorted(r.opcodes.items(), key=lambda item: (-item[1], item[0])):
+                lines.append(f"        {n:>5}  {opcode}")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""fagen.sass: the main-loop steady state of a SASS listing, on hand-written listings whose
+answer is known, and on fagen's own kernels (`fagen sass`)."""
+
+import json
+
+import pytest
+
+from fagen.cli import main
+from fagen.compiler import find_cuobjdump
+from fagen.sass.cfg import build_graph
+from fagen.sass.classes import classify
+from fagen.sass.listing import parse_instruction, parse_listing
+from fagen.sass.report import KernelGeometry, analyse_function, occupancy
+from fagen.sass.steady_state import steady_iteration
+
+
+def listing(body: str, name: str = "k") -> str:
+    """A cuobjdump-style listing from lines `ADDR  INSTRUCTION` (addresses in hex)."""
+    lines = [f"\t\tFunction : {name}"]
+    for line in body.strip().splitlines():
+        address, text = line.split(None, 1)
+        lines.append(f"        /*{int(address, 16):04x}*/                   {text} ;   /* 0x0000000000000000 */")
+    return "\n".join(lines)
+
+
+# A main loop (header 0x30, back edge at 0xd0) whose steady state is known: the mask block
+# (0x50) is skipped, the next tile's prefetch (0xe0, placed out of line at a higher address
+# and jumping back) is taken, and the loop's two HMMA and one BAR run.
+MAIN_LOOP = """
+0000 S2R R0, SR_TID.X
+0010 MOV R1, RZ
+0020 MOV R2, RZ
+0030 HMMA.16816.F32 R4, R8, R12, R4
+0040 @P0 BRA 0x60
+0050 FSEL R4, R4, -INF , P1
+0060 MUFU.EX2 R5, R5
+0070 @P2 BRA 0xe0
+0080 HMMA.16816.F32 R4, R8, R12, R4
+0090 BAR.SYNC.DEFER_BLOCKING 0x0
+00a0 IADD3 R1, R1, 0x1, RZ
+00b0 ISETP.GE.AND P3, PT, R1, R2, PT
+00c0 NOP
+00d0 @!P3 BRA 0x30
+00d8 EXIT
+00e0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]
+00f0 LDGSTS.E.BYPASS.128 [R3+0x800], desc[UR4][R6.64+0x80]
+0100 BRA 0x80
+"""
+
+
+def test_instructions_parse_guards_opcodes_and_targets():
+    i = parse_instruction(0x40, "@!P0 BRA 0x60")
+    assert (i.guard, i.opcode, i.base, i.target, i.always) == ("!P0", "BRA", "BRA", 0x60, False)
+    assert parse_instruction(0, "@!PT LDS RZ, [RZ]").never
+    assert parse_instruction(0, "HMMA.16816.F32 R4, R8, R12, R4").base == "HMMA"
+    call = parse_instruction(0x10, "@P2 CALL.REL.NOINC 0x90")   # ptxas's loop break on sm_80
+    assert call.target == 0x90 and not call.ends_path
+    assert parse_instruction(0, "BRA 0x30").ends_path and not parse_instruction(0, "@P0 BRA 0x30").ends_path
+
+
+def test_the_loop_is_found_and_an_out_of_line_block_is_not_one():
+    (name, instructions), = parse_listing(listing(MAIN_LOOP)).items()
+    graph = build_graph(instructions)
+    headers = [graph.blocks[loop.header].start for loop in graph.loops]
+    assert headers == [0x30]   # the jump back from 0x100 to 0x80 closes no loop of its own
+    (loop,) = graph.loops
+    assert {graph.blocks[b].start for b in loop.body} >= {0x30, 0x50, 0x60, 0x80, 0xe0}
+
+
+def test_the_steady_state_takes_the_prefetch_and_skips_the_mask():
+    (name, instructions), = parse_listing(listing(MAIN_LOOP)).items()
+    graph = build_graph(instructions)
+    iteration = steady_iteration(graph, graph.loops[0], expected_ldgsts=2)
+    assert set(iteration.visits) == {0x30, 0x60, 0x80, 0xe0}
+    assert iteration.counts["HMMA"] == 2 and iteration.counts["LDGSTS"] == 2 and iteration.counts["fp32"] == 0
+    # Without a copy count to meet, the cheapest full-HMMA path skips the prefetch too.
+    assert 0xe0 not in steady_iteration(graph, graph.loops[0]).visits
+
+
+# A copy loop with a run-time trip count, as ptxas lays it out: a one-chunk remainder loop
+# (0x40), a test that skips the unrolled body, and the body (0x70, two chunks an iteration).
+NESTED_COPY = """
+0000 MOV R1, RZ
+0010 HMMA.16816.F32 R4, R8, R12, R4
+0020 @!P0 BRA 0x60
+0030 IADD3 R9, R9, 0x1, RZ
+0040 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]
+0050 @P1 BRA 0x40
+0060 @!P2 BRA 0xa0
+0070 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]
+0080 LDGSTS.E.BYPASS.128 [R3+0x10], desc[UR4][R6.64+0x10]
+0090 @P3 BRA 0x70
+00a0 IADD3 R1, R1, 0x1, RZ
+00b0 @P4 BRA 0x10
+00c0 EXIT
+"""
+
+
+def test_copy_loops_run_at_their_trip_count_and_skip_the_remainder():
+    (name, instructions), = parse_listing(listing(NESTED_COPY)).items()
+    graph = build_graph(instructions)
+    (outer,) = [loop for loop in graph.loops if loop.depth == 0]
+    assert len(outer.children) == 2
+    iteration = steady_iteration(graph, outer, expected_ldgsts=4)
+    assert iteration.counts["LDGSTS"] == 4
+    assert iteration.trips == {0x70: 2}   # the body twice, the remainder loop (0x40) not at all
+    assert 0x40 not in iteration.visits and iteration.visits[0x70] == 2
+
+
+def test_instruction_classes():
+    def cls(text):
+        return classify(parse_instruction(0, text))
+
+    assert [cls(t) for t in ("HMMA.16816.F32 R0, R4, R8, R0", "LDSM.16.MT88.4 R0, [R2]", "FFMA R0, R1, R2, R3",
+                             "MUFU.EX2 R0, R1", "IMAD.WIDE.U32 R0, R1, R2, R4", "UIADD3 UR4, UR4, 0x1, URZ",
+                             "BSYNC B0", "LDL R0, [R1]", "REDG.E.ADD.F32x2.FTZ.RN.STRONG.GPU [R2.64], R4",
+                             "@!PT LDS RZ, [RZ]", "SHFL.BFLY PT, R0, R1, 0x1, 0x1f")] == [
+        "HMMA", "LDSM", "fp32", "MUFU", "integer", "integer", "control", "local", "memory", "other", "SHFL"]
+
+
+def test_the_report_divides_by_the_useful_hmma():
+    geometry = KernelGeometry(gemms=2, rows=128, cols=64, head_dim=64, warps=4, copied_bytes=2 * 64 * 64 * 2)
+    assert geometry.useful_hmma == 128 and geometry.expected_ldgsts == 8
+    (name, instructions), = parse_listing(listing(MAIN_LOOP)).items()
+    report = analyse_function(name, instructions, "sm_90", KernelGeometry(2, 16, 8, 16, 1, 32 * 16 * 2))
+    assert report.useful_hmma == 2 and report.hmma == 2
+    assert report.non_hmma_per_useful_hmma == (report.instructions - 2) / 2
+    assert report.to_json()["main_loop"] == "0x0030"
+
+
+def test_occupancy_counts_registers_shared_memory_and_threads():
+    assert occupancy("sm_90", 255, 55296, 128) == 8        # registers allow two blocks of four warps
+    assert occupancy("sm_80", 128, 92160 + 1024, 128) == 4  # shared memory allows one block
+    assert occupancy("sm_90", 64, 0, 256) == 32            # registers: 2048 per warp
+    assert occupancy("sm_90", 32, 0, 256) == 64            # the warp limit
+
+
+needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+
+
+@needs_cuobjdump
+def test_fagen_sass_reports_every_kernel_as_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "sass.json"
+    assert main(["sass", "--d", "64", "--causal", "--arch", "sm_80", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "fa2_d64_causal_fp16_fwd" in printed and "non-HMMA/useful" in printed
+    data = json.loads(out.read_text())
+    forward = data["fa2_d64_causal_fp16_fwd"]
+    keys = {"instructions", "hmma", "useful_hmma", "non_hmma_per_useful_hmma", "registers", "spill_bytes",
+            "HMMA", "LDSM", "LDGSTS", "BAR", "SHFL", "MUFU", "fp32", "integer", "control", "local"}
+    assert keys <= set(forward)
+    assert forward["hmma"] == forward["HMMA"] == forward["useful_hmma"] == 128
+    assert forward["instructions"] == sum(forward[c] for c in ("HMMA", "LDSM", "LDGSTS", "BAR", "SHFL", "MUFU",
+                                                                "fp32", "integer", "control", "local", "memory",
+                                                                "other"))
+    assert data["fa2_d64_causal_fp16_bwd_preprocess"]["main_loop"] is None   # no tensor-core loop
+
+
+def test_fagen_sass_names_its_errors(capsys):
+    assert main(["sass"]) == 2
+    assert "name a variant" in capsys.readouterr().err
+    assert main(["sass", "--d", "64", "--arch", "sm_80,sm_90"]) == 2
+    assert "one arch" in capsys.readouterr().err
