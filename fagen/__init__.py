@@ -4,6 +4,8 @@
     out = fagen.flash_attn_func(q, k, v, causal=True, dropout_p=0.1)   # (B, N, H, d)
     out = fagen.attention(q, k, v, causal=True)                        # (B, H, N, d)
     spec = fagen.autotune(fagen.Spec(64, mask="causal"), seqlen_q=4096, batch=4, heads=32)
+    out = fagen.flash_attn_func(q, k, v, window_size=(256, 0), softcap=30.0)          # flash-attn's variants
+    out = fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: fagen.where(i >= j, s, s - 1.0))
 """
 
 __version__ = "0.1.0"
@@ -11,5 +13,7 @@ __version__ = "0.1.0"
 from .ops import attention, flash_attn_func  # noqa: E402
 from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
+from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402
 
-__all__ = ["Spec", "attention", "autotune", "flash_attn_func", "__version__"]
+__all__ = ["ModError", "Spec", "attention", "autotune", "exp", "flash_attn_func", "log", "maximum", "minimum",
+           "sigmoid", "sqrt", "tanh", "where", "__version__"]

@@ -15,6 +15,7 @@ import torch
 
 from . import launch
 from .codegen import Source
+from .variants.cuda import variant_code
 
 LOG2E = 1.4426950408889634
 
@@ -54,7 +55,7 @@ MAX_PLANS = 1024
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset"})  # drawn anew for every dropout call
 
 
-def _run(plan_key, build, tensors: dict, debug) -> None:
+def _run(plan_key, build, tensors: dict, debug, after_first=None) -> None:
     """Run the bound launches of `plan_key` (built by `build()` on a miss) with `tensors`.
     Debug renders take instrumentation tensors and are never remembered."""
     plan = None if debug else _plans.get(plan_key)
@@ -65,14 +66,38 @@ def _run(plan_key, build, tensors: dict, debug) -> None:
                 _plans.clear()
             _plans[plan_key] = plan
     converted: dict = {}
-    for bound in plan:
+    for index, bound in enumerate(plan):
         bound(tensors, converted)
+        if index == 0 and after_first is not None:
+            after_first()
+
+
+def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink_h = -sum over (b, i) of P_sink (D - dL), with P_sink = exp(sink_h - L): the sink
+    is a key whose value row is zero, so its dS is P_sink (0 - (D - dL))."""
+    if version == 2:
+        lse = stats[0]
+    else:
+        row_max, row_sum = stats
+        lse = torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, math.inf))
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p_sink * delta_minus_dlse).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
+    """A variant's kernel arguments (fagen/variants) as per-call tensors, and its scalars as a
+    hashable part of the launch plan's key (scalars are bound into the plan)."""
+    variant = variant or {}
+    tensors = {n: x for n, x in variant.items() if isinstance(x, torch.Tensor)}
+    scalars = tuple(sorted((n, x) for n, x in variant.items() if not isinstance(x, torch.Tensor)))
+    return tensors, scalars
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None):
+            seed=0, philox_offset=0, debug=None, variant=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
-    (lse,) for version 2 and (m, l) for version 1."""
+    (lse,) for version 2 and (m, l) for version 1. `variant` holds a variant's run-time
+    arguments by kernel parameter name (`variant_arguments`)."""
     spec = source.spec
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
@@ -80,14 +105,15 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
+    variant_tensors, variant_scalars = _split_variant(variant)
     tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
-               "philox_offset": philox_offset, **dict(zip(stat_names, stats)), **(debug or {})}
+               "philox_offset": philox_offset, **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
     if spec.version == 1:
         tensors["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
 
     def build():
-        values = {**tensors, "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
-                  "seqlen_k": seqlen_k, "softmax_scale_log2": scale * LOG2E}
+        values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
+                  "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
         _strides_of(values, q=q, k=k, v=v, o=out)
         if spec.dropout:
             values.update(dropout_args(dropout_p, seed, philox_offset))
@@ -96,17 +122,20 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
                                                    PER_CALL_SCALARS)]
 
     key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-           v.stride(), scale, dropout_p)
+           v.stride(), scale, dropout_p, variant_scalars)
     _run(key, build, tensors, debug)
     return out, tuple(stats)
 
 
 def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
-             dropout_args=None, debug=None):
+             dropout_args=None, debug=None, variant=None, dlse=None, extras=None):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
     dK and dV are computed per query head; with GQA/MQA the query heads that
-    share a K/V head are summed here (in fp32).
+    share a K/V head are summed here (in fp32). `dlse` (B, H, Nq), the gradient of the
+    returned L, enters as D - dL (dS = P (dP - (D - dL))). With `extras` (a dict), a
+    variant's other gradients are filled in: "dsinks" (H,) and, per captured tensor whose
+    gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape).
     """
     spec, kernels = source.spec, source.kernels
     batch, seqlen_q, heads, head_dim = q.shape
@@ -118,6 +147,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dk = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
     dv = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
     drop = dropout_args or {}
+    variant_tensors, variant_scalars = _split_variant(variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
     block_m = spec.backward_tiles.block_m
@@ -125,7 +155,13 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
                "delta": _empty(batch, heads, padded_rows, **f32),
                "lse_log2": _empty(batch, heads, padded_rows, **f32), "seqlens_k": seqlens_k,
-               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **(debug or {})}
+               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **variant_tensors,
+               **(debug or {})}
+    grads = {}
+    code = variant_code(spec)
+    for name, _, _ in (code.grad_params if code else ()):   # captured tensors' gradients, by atomics
+        grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, **f32)
+    tensors.update(grads)
     if spec.version == 2:
         tensors["lse"] = stats[0]
     else:
@@ -136,7 +172,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     def build():
         if device.type == "cuda":  # the compile checked only the forward's shared memory
             spec.check_arch(launch.arch_of(device), shared_limit=launch.shared_limit(device))
-        values = {**tensors, **drop, "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
+        values = {**tensors, **drop, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads,
+                  "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
         _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
         loaded = launch.load(source, device)
@@ -145,8 +182,17 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
 
     keep = (drop.get("keep_threshold"), drop.get("keep_scale"))
     key = ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-           out.stride(), dout.stride(), scale, keep)
-    _run(key, build, tensors, debug)
+           out.stride(), dout.stride(), scale, keep, variant_scalars)
+    delta = tensors["delta"]
+
+    def subtract_dlse():   # after the preprocess kernel: D - dL for every row
+        delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
+
+    _run(key, build, tensors, debug, after_first=None if dlse is None else subtract_dlse)
+    if extras is not None:
+        extras.update(grads)
+        if spec.sinks:
+            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q])
     if heads != kv_heads:
         group = heads // kv_heads
         dk = dk.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)

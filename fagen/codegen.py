@@ -18,6 +18,7 @@ from pathlib import Path
 import jinja2
 
 from .spec import Spec
+from .variants.cuda import variant_code
 
 ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
@@ -146,8 +147,20 @@ def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
         params.append(_tensor("o_accum", "float"))  # FA-1 keeps O in HBM between steps
     params += _sizes(spec) + _strides("q", "k", "v", "o")
     params.append(Param("softmax_scale_log2", "float", "float32"))
-    params += _dropout(spec)
+    if spec.has_mods:   # variant scores are scaled before their score_mod
+        params.append(Param("softmax_scale", "float", "float32"))
+    params += _dropout(spec) + _variant(spec)
     return tuple(params + _debug(spec, debug, "tiles_visited"))
+
+
+def _variant(spec: Spec, grads: bool = False) -> list[Param]:
+    """A variant's run-time values (fagen/variants), and with `grads` the backward's buffers
+    for the gradients of captured tensors."""
+    code = variant_code(spec)
+    if code is None:
+        return []
+    params = [Param(*p) for p in code.params]
+    return params + ([Param(*p) for p in code.grad_params] if grads else [])
 
 
 def _debug(spec: Spec, debug: bool, *counters: str) -> list[Param]:
@@ -175,11 +188,11 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
                           + _strides("o", "do"),
         "bwd_main": inputs + dq_accum + [_tensor("dk_out", elem), _tensor("dv_out", elem)] + _sizes(spec)
                     + _strides("q", "k", "v", "do", "dk", "dv") + scales + _dropout(spec)
-                    + _debug(spec, debug),
+                    + _variant(spec, grads=True) + _debug(spec, debug),
     }
     if spec.deterministic:
         params["bwd_dq"] = (inputs + [_tensor("dq", elem)] + _sizes(spec)
-                            + _strides("q", "k", "v", "do", "dq") + scales + _dropout(spec))
+                            + _strides("q", "k", "v", "do", "dq") + scales + _dropout(spec) + _variant(spec))
     else:
         params["bwd_dq_convert"] = [_tensor("dq_accum", "float", const=True), _tensor("dq", elem),
                                     Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")] \
@@ -241,6 +254,7 @@ def render(spec: Spec, debug: bool = False) -> Source:
         row_tiles=spec.block_m // (16 * spec.num_warps),
         elem_ctype=ELEM_CTYPE[spec.dtype],
         debug=debug,
+        variant=variant_code(spec),
     )
     return Source(spec=spec, code=code, kernels=entries)
 

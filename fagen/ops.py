@@ -27,9 +27,10 @@ import math
 
 import torch
 
-from . import attention_kernels, generated_sources, tuning
+from . import attention_kernels, generated_sources, tuning, variant_attention
 from .codegen import Source, source_for
 from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
+from .variant_args import VariantCall, variant_call
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
@@ -195,19 +196,28 @@ def _forward_impl(q, *args):
 
 
 def _backward_kernels(source, dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale,
-                      version):
-    """Run the backward kernels on aligned q, k, v. Returns (dq, dk, dv)."""
+                      version, dlse=None):
+    """Run the backward kernels on aligned q, k, v. Returns (dq, dk, dv). `dlse` is the
+    gradient of the returned L, or None."""
     stats = (stat,) if version == 2 else (stat, row_sum)
     drop = None if rng is None else attention_kernels.dropout_args(dropout_p, *_rng_pair(rng))
-    return attention_kernels.backward(source, q, k, v, out, stats, _aligned(dout), softmax_scale=softmax_scale,
-                                      seqlens_k=seqlens_k, dropout_args=drop)
+    dout = torch.zeros_like(out) if dout is None else _aligned(dout)
+    return attention_kernels.backward(source, q, k, v, out, stats, dout, softmax_scale=softmax_scale,
+                                      seqlens_k=seqlens_k, dropout_args=drop, dlse=dlse)
+
+
+def _dlse(dstat, drow_sum, row_sum, version):
+    """The gradient of L = m + log l (FA-1) or of L (FA-2) from its outputs' gradients."""
+    if version == 2 or dstat is not None:
+        return dstat
+    return None if drow_sum is None else drow_sum * row_sum
 
 
 def _backward_impl(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale, causal,
-                   version, deterministic, module_source):
+                   version, deterministic, module_source, dlse=None):
     source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
     return _backward_kernels(source, dout, _aligned(q), _aligned(k), _aligned(v), out, stat, row_sum, seqlens_k,
-                             rng, dropout_p, softmax_scale, version)
+                             rng, dropout_p, softmax_scale, version, dlse)
 
 
 # -- custom ops (what torch.compile and opcheck see) -----------------------------------------------
@@ -233,14 +243,14 @@ def _(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, determ
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             stat: torch.Tensor, row_sum: torch.Tensor, seqlens_k: torch.Tensor | None, rng: torch.Tensor | None,
             dropout_p: float, softmax_scale: float, causal: bool, version: int, deterministic: bool,
-            module_source: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            module_source: str, dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale,
-                          causal, version, deterministic, module_source)
+                          causal, version, deterministic, module_source, dlse)
 
 
 @_bwd_op.register_fake
 def _(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale, causal, version,
-      deterministic, module_source):
+      deterministic, module_source, dlse=None):
     fresh = dict(memory_format=torch.contiguous_format)
     return torch.empty_like(q, **fresh), torch.empty_like(k, **fresh), torch.empty_like(v, **fresh)
 
@@ -248,14 +258,15 @@ def _(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scal
 def _setup_context(ctx, inputs, output):
     q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, version, deterministic, module_source = inputs
     out, stat, row_sum = output
-    ctx.mark_non_differentiable(stat, row_sum)  # L (or m, l) has no gradient formula: say so
     ctx.save_for_backward(q, k, v, out, stat, row_sum, seqlens_k, rng)
     ctx.options = (dropout_p, softmax_scale, causal, version, deterministic, module_source)
 
 
-def _backward(ctx, dout, _dstat, _drow_sum):
+def _backward(ctx, dout, dstat, drow_sum):
     q, k, v, out, stat, row_sum, seqlens_k, rng = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, *ctx.options)
+    # L takes part in autograd: dS = P (dP - (D - dL)).
+    dlse = _dlse(dstat, drow_sum, row_sum, ctx.options[3])
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, *ctx.options, dlse)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -276,18 +287,17 @@ class _EagerAttention(torch.autograd.Function):
         # Source: the backward needs neither a second copy nor a second lookup.
         ctx.save_for_backward(*aligned, out, stat, row_sum, seqlens_k, rng)
         ctx.source, ctx.options = source, (dropout_p, softmax_scale, version)
+        ctx.set_materialize_grads(False)  # an unused L gets no gradient, not zeros
         if row_sum is None:  # version 2: L only
-            ctx.mark_non_differentiable(stat)
             return out, stat
-        ctx.mark_non_differentiable(stat, row_sum)
         return out, stat, row_sum
 
     @staticmethod
-    def backward(ctx, dout, *_stat_grads):
+    def backward(ctx, dout, dstat, drow_sum=None):
         q, k, v, out, stat, row_sum, seqlens_k, rng = ctx.saved_tensors
         dropout_p, softmax_scale, version = ctx.options
         dq, dk, dv = _backward_kernels(ctx.source, dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p,
-                                       softmax_scale, version)
+                                       softmax_scale, version, _dlse(dstat, drow_sum, row_sum, version))
         return dq, dk, dv, None
 
 
@@ -333,40 +343,72 @@ def _padded_head_dim(q, k, v):
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
-               module_source):
+               module_source, variant=None):
     check_inputs(q, k, v, seqlens_k)
     dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic,
                                               version, q.shape[-1])  # the scale uses the true d
+    call = variant_call(q, k, causal=causal, **variant) if variant else None
     q, k, v, head_dim = _padded_head_dim(q, k, v)
     if seqlens_k is not None:
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
-    out, stat, row_sum = _run(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
-                              softmax_scale, causal, version, deterministic, module_source)
+    if call is not None:
+        out, lse = _variant_run(call, q, k, v, seqlens_k, dropout_p, softmax_scale, causal, version, deterministic)
+    else:
+        out, stat, row_sum = _run(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
+                                  softmax_scale, causal, version, deterministic, module_source)
+        lse = None if not return_lse else (stat if version == 2 else _lse_from_stats(stat, row_sum))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
-    if not return_lse:
-        return out
-    return out, (stat if version == 2 else _lse_from_stats(stat, row_sum))
+    return (out, lse) if return_lse else out
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, seqlens_k=None,
-                    return_lse=False, deterministic=False, version=2):
-    """Exact attention, flash-attn's conventions.
+@torch.compiler.disable
+def _variant_run(call: VariantCall, q, k, v, seqlens_k, dropout_p, softmax_scale, causal, version, deterministic):
+    """(out, L) of a call with a variant: its own Spec (the mods' presence, never their values)."""
+    try:
+        spec = Spec(head_dim=q.shape[3], dtype=TORCH_DTYPES[q.dtype], version=version,
+                    mask="causal" if causal else "none", key_padding=seqlens_k is not None, dropout=dropout_p > 0,
+                    deterministic=deterministic, **call.spec_fields)
+    except ValueError as exc:   # e.g. deterministic=True with a captured tensor's gradient
+        raise ValueError(f"fagen: {exc}") from None
+    spec = tuning.lookup(spec, seqlen_q=max(1, q.shape[1]), seqlen_k=max(1, k.shape[1]), batch=max(1, q.shape[0]),
+                         heads=q.shape[2], device=q.device)
+    return variant_attention.run(source_for(spec), call, q, k, v, seqlens_k, _philox_state(dropout_p, q.device),
+                                 dropout_p, softmax_scale)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, seqlens_k=None,
+                    return_lse=False, sinks=None, score_mod=None, mask_mod=None, version=2):
+    """Exact attention, flash-attn 2.8's signature and conventions (fagen's extras keyword-only).
 
     q (B, Nq, H, d); k, v (B, Nk, Hk, d) with H % Hk == 0 (GQA/MQA); fp16 or
     bf16, last dim contiguous; d up to 256 (a d that is not a multiple of 8
     is zero-padded on the way in and sliced on the way out, as flash-attn
-    does; the default scale still uses the true d). Returns out (B, Nq, H, d),
-    and with return_lse also L = logsumexp of each row's scaled scores
-    (B, H, Nq), fp32, natural log, +inf for rows that see no key (L is not
-    differentiable). causal (a bool) aligns bottom-right when Nq != Nk;
-    seqlens_k (int32, (B,)) masks each batch entry's keys past its length;
-    dropout_p uses Philox seeded from torch's generator; deterministic=True
-    makes the backward pass bit-reproducible (no atomics); version=1 runs
-    FlashAttention-1.
+    does; the default scale still uses the true d). Returns out (B, Nq, H, d);
+    with return_lse, (out, L) with L = logsumexp of each row's scores (B, H, Nq), fp32,
+    natural log, +inf for rows that see no key, and differentiable (its gradient enters the
+    backward as dS = P (dP - (D - dL))); return_attn_probs=True returns (out, L, None), as
+    there is no probability matrix to return. causal (a bool) aligns bottom-right when
+    Nq != Nk; window_size=(left, right) lets query i see keys i + Nk - Nq - left ..
+    i + Nk - Nq + right (-1: unbounded; causal sets right = 0); softcap > 0 applies
+    c tanh(s / c) to the scaled scores; alibi_slopes (H,) or (B, H) fp32 adds
+    -slope |i + Nk - Nq - j|; sinks (H,) fp32 logits join every row's softmax denominator
+    (and get gradients); score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx,
+    kv_idx) are FlexAttention-style functions traced into the kernel (fagen.variants);
+    seqlens_k (int32, (B,)) masks each batch entry's keys past its length (Nk in the
+    alignments is then the entry's own length); dropout_p uses Philox seeded from torch's
+    generator, also with every variant; deterministic=True makes the backward pass
+    bit-reproducible (no atomics); version=1 runs FlashAttention-1.
     """
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic,
-                      version, "")
+    _check_flag("return_attn_probs", return_attn_probs)
+    plain = window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None \
+        and score_mod is None and mask_mod is None   # the common call: no variant to check
+    variant = None if plain else dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      sinks=sinks, score_mod=score_mod, mask_mod=mask_mod)
+    result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse or return_attn_probs,
+                        deterministic, version, "", variant)
+    return (*result, None) if return_attn_probs else result
 
 
 def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -375,17 +417,19 @@ def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tenso
     return torch.where(row_sum > 0, lse, torch.full_like(lse, math.inf))
 
 
-def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, seqlens_k=None,
-              return_lse=False, deterministic=False, version=2):
+def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, seqlens_k=None, return_lse=False, sinks=None, score_mod=None, mask_mod=None,
+              deterministic=False, version=2):
     """Like `flash_attn_func`, in PyTorch's layout: q (B, H, Nq, d), k and v (B, Hk, Nk, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape "
                              f"{tuple(t.shape)}")
     result = flash_attn_func(*(t.transpose(1, 2) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
-                             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                             seqlens_k=seqlens_k, return_lse=return_lse, deterministic=deterministic,
-                             version=version)
+                             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                             softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                             seqlens_k=seqlens_k, return_lse=return_lse, sinks=sinks, score_mod=score_mod,
+                             mask_mod=mask_mod, version=version)
     if return_lse:
         return result[0].transpose(1, 2), result[1]
     return result.transpose(1, 2)
@@ -394,6 +438,9 @@ def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, seqle
 def run_generated(spec: Spec, source_path, sha256: str, q, k, v, *, softmax_scale=None,
                   seqlens_k=None, dropout_p=0.0, return_lse=False):
     """Entry point of the op modules `fagen build` writes: a fixed spec and its own .cu file."""
+    if spec.has_mods:
+        raise ValueError(f"{spec.name} is a variant: its op module cannot pass the variant's arguments yet; "
+                         f"call fagen.flash_attn_func with window_size/softcap/alibi_slopes/sinks instead")
     if TORCH_DTYPES.get(getattr(q, "dtype", None)) != spec.dtype or getattr(q, "shape", (0,))[-1] != spec.head_dim:
         raise ValueError(f"{spec.name} takes {spec.dtype} inputs with head_dim {spec.head_dim}, got "
                          f"{getattr(q, 'dtype', type(q).__name__)} with shape {tuple(getattr(q, 'shape', ()))}")

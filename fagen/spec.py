@@ -194,6 +194,55 @@ class BackwardLayout:
     total_bytes: int
 
 
+MOD_KINDS = ("score", "mask")
+# The variants' built-ins, in name order. Their values (window sizes, the softcap, ALiBi
+# slopes, sink logits) are run-time arguments: only their presence makes a variant.
+BUILTIN_MODS = ("window", "softcap", "alibi", "sinks")
+
+
+@dataclass(frozen=True)
+class CustomMod:
+    """A traced score_mod or mask_mod in canonical form (`fagen.variants` makes them).
+
+    expression  sympy's srepr of the canonical expression: equal expressions give equal
+                mods, so equal specs and one cache entry
+    source      the expression as a person reads it (the generated CUDA's comments)
+    captures    per captured tensor, in order of first use: (dtype, number of dims); their
+                values are kernel arguments, so they never cause a recompile
+    grads       per captured tensor, whether the backward accumulates its gradient
+    """
+
+    kind: str
+    expression: str
+    source: str
+    captures: tuple = ()
+    grads: tuple = ()
+
+    def __post_init__(self):
+        if self.kind not in MOD_KINDS:
+            raise ValueError(f"CustomMod kind must be one of {MOD_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "captures", tuple(tuple(c) for c in self.captures))
+        object.__setattr__(self, "grads", tuple(bool(g) for g in self.grads) or (False,) * len(self.captures))
+        if len(self.grads) != len(self.captures):
+            raise ValueError("CustomMod grads must have one entry per capture")
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the canonical expression and the captures' kinds (the name part)."""
+        import hashlib
+
+        text = repr((self.kind, self.expression, self.captures, self.grads))
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "expression": self.expression, "source": self.source,
+                "captures": [list(c) for c in self.captures], "grads": list(self.grads)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CustomMod":
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class Spec:
     """One attention kernel variant.
@@ -214,6 +263,12 @@ class Spec:
     bwd_block_n  keys per backward thread block (BACKWARD_BLOCK_N lists the choices per
                  head dim); unset takes the table's. The 99 KB parts (sm_86/89/120)
                  need a smaller one, or a shallower pipeline (`fit_backward`).
+    window       flash-attn's sliding window (left, right), sizes at run time
+    softcap      s' = c tanh(s / c) on the scaled score, c at run time
+    alibi        -slope |i + Nk - Nq - j| added after softcap, slopes at run time
+    sinks        a learnable logit per head joins every row's softmax denominator
+    score_mod    a traced score_mod (CustomMod), applied after softcap and ALiBi
+    mask_mod     a traced mask_mod (CustomMod), applied with the other masks, last
     """
 
     head_dim: int
@@ -229,6 +284,12 @@ class Spec:
     deterministic: bool = False
     bwd_stages: int | None = None
     bwd_block_n: int | None = None
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+    score_mod: CustomMod | None = None
+    mask_mod: CustomMod | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -238,9 +299,10 @@ class Spec:
             raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
-        for flag in ("key_padding", "dropout", "deterministic"):
+        for flag in ("key_padding", "dropout", "deterministic", *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        self._check_mods()
         # Unset tile fields take the fallback table's values.
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
@@ -253,6 +315,25 @@ class Spec:
         self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))  # fits some GPU
 
     # -- validation -------------------------------------------------------
+    def _check_mods(self):
+        for field, kind in (("score_mod", "score"), ("mask_mod", "mask")):
+            mod = getattr(self, field)
+            if isinstance(mod, dict):
+                mod = CustomMod.from_dict(mod)
+                object.__setattr__(self, field, mod)
+            if mod is not None and (not isinstance(mod, CustomMod) or mod.kind != kind):
+                raise ValueError(f"{field} must be a traced {kind} mod (fagen.variants.trace_{kind}_mod), "
+                                 f"got {mod!r}")
+        if self.deterministic and any(any(m.grads) for m in (self.score_mod,) if m is not None):
+            raise ValueError("deterministic=True cannot accumulate the gradients of tensors a score_mod "
+                             "captures (they are summed with atomics); detach them, or use deterministic=False")
+
+    @property
+    def has_mods(self) -> bool:
+        """Any variant beyond the flags of plain attention (window, softcap, ALiBi, sinks, mods)."""
+        return any(getattr(self, f) for f in BUILTIN_MODS) or self.score_mod is not None \
+            or self.mask_mod is not None
+
     def _check_head_dim(self):
         d = self.head_dim
         if isinstance(d, bool) or not isinstance(d, int):
@@ -414,6 +495,10 @@ class Spec:
         parts = [f"fa{self.version}", f"d{self.head_dim}"]
         if self.causal:
             parts.append("causal")
+        parts.extend(flag for flag in BUILTIN_MODS if getattr(self, flag))
+        for prefix, mod in (("smod", self.score_mod), ("mmod", self.mask_mod)):
+            if mod is not None:
+                parts.append(prefix + mod.digest)
         parts.append(self.dtype)
         if self.key_padding:
             parts.append("pad")
@@ -438,7 +523,18 @@ class Spec:
         return "_".join(parts)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields; the variant fields only where set, so that a spec without them reads
+        (and its generated header renders) exactly as before they existed."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for flag in BUILTIN_MODS:
+            if not data[flag]:
+                del data[flag]
+        for field in ("score_mod", "mask_mod"):
+            if data[field] is None:
+                del data[field]
+            else:
+                data[field] = data[field].to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Spec":
@@ -462,7 +558,8 @@ class Spec:
             parts.pop()
             fields["bwd_stages"] = int(bwd.group(1))
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
-                 "drop": ("dropout", True), "det": ("deterministic", True)}
+                 "drop": ("dropout", True), "det": ("deterministic", True),
+                 **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:
             parts.pop()
@@ -476,6 +573,10 @@ class Spec:
             elif part in flags:
                 key, value = flags[part]
                 fields[key] = value
+            elif re.fullmatch(r"[sm]mod[0-9a-f]{8}", part):
+                raise ValueError(f"{name!r} names a custom {'score' if part[0] == 's' else 'mask'}_mod by its "
+                                 f"hash ({part}); a name cannot rebuild it: trace the function again "
+                                 f"(fagen.variants) or read the spec from the variant's .json")
             else:
                 raise ValueError(f"not a spec name: {name!r} (unknown part {part!r})")
         spec = cls(**fields)

@@ -17,7 +17,8 @@ from .spec import Spec, default_tiles
 
 DEFAULT_VERSION = 2
 _FLAGS = (("causal", "--causal"), ("key_padding", "--key-padding"), ("dropout", "--dropout"),
-          ("deterministic", "--deterministic"))
+          ("deterministic", "--deterministic"), ("softcap", "--softcap"), ("alibi", "--alibi"),
+          ("sinks", "--sinks"))
 
 
 def add_variant_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,20 +26,32 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
     parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
     parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
+    # The variants' values are run-time arguments: a flag builds the kernels that take them.
+    parser.add_argument("--window", nargs="*", type=int, metavar="L R", default=None,
+                        help="flash-attn's sliding window (the sizes are run-time arguments; given, they "
+                             "are checked: two ints >= -1)")
+    parser.add_argument("--softcap", action="store_true", help="logit softcapping c tanh(s / c), c at run time")
+    parser.add_argument("--alibi", action="store_true", help="ALiBi biases, slopes at run time")
+    parser.add_argument("--sinks", action="store_true", help="a learnable sink logit per head")
     parser.add_argument("--version", type=int, choices=(1, 2), default=None,
                         help=f"1 = FlashAttention-1, 2 = FlashAttention-2 (default {DEFAULT_VERSION})")
 
 
 def variant_fields(args: argparse.Namespace) -> dict:
     """The Spec fields the variant options give (unset ones take the Spec's defaults)."""
+    window = getattr(args, "window", None)
+    if window is not None and (len(window) not in (0, 2) or any(w < -1 for w in window)):
+        raise ValueError(f"--window takes two ints >= -1 (left right) or none, got {window}")
     return {"version": DEFAULT_VERSION if args.version is None else args.version,
             "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
-            "dropout": args.dropout, "deterministic": args.deterministic}
+            "dropout": args.dropout, "deterministic": args.deterministic, "window": window is not None,
+            **{flag: getattr(args, flag, False) for flag in ("softcap", "alibi", "sinks")}}
 
 
 def variant_flags_given(args: argparse.Namespace) -> list[str]:
     """The variant options set on the command line, as the user spelled them."""
-    given = [flag for field, flag in _FLAGS if getattr(args, field)]
+    given = [flag for field, flag in _FLAGS if getattr(args, field, False)]
+    given += ["--window"] if getattr(args, "window", None) is not None else []
     return given + (["--version"] if args.version is not None else [])
 
 
@@ -51,6 +64,9 @@ def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
         parts += ["--version", str(spec.version)]
     parts += [flag for field, flag in _FLAGS
               if (spec.causal if field == "causal" else getattr(spec, field))]
+    parts += ["--window"] if spec.window else []
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        raise ValueError(f"{spec.name} has a custom mod: build it from Python (fagen.variants), not the command line")
     if spec.tiles != default_tiles(spec.head_dim, spec.version):
         parts += ["--block-m", str(spec.block_m), "--block-n", str(spec.block_n),
                   "--num-warps", str(spec.num_warps), "--num-stages", str(spec.num_stages)]

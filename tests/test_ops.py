@@ -14,7 +14,7 @@ import torch
 
 import fagen
 from fagen import attention_kernels, ops
-from fagen.reference import attention_backward, attention_forward, attention_same_dtype
+from fagen.reference import attention_backward, attention_forward, attention_gradients, attention_same_dtype
 from kernel_cases import poisoned_empty
 
 
@@ -103,10 +103,24 @@ def test_deterministic_backward_repeats_bit_for_bit():
             assert torch.equal(a, b)
 
 
-def test_lse_is_not_differentiable_and_seqlens_k_may_be_a_view():
+@pytest.mark.parametrize("version", [1, 2])
+def test_lse_is_differentiable(version):
+    """dS = P (dP - (D - dL)): the gradient of the returned L alone, and with O's."""
     q, k, v = qkv(requires_grad=True)
-    out, lse = fagen.flash_attn_func(q, k, v, return_lse=True)
-    assert out.requires_grad and not lse.requires_grad
+    out, lse = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True, version=version)
+    assert out.requires_grad and lse.requires_grad
+    dlse = torch.randn_like(lse)
+    for dout in (torch.zeros_like(out), torch.randn_like(out)):
+        loss = (lse * dlse).sum() + (out.float() * dout.float()).sum()
+        got = torch.autograd.grad(loss, (q, k, v), retain_graph=True)
+        ref = attention_gradients(q, k, v, dout, dlse=dlse, causal=True)
+        yardstick = attention_same_dtype(q, k, v, dout, dlse=dlse, causal=True)[1:]
+        for name, g, y in zip(("dq", "dk", "dv"), got, yardstick):
+            within_rule(g, ref[name], y, 3)
+
+
+def test_seqlens_k_may_be_a_view():
+    q, k, v = qkv(requires_grad=True)
     strided = torch.tensor([56, 0, 20, 0], dtype=torch.int32)[::2]  # not contiguous
     out = fagen.flash_attn_func(q, k, v, seqlens_k=strided)
     ref, _ = attention_forward(q, k, v, seqlens_k=strided.contiguous())

@@ -57,5 +57,16 @@ def run(identities=None, spec: Spec | None = None) -> list[Result]:
 
 
 def for_spec(spec: Spec) -> list[Identity]:
-    """The identities a kernel variant relies on."""
-    return [identity for identity in IDENTITIES if identity.relied_on_by(spec)]
+    """The identities a kernel variant relies on; with a custom score_mod, also its own: the
+    derivative the CUDA code computes, each captured tensor's gradient, the chain rule."""
+    found = [identity for identity in IDENTITIES if identity.relied_on_by(spec)]
+    if spec.score_mod is not None:
+        from ..variants.compose import variant_math
+        from ..variants.cuda import capture_load_grads, emitted_score_grad
+        from ..variants.language import SCORE
+
+        math = variant_math(spec)
+        grad, substitutions = emitted_score_grad(math)
+        found += mod_identities(SCORE, math.score, grad, loads=capture_load_grads(math), substitutions=substitutions,
+                                name=f"score_mod {math.score_source}")
+    return found

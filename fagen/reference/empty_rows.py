@@ -25,6 +25,11 @@ gradient contribution of the row is exactly 0 (dS = P * (dP - D) = 0).
 
 The forms are written so that torch autograd through them stays finite
 (no branch of a `torch.where` divides by zero).
+
+A row can also be emptied by a sliding window or a mask_mod (then per head).
+With attention sinks (one logit s_h per head in every denominator) no row is
+empty of softmax mass: a row that sees no key has m = s_h, l = 1, L = s_h
+(finite) and O = 0, and the formulas above need no special case.
 """
 
 from __future__ import annotations

@@ -1,0 +1,102 @@
+"""A call's variant arguments, checked: flash-attn 2.8's window_size, softcap and
+alibi_slopes, sinks, and FlexAttention-style score_mod / mask_mod.
+
+`variant_call(...)` returns None for plain attention, else a `VariantCall`: the Spec fields
+of the variant (which kernels to build: only the presence of each feature, never a value),
+the kernels' run-time arguments by parameter name (values never cause a recompile), and
+the tensors that receive gradients (sinks, floating tensors a score_mod captures that
+require grad). Every error names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .variants.compose import custom_mod
+from .variants.language import trace_mask_mod, trace_score_mod
+
+
+@dataclass
+class VariantCall:
+    spec_fields: dict
+    values: dict = field(default_factory=dict)
+    grad_tensors: list = field(default_factory=list)   # autograd inputs beyond q, k, v
+    grad_names: list = field(default_factory=list)     # where backward's extras hold their gradients
+
+
+def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int):
+    """flash-attn's (left, right), -1 unbounded; causal means right = 0. None: no window."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or \
+            any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
+                         f"got {window_size!r}")
+    left, right = window_size
+    if causal:
+        right = 0
+    if left == -1 and right == -1 or (left == -1 and causal):
+        return None
+    unbounded = seqlen_q + seqlen_k   # reaches every key from every row
+    return (unbounded if left == -1 else min(left, unbounded)), (unbounded if right == -1 else min(right, unbounded))
+
+
+def _check_float(name: str, t, q, shapes: tuple) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    return t.contiguous()
+
+
+def _captures(prefix: str, traced, q, call: VariantCall) -> None:
+    for i, tensor in enumerate(traced.tensors):
+        name = f"{prefix}_cap{i}"
+        if tensor.device != q.device:
+            raise ValueError(f"{prefix}_mod captures a tensor on {tensor.device}; captured tensors must be on "
+                             f"q's device {q.device}")
+        kernel_view = tensor.detach().contiguous()
+        call.values[name] = kernel_view
+        for axis, stride in enumerate(kernel_view.stride()):
+            call.values[f"{name}_stride{axis}"] = stride
+        if prefix == "score" and tensor.requires_grad and tensor.is_floating_point():
+            call.grad_tensors.append(tensor)
+            call.grad_names.append(f"{name}_grad")
+
+
+def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                 score_mod=None, mask_mod=None) -> VariantCall | None:
+    batch, seqlen_q, heads, _ = q.shape
+    window = _window(window_size, causal, seqlen_q, k.shape[1])
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
+        raise ValueError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
+    if window is None and not softcap and alibi_slopes is None and sinks is None and score_mod is None \
+            and mask_mod is None:
+        return None
+    call = VariantCall({"window": window is not None, "softcap": bool(softcap), "alibi": alibi_slopes is not None,
+                        "sinks": sinks is not None})
+    if window is not None:
+        call.values.update(window_left=window[0], window_right=window[1])
+    if softcap:
+        call.values["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        slopes = _check_float("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads)))
+        call.values.update(alibi_slopes=slopes, alibi_stride_b=heads if slopes.dim() == 2 else 0)
+    if sinks is not None:
+        call.values["sinks"] = _check_float("sinks", sinks, q, ((heads,),)).detach()
+        if sinks.requires_grad:
+            call.grad_tensors.append(sinks)
+            call.grad_names.append("dsinks")
+    if score_mod is not None:
+        traced = trace_score_mod(score_mod)
+        call.spec_fields["score_mod"] = custom_mod(traced)
+        _captures("score", traced, q, call)
+    if mask_mod is not None:
+        traced = trace_mask_mod(mask_mod)
+        call.spec_fields["mask_mod"] = custom_mod(traced)
+        _captures("mask", traced, q, call)
+    return call

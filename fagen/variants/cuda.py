@@ -1,0 +1,284 @@
+"""A variant's mathematics as CUDA: a few device functions the kernel templates call.
+
+`variant_code(spec)` renders, through a sympy CUDA printer, one block of device functions
+in `namespace fagen_variant` (score_mod and its derivative, the captured tensors'
+gradients, the mask, the tile class and the tile ranges), the kernel parameters they
+need, and the statement that gathers those parameters into a `fagen_variant::Context`.
+Each function carries the expression it computes in a comment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import sympy as sp
+from sympy.codegen.ast import float32, real
+from sympy.printing.c import C99CodePrinter
+
+from ..spec import Spec
+from .compose import (ALIBI_SLOPES, KEYS, SEQLEN_Q, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT, VariantMath,
+                      variant_math)
+from .language import B, H, KV_IDX, Q_IDX, SCORE
+from .tiles import KV_HI, KV_LO, Q_HI, Q_LO, classify, key_range, query_range
+
+CAPTURE_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int",
+                  "int64": "long long", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
+                  "bool": "bool"}
+NAMES = {SCORE: "score", B: "b", H: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SEQLEN_Q: "ctx.seqlen_q",
+         KEYS: "ctx.keys", SOFTCAP: "ctx.softcap", WINDOW_LEFT: "ctx.window_left",
+         WINDOW_RIGHT: "ctx.window_right", Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
+
+
+class CudaPrinter(C99CodePrinter):
+    """sympy -> CUDA C++ in fp32: float literals and functions (tanhf), integer index math,
+    captured tensors read through the Context."""
+
+    def __init__(self, captures=()):
+        super().__init__({"type_aliases": {real: float32}})
+        self.captures = {c.name: c for c in captures}
+
+    def _print_Symbol(self, expr):
+        return NAMES.get(expr, expr.name)
+
+    def _print_Function(self, expr):
+        name = expr.func.__name__
+        if expr.func == ALIBI_SLOPES:
+            b, h = (self._print(a) for a in expr.args)
+            return f"ctx.alibi_slopes[(long long)({b}) * ctx.alibi_stride_b + ({h})]"
+        if name in self.captures:
+            index = " + ".join(f"(long long)({self._print(a)}) * ctx.{name}_stride[{i}]"
+                               for i, a in enumerate(expr.args)) or "0"
+            load = f"ctx.{name}[{index}]"
+            return f"fagen::to_float({load})" if self.captures[name].dtype in ("float16", "bfloat16") else \
+                (load if self.captures[name].dtype == "float32" else f"(long long)({load})")
+        return super()._print_Function(expr)
+
+    def _print_Piecewise(self, expr):
+        *cases, (last, cond) = expr.args
+        text = self._print(last) if cond == sp.true else \
+            f"(({self._print(cond)}) ? ({self._print(last)}) : (0.0f / 0.0f))"
+        for value, condition in reversed(cases):
+            text = f"(({self._print(condition)}) ? ({self._print(value)}) : ({text}))"
+        return text
+
+    def _print_Abs(self, expr):
+        arg = expr.args[0]
+        return f"{'llabs' if arg.is_integer else 'fabsf'}({self._print(arg)})"
+
+    def _minmax(self, expr, op):
+        integer = all(a.is_integer for a in expr.args)
+        func = ("max" if op == "max" else "min") if integer else ("fmaxf" if op == "max" else "fminf")
+        args = [self._print(a) for a in expr.args]
+        text = args[0]
+        for a in args[1:]:
+            text = f"{func}({text}, {a})"
+        return text
+
+    def _print_Max(self, expr):
+        return self._minmax(expr, "max")
+
+    def _print_Min(self, expr):
+        return self._minmax(expr, "min")
+
+    def _print_sign(self, expr):
+        x = self._print(expr.args[0])
+        return f"(float)(({x} > 0) - ({x} < 0))"
+
+    def _print_Heaviside(self, expr):
+        return f"(({self._print(expr.args[0])}) > 0 ? 1.0f : 0.0f)"
+
+    def _print_Pow(self, expr):
+        base, exponent = expr.args
+        if exponent.is_integer and 1 <= abs(int(exponent)) <= 4:
+            product = " * ".join([f"({self._print(base)})"] * abs(int(exponent)))
+            return product if exponent > 0 else f"(1.0f / ({product}))"
+        return super()._print_Pow(expr)
+
+    def _print_BooleanTrue(self, expr):
+        return "true"
+
+    def _print_BooleanFalse(self, expr):
+        return "false"
+
+
+def _ctype(expr) -> str:
+    if isinstance(expr, (sp.core.relational.Relational, sp.logic.boolalg.BooleanFunction,
+                         sp.logic.boolalg.BooleanAtom)):
+        return "bool"
+    return "long long" if expr.is_integer else "float"
+
+
+def common_subexpressions(outputs: list) -> tuple[list, list]:
+    """sympy's cse of `outputs`, with temporaries that know their kind: (replacements, reduced)."""
+    replacements, reduced = sp.cse(outputs, symbols=sp.numbered_symbols("t"), optimizations="basic")
+    # cse's temporaries know nothing of what they stand for: give each its value's kind, so
+    # that later expressions print integer math (abs, max) where the value is an integer.
+    typed, renames = [], {}
+    for symbol, expr in replacements:
+        expr = expr.xreplace(renames)
+        kind = {"integer": True} if expr.is_integer else ({"real": True} if expr.is_real else {})
+        renames[symbol] = sp.Symbol(symbol.name, **kind)
+        typed.append((renames[symbol], expr))
+    return typed, [e.xreplace(renames) for e in reduced]
+
+
+def emitted_score_grad(math: VariantMath) -> tuple[sp.Basic, dict]:
+    """The derivative as score_mod_grad computes it: an expression of cse temporaries, and
+    what each temporary stands for (`fagen verify` proves it equals sympy's derivative)."""
+    replacements, (_, grad) = common_subexpressions([math.score, math.score_grad])
+    return grad, dict(replacements)
+
+
+def capture_load_grads(math: VariantMath) -> list[tuple[sp.Basic, sp.Basic]]:
+    """(load, ds'/d load) for each load of a captured tensor that receives a gradient."""
+    pairs = []
+    for load in math.grad_loads:
+        dummy = sp.Dummy("load", real=True)
+        pairs.append((load, sp.diff(math.score.xreplace({load: dummy}), dummy).xreplace({dummy: load})))
+    return pairs
+
+
+def _body(printer: CudaPrinter, outputs: list, names: list[str]) -> list[str]:
+    """Common subexpressions as named temporaries, then one line per output."""
+    replacements, reduced = common_subexpressions(outputs)
+    lines = [f"const {_ctype(e)} {printer._print(s)} = {printer.doprint(e)};" for s, e in replacements]
+    lines += [f"{name} = {printer.doprint(e)};" for name, e in zip(names, reduced)]
+    return lines
+
+
+def _comment(text: str) -> str:
+    return " ".join(text.split())
+
+
+@dataclass(frozen=True)
+class VariantCode:
+    """What codegen hands the templates."""
+
+    block: str                  # the device functions (namespace fagen_variant)
+    params: tuple               # (name, ctype, kind) kernel parameters, every kernel with a Context
+    grad_params: tuple          # the backward kernel's gradient buffers for captured tensors
+    masks: bool                 # mask beyond padding + causal: templates use the tile functions
+    score_grad: bool            # ds'/dx is not 1: the backward multiplies dS by it
+    capture_grads: bool         # the backward adds captured tensors' gradients
+    sinks: bool
+
+    def context(self, with_grads: bool) -> str:
+        """The statement that gathers the Context (after `keys` and the block coordinates)."""
+        fields = ["seqlen_q", "keys"] + [name for name, _, _ in self.params if name != "sinks"]
+        if self.capture_grads:
+            fields += [name if with_grads else "nullptr" for name, _, _ in self.grad_params]
+        return f"const fagen_variant::Context ctx = {{{', '.join(fields)}}};"
+
+
+def _capture_params(math: VariantMath):
+    params, grads = [], []
+    for c in math.captures:
+        params.append((c.name, f"const {CAPTURE_CTYPES[c.dtype]}* __restrict__", "tensor"))
+        params += [(f"{c.name}_stride{i}", "long long", "int64") for i in range(c.ndim)]
+        if c.grad:
+            grads.append((f"{c.name}_grad", "float* __restrict__", "tensor"))
+    return params, grads
+
+
+def _params(spec: Spec, math: VariantMath):
+    params = []
+    if spec.sinks:
+        params.append(("sinks", "const float* __restrict__", "tensor"))
+    if spec.softcap:
+        params.append(("softcap", "float", "float32"))
+    if spec.window:
+        params += [("window_left", "int", "int32"), ("window_right", "int", "int32")]
+    if spec.alibi:
+        params += [("alibi_slopes", "const float* __restrict__", "tensor"), ("alibi_stride_b", "long long", "int64")]
+    captures, grads = _capture_params(math)
+    return tuple(params + captures), tuple(grads)
+
+
+def _context_struct(params, grads) -> list[str]:
+    lines = ["struct Context {", "  int seqlen_q, keys;  // this batch entry's key count"]
+    for name, ctype, _ in params:
+        if name == "sinks":
+            continue
+        if "_stride" in name and name[-1].isdigit() and not name.startswith("alibi"):
+            base, index = name.rsplit("_stride", 1)
+            if index == "0":
+                count = sum(1 for n, _, _ in params if n.startswith(base + "_stride"))
+                lines.append(f"  long long {base}_stride[{count}];")
+            continue
+        lines.append(f"  {ctype.replace(' __restrict__', '')} {name};")
+    lines += [f"  {ctype.replace(' __restrict__', '')} {name};" for name, ctype, _ in grads]
+    return lines + ["};"]
+
+
+SIGNATURE = "int b, int h, int q_idx, int kv_idx, const Context& ctx"
+
+
+def _score_functions(printer, math: VariantMath) -> list[str]:
+    score, grad = math.score, math.score_grad
+    lines = [f"// s' = {_comment(str(score))}" + (f"   (score_mod: {_comment(math.score_source)})"
+                                                  if math.score_source else ""),
+             f"__device__ __forceinline__ float score_mod(float score, {SIGNATURE}) {{", "  float s;"]
+    lines += ["  " + line for line in _body(printer, [score], ["s"])] + ["  return s;", "}", ""]
+    lines += [f"// s' and ds'/dscore = {_comment(str(grad))}",
+              f"__device__ __forceinline__ float score_mod_grad(float score, {SIGNATURE}, float& grad) {{",
+              "  float s;"]
+    lines += ["  " + line for line in _body(printer, [score, grad], ["s", "grad"])] + ["  return s;", "}", ""]
+    loads = capture_load_grads(math)
+    if loads:
+        lines += ["// The captured tensors' gradients: ds times ds'/d(load), added where each load reads.",
+                  f"__device__ __forceinline__ void add_capture_grads(float score, float ds, {SIGNATURE}) {{"]
+        for load, derivative in loads:
+            name = load.func.__name__
+            index = " + ".join(f"(long long)({printer._print(a)}) * ctx.{name}_stride[{i}]"
+                               for i, a in enumerate(load.args)) or "0"
+            lines.append(f"  // d s' / d {_comment(str(load))} = {_comment(str(derivative))}")
+            lines.append(f"  atomicAdd(ctx.{name}_grad + ({index}), ds * ({printer.doprint(derivative)}));")
+        lines += ["}", ""]
+    return lines
+
+
+def _mask_functions(printer, math: VariantMath) -> list[str]:
+    full, empty = classify(math.mask)
+    keys, queries = key_range(math.mask), query_range(math.mask)
+    box = "int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi, const Context& ctx"
+    return [
+        f"// Visible: {_comment(str(math.mask))}" + (f"   (mask_mod: {_comment(math.mask_source)})"
+                                                     if math.mask_source else ""),
+        f"__device__ __forceinline__ bool visible({SIGNATURE}) {{",
+        f"  return {printer.doprint(math.mask)};", "}", "",
+        "// The rows [q_lo, q_hi] x keys [kv_lo, kv_hi] of a tile: all visible, all masked, or partial",
+        "// (fagen/variants/tiles.py derives both conditions from the mask's linear atoms).",
+        "enum TileClass { kEmptyTile = 0, kFullTile = 1, kPartialTile = 2 };",
+        f"__device__ __forceinline__ int tile_class({box}) {{",
+        f"  if ({printer.doprint(empty)}) return kEmptyTile;",
+        f"  if ({printer.doprint(full)}) return kFullTile;",
+        "  return kPartialTile;", "}", "",
+        "struct IndexRange { int first, last; };  // inclusive; empty when last < first",
+        "// The keys any row of [q_lo, q_hi] may see (the forward's K/V loop bounds).",
+        "__device__ __forceinline__ IndexRange key_range(int b, int h, int q_lo, int q_hi, const Context& ctx) {",
+        f"  return {{(int)({printer.doprint(keys.first)}), (int)({printer.doprint(keys.last)})}};", "}", "",
+        "// The queries any key of [kv_lo, kv_hi] may meet (the backward's Q loop bounds).",
+        "__device__ __forceinline__ IndexRange query_range(int b, int h, int kv_lo, int kv_hi, const Context& ctx) {",
+        f"  return {{(int)({printer.doprint(queries.first)}), (int)({printer.doprint(queries.last)})}};", "}", "",
+    ]
+
+
+@lru_cache(maxsize=256)
+def variant_code(spec: Spec) -> VariantCode | None:
+    """The device functions of `spec`'s variant; None for plain attention (no mods)."""
+    if not spec.has_mods:
+        return None
+    math = variant_math(spec)
+    params, grads = _params(spec, math)
+    printer = CudaPrinter(math.captures)
+    lines = ["// " + "-" * 75, f"// Variant {spec.name}", "// (fagen/variants): the templates call these "
+             "functions. `score` is the scaled score", "// tau q.k; the indices are absolute.", "// " + "-" * 75,
+             "namespace fagen_variant {", ""]
+    lines += _context_struct(params, grads) + [""]
+    lines += _score_functions(printer, math)
+    if math.masks:
+        lines += _mask_functions(printer, math)
+    lines += ["}  // namespace fagen_variant"]
+    return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
+                       score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)

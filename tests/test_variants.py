@@ -1,0 +1,179 @@
+"""The variant language (fagen.variants): tracing, canonical specs, clear errors, and the
+tile classification's soundness on small symbolic tiles."""
+
+import random
+
+import pytest
+import sympy as sp
+import torch
+
+import fagen
+from fagen.codegen import render
+from fagen.spec import Spec
+from fagen.variant_args import variant_call
+from fagen.variants import ModError, custom_mod, trace_mask_mod, trace_score_mod, variant_math
+from fagen.variants.compose import KEYS, SEQLEN_Q, WINDOW_LEFT, WINDOW_RIGHT
+from fagen.variants.language import B, KV_IDX, Q_IDX, SCORE
+from fagen.variants.tiles import KV_HI, KV_LO, Q_HI, Q_LO, classify, key_range, query_range
+
+
+def q_k(heads=2, d=64):
+    return torch.randn(1, 8, heads, d, dtype=torch.float16), torch.randn(1, 8, heads, d, dtype=torch.float16)
+
+
+# -- tracing ------------------------------------------------------------------------------------
+
+def test_traced_expressions():
+    bias = torch.randn(4, 100)
+    doc = torch.zeros(2, 50, dtype=torch.int32)
+    assert trace_score_mod(lambda s, b, h, q, k: s * torch.sigmoid(s)).expr == SCORE / (1 + sp.exp(-SCORE))
+    traced = trace_score_mod(lambda s, b, h, q, k: s + bias[h, q - k + 49])
+    assert traced.tensors == (bias,) and str(traced.expr) == "score + cap0(h, -kv_idx + q_idx + 49)"
+    assert str(trace_mask_mod(lambda b, h, q, k: doc[b, q] == doc[b, k]).expr) == "Eq(cap0(b, q_idx), cap0(b, kv_idx))"
+    assert trace_mask_mod(lambda b, h, q, k: (k <= q) | ~(k > 3)).expr == sp.Or(KV_IDX <= Q_IDX, sp.Not(KV_IDX > 3))
+    assert trace_score_mod(lambda s, b, h, q, k: fagen.where(q >= k, s, s - 1.0)).expr == \
+        sp.Piecewise((SCORE, Q_IDX >= KV_IDX), (SCORE - 1.0, True))
+    assert trace_score_mod(lambda s, b, h, q, k: fagen.maximum(s, 0.0) + abs(s) + s.tanh()).expr == \
+        sp.Max(SCORE, 0.0) + sp.Abs(SCORE) + sp.tanh(SCORE)
+    assert trace_score_mod(lambda s, b, h, q, k: torch.exp(s) - torch.log(s) + torch.sqrt(s)).expr == \
+        sp.exp(SCORE) - sp.log(SCORE) + sp.sqrt(SCORE)
+
+
+def test_equal_expressions_give_one_spec_and_values_never_recompile():
+    a, b = torch.randn(4, 100), torch.randn(4, 100)
+    one = custom_mod(trace_score_mod(lambda s, b_, h, q, k: s + a[h, q - k]))
+    two = custom_mod(trace_score_mod(lambda score, batch, head, i, j: score + b[head, i - j]))
+    assert one == two and Spec(64, score_mod=one).name == Spec(64, score_mod=two).name
+    assert Spec(64, score_mod=one).name.startswith("fa2_d64_smod")
+    other_dtype = custom_mod(trace_score_mod(lambda s, b_, h, q, k: s + a.half()[h, q - k]))
+    assert other_dtype != one   # the captured tensor's dtype is part of the variant
+    graded = custom_mod(trace_score_mod(lambda s, b_, h, q, k: s + a.requires_grad_()[h, q - k]))
+    assert graded != one and graded.grads == (True,)
+
+
+def test_builtin_names_round_trip_and_custom_names_say_why_not():
+    spec = Spec(64, mask="causal", window=True, softcap=True, dtype="bf16")
+    assert spec.name == "fa2_d64_causal_window_softcap_bf16" and Spec.from_name(spec.name) == spec
+    full = Spec(128, version=1, window=True, softcap=True, alibi=True, sinks=True, dropout=True)
+    assert Spec.from_name(full.name) == full
+    custom = Spec(64, mask_mod=custom_mod(trace_mask_mod(lambda b, h, q, k: q >= k)))
+    with pytest.raises(ValueError, match="custom mask_mod by its hash"):
+        Spec.from_name(custom.name)
+
+
+def test_specs_without_variants_read_as_before():
+    assert "window" not in Spec(64).to_dict() and "score_mod" not in Spec(64).to_dict()
+    assert Spec.from_dict(Spec(64, softcap=True).to_dict()) == Spec(64, softcap=True)
+
+
+def test_generated_cuda_carries_the_users_expression():
+    code = render(Spec(64, score_mod=custom_mod(trace_score_mod(lambda s, b, h, q, k: s * torch.sigmoid(s))))).code
+    assert "(score_mod: score/(1 + exp(-score)))" in code
+    assert "__device__ __forceinline__ float score_mod_grad(" in code
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("mod", "message"), [
+    (lambda s, b, h, q, k: s if q > k else 0.0, "fagen.where"),
+    (lambda s, b, h, q, k: max(s, 0.0), "fagen.where"),
+    (lambda s, b, h, q, k: torch.cos(s), "unsupported operation in a mod: torch.cos"),
+    (lambda s, b, h, q, k: s.cosh(), r"unsupported operation in a mod: \.cosh\(\)"),
+    (lambda s, b, h, q, k: q > k, "must return a score"),
+    (lambda s, b, h, q, k: torch.ones(3), "returned a tensor of shape"),
+    (lambda s, b, h, q, k: torch.ones(3, dtype=torch.complex64)[q], "dtype torch.complex64"),
+    (lambda s, b, h, q, k: torch.ones(3, 3)[q], "index every dimension"),
+    (lambda s, b, h, q, k: torch.ones(3)[s], "not an integer expression"),
+])
+def test_score_mod_errors(mod, message):
+    with pytest.raises(ModError, match=message):
+        trace_score_mod(mod)
+
+
+def test_mask_mod_must_be_boolean():
+    with pytest.raises(ModError, match="not a boolean"):
+        trace_mask_mod(lambda b, h, q, k: q - k)
+    with pytest.raises(ModError, match="fagen.where"):
+        trace_mask_mod(lambda b, h, q, k: q >= k and k > 0)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"window_size": (3,)}, ValueError, "window_size must be a pair"),
+    ({"window_size": (-2, 0)}, ValueError, "window_size must be a pair"),
+    ({"softcap": -1.0}, ValueError, "softcap must be a float >= 0"),
+    ({"alibi_slopes": torch.ones(3)}, ValueError, r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
+    ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, "alibi_slopes must be float32"),
+    ({"alibi_slopes": [0.5, 0.25]}, TypeError, "alibi_slopes must be a torch.Tensor"),
+    ({"sinks": torch.ones(1, 2)}, ValueError, r"sinks must have shape \(2,\)"),
+    ({"sinks": torch.ones(2, device="meta")}, ValueError, "sinks must be on q's device"),
+    ({"score_mod": lambda s, b, h, q, k: s + torch.ones(8, device="meta")[h]}, ValueError,
+     "captured tensors must be on q's device"),
+])
+def test_bad_variant_arguments(kwargs, error, message):
+    q, k = q_k()
+    with pytest.raises(error, match=message):
+        variant_call(q, k, causal=False, **kwargs)
+
+
+def test_bad_arguments_reach_the_user_from_the_op():
+    q, k = q_k()
+    with pytest.raises(ValueError, match="softcap must be a float >= 0"):
+        fagen.flash_attn_func(q, k, k, softcap=-2.0)
+    bias = torch.zeros(2, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="deterministic=True cannot accumulate the gradients"):
+        fagen.flash_attn_func(q, k, k, deterministic=True, score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 8])
+
+
+def test_causal_sets_the_right_window_to_zero_and_unbounded_windows_vanish():
+    q, k = q_k()
+    assert variant_call(q, k, causal=True, window_size=(-1, 5)) is None
+    assert variant_call(q, k, causal=False, window_size=(-1, -1)) is None
+    call = variant_call(q, k, causal=True, window_size=(3, 5))
+    assert call.values == {"window_left": 3, "window_right": 0} and call.spec_fields["window"]
+
+
+# -- tile classification ----------------------------------------------------------------------------
+
+def _mask(spec):
+    return variant_math(spec).mask
+
+
+PREFIX = sp.Function("mask_cap0", integer=True)
+
+
+@pytest.mark.parametrize("mask", [
+    _mask(Spec(64, mask="causal", window=True)),
+    _mask(Spec(64, window=True)),
+    sp.And(KV_IDX < KEYS, sp.Or(KV_IDX <= Q_IDX, KV_IDX < PREFIX(B))),   # prefix-LM
+    sp.And(KV_IDX < KEYS, sp.Not(sp.Eq(Q_IDX, KV_IDX))),
+], ids=["causal_window", "window", "prefix_lm", "not_diagonal"])
+def test_tile_classes_and_ranges_are_sound_on_small_tiles(mask):
+    """Exhaustively over random small problems and tiles: a tile classified full has every
+    pair visible, one classified empty none; the key and query ranges contain every visible
+    pair; for these masks of linear atoms the classes are also exact."""
+    full, empty = classify(mask)
+    keys, queries = key_range(mask), query_range(mask)
+    rng = random.Random(0)
+    for _ in range(150):
+        nq, nk = rng.randint(1, 24), rng.randint(1, 24)
+        env = {SEQLEN_Q: nq, KEYS: nk, WINDOW_LEFT: rng.randint(0, 9), WINDOW_RIGHT: rng.randint(0, 9)}
+        prefix = rng.randint(0, nk)
+        concrete = mask.replace(PREFIX, lambda b: sp.Integer(prefix)).subs(env)
+        at = sp.lambdify((Q_IDX, KV_IDX), concrete)
+        visible = [[bool(at(i, j)) for j in range(nk)] for i in range(nq)]
+        q_lo, k_lo = rng.randrange(nq), rng.randrange(nk)
+        q_hi, k_hi = min(nq - 1, q_lo + rng.randint(0, 6)), min(nk - 1, k_lo + rng.randint(0, 6))
+        box = {**env, Q_LO: q_lo, Q_HI: q_hi, KV_LO: k_lo, KV_HI: k_hi}
+        subs = lambda e: e.replace(PREFIX, lambda b: sp.Integer(prefix)).subs(box)  # noqa: E731
+        cells = [visible[i][j] for i in range(q_lo, q_hi + 1) for j in range(k_lo, k_hi + 1)]
+        assert bool(subs(full)) == all(cells) and bool(subs(empty)) == (not any(cells))
+        first, last = int(subs(keys.first)), int(subs(keys.last))
+        assert all(first <= j <= last for i in range(q_lo, q_hi + 1) for j in range(nk) if visible[i][j])
+        first, last = int(subs(queries.first)), int(subs(queries.last))
+        assert all(first <= i <= last for j in range(k_lo, k_hi + 1) for i in range(nq) if visible[i][j])
+
+
+def test_masks_over_captured_tensors_are_partial_everywhere():
+    doc = sp.Function("mask_cap0", integer=True)
+    full, empty = classify(sp.And(KV_IDX < KEYS, sp.Eq(doc(B, Q_IDX), doc(B, KV_IDX))))
+    assert full == sp.false and empty == (KV_LO - KEYS >= 0)
