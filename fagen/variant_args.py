@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .variants.compose import custom_mod
+from .variants.compose import custom_mod, mod_expression
 from .variants.language import trace_mask_mod, trace_score_mod
+from .variants.tiles import SUMMARY_ROWS, summaries
 
 
 @dataclass
@@ -99,4 +100,21 @@ def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi
         traced = trace_mask_mod(mask_mod)
         call.spec_fields["mask_mod"] = custom_mod(traced)
         _captures("mask", traced, q, call)
+        _summaries(call, traced)
     return call
+
+
+def _summaries(call: VariantCall, traced) -> None:
+    """Per-group (16 rows) min and max of each captured tensor whose equality across q_idx and
+    kv_idx the tile classes use (document ids): O(N / 16) work on the tensor's device."""
+    for summary in summaries(mod_expression(call.spec_fields["mask_mod"], "mask")):
+        ids = call.values[summary.capture].long().movedim(summary.dim, -1)
+        pad = -ids.shape[-1] % SUMMARY_ROWS
+        if pad:   # the last group repeats its last id: no id that is not there
+            ids = torch.cat([ids, ids[..., -1:].expand(*ids.shape[:-1], pad)], dim=-1)
+        groups = ids.reshape(*ids.shape[:-1], -1, SUMMARY_ROWS)
+        low, high = (x.movedim(-1, summary.dim).contiguous() for x in (groups.amin(-1), groups.amax(-1)))
+        call.values.update({f"{summary.capture}_gmin": low, f"{summary.capture}_gmax": high,
+                            f"{summary.capture}_groups": low.shape[summary.dim]})
+        for axis, stride in enumerate(low.stride()):
+            call.values[f"{summary.capture}_sumstride{axis}"] = stride

@@ -100,3 +100,46 @@ def repeat_check(spec: Spec, source: Source | None = None) -> None:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
             assert torch.equal(first.view(torch.int16), again.view(torch.int16)), (
                 f"{spec.name}: {name} differs between block orders ({run})")
+
+
+# -- variants -----------------------------------------------------------------------------------------
+
+VARIANT_SHAPE = Shape(2, 150, 170, heads=2, kv_heads=1)
+# Packed documents whose boundaries fall inside tiles and on them.
+DOCUMENTS = torch.tensor([[0] * 64 + [1] * 7 + [2] * 41 + [3] * 58, [4] * 32 + [5] * 100 + [6] * 38],
+                         dtype=torch.int32)
+
+
+def document_mask(b, h, q_idx, kv_idx):
+    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
+
+
+CUSTOM_MASKS = {"documents": document_mask}
+
+
+def builtin_variant(spec: Spec) -> dict:
+    """flash_attn_func's keywords for a spec's built-ins (values chosen so each one matters)."""
+    variant = {}
+    if spec.window:
+        variant["window_size"] = (20, 7)
+    if spec.softcap:
+        variant["softcap"] = 2.5
+    if spec.alibi:
+        variant["alibi_slopes"] = torch.tensor([0.25, 0.0625])
+    if spec.sinks:
+        variant["sinks"] = torch.tensor([0.5, -1.0])
+    return variant
+
+
+def variant_check(spec: Spec, source: Source | None = None) -> None:
+    """The variant's outputs and gradients (L's too) against the oracle on a ragged GQA shape;
+    a custom mask_mod must be one of CUSTOM_MASKS."""
+    from fagen.variants import custom_mod, trace_mask_mod
+    from variant_cases import run_variant_case
+
+    variant = builtin_variant(spec)
+    if spec.mask_mod is not None:
+        (variant["mask_mod"],) = [fn for fn in CUSTOM_MASKS.values()
+                                  if custom_mod(trace_mask_mod(fn)) == spec.mask_mod]
+    base = spec.replace(window=False, softcap=False, alibi=False, sinks=False, score_mod=None, mask_mod=None)
+    run_variant_case(base, VARIANT_SHAPE, variant, source=source)

@@ -141,8 +141,35 @@ MUTANTS += [
                  (Edit("row_max[stat] * fagen::kLog2e + log2f(l)", "row_max[stat] * fagen::kLog2e"),),
                  (checks.ragged_check,)),
 ]
+
+
+def _documents() -> Spec:
+    from fagen.variants import custom_mod, trace_mask_mod
+
+    return FA2.replace(mask_mod=custom_mod(trace_mask_mod(checks.document_mask)))
+
+
+# Variants (fagen/variants): their device functions and the template steps that call them.
+MUTANTS += [
+    KernelMutant("softcap: the chain rule through the score dropped", FA2.replace(softcap=True),
+                 (Edit("dpt[kt][qt][e] = ds * grad;", "dpt[kt][qt][e] = ds;"),), (checks.variant_check,)),
+    KernelMutant("sinks: rows start from -inf, not from the sink", FA2.replace(sinks=True),
+                 (Edit("row_max[rt][half] = sinks[head], row_sum[rt][half] = lane % 4 == 0 ? 1.f : 0.f;",
+                       "row_max[rt][half] = -fagen::infinity(), row_sum[rt][half] = 0.f;"),),
+                 (checks.variant_check,)),
+    KernelMutant("window: one key too many on the right", FA2.replace(window=True),
+                 (Edit("kv_idx <= ctx.keys + q_idx - ctx.seqlen_q + ctx.window_right",
+                       "kv_idx <= ctx.keys + q_idx - ctx.seqlen_q + ctx.window_right + 1"),),
+                 (checks.variant_check,)),
+    KernelMutant("documents: tiles whose id ranges touch skipped as empty", _documents(),
+                 (Edit("mask_cap0_qmax < mask_cap0_kvmin", "mask_cap0_qmax <= mask_cap0_kvmin"),
+                  Edit("mask_cap0_kvmax < mask_cap0_qmin", "mask_cap0_kvmax <= mask_cap0_qmin")),
+                 (checks.variant_check,)),
+]
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
-          "L written as -inf for empty rows", "an atomic dQ in the deterministic variant")
+          "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
+          "softcap: the chain rule through the score dropped",
+          "documents: tiles whose id ranges touch skipped as empty")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

@@ -118,8 +118,14 @@ TILE_CASES = {
     "right_only": (Spec(64, block_m=64, block_n=32, num_warps=4), {"window_size": (-1, 10)}),
     "prefix_lm": (Spec(64, block_m=64, block_n=32, num_warps=4),
                   {"mask_mod": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < PREFIX[b])}),
+    "documents": (Spec(64, block_m=64, block_n=32, num_warps=4),
+                  {"mask_mod": lambda b, h, q_idx, kv_idx: DOCS[b, q_idx] == DOCS[b, kv_idx]}),
+    "documents_causal": (Spec(64, block_m=64, block_n=32, num_warps=4, mask="causal"),
+                         {"mask_mod": lambda b, h, q_idx, kv_idx: DOCS[b, q_idx] == DOCS[b, kv_idx]}),
 }
 PREFIX = torch.tensor([70, 3], dtype=torch.int32)
+# Packed documents of uneven lengths (one longer than a tile, several shorter), sorted ids.
+DOCS = torch.tensor([[0] * 130 + [1] * 7 + [2] * 90 + [3] * 400, [5] * 20 + [6] * 300 + [7] * 307], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("shape", [Shape(2, 300, 333), Shape(2, 257, 100), Shape(2, 64, 500)], ids=str)

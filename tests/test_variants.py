@@ -14,7 +14,7 @@ from fagen.variant_args import variant_call
 from fagen.variants import ModError, custom_mod, trace_mask_mod, trace_score_mod, variant_math
 from fagen.variants.compose import KEYS, SEQLEN_Q, WINDOW_LEFT, WINDOW_RIGHT
 from fagen.variants.language import B, KV_IDX, Q_IDX, SCORE
-from fagen.variants.tiles import KV_HI, KV_LO, Q_HI, Q_LO, classify, key_range, query_range
+from fagen.variants.tiles import KV_HI, KV_LO, Q_HI, Q_LO, classify, key_range, query_range, summaries
 
 
 def q_k(heads=2, d=64):
@@ -173,7 +173,51 @@ def test_tile_classes_and_ranges_are_sound_on_small_tiles(mask):
         assert all(first <= i <= last for j in range(k_lo, k_hi + 1) for i in range(nq) if visible[i][j])
 
 
-def test_masks_over_captured_tensors_are_partial_everywhere():
+def test_document_masks_are_classified_from_per_tile_id_ranges():
+    """An id equality across q_idx and kv_idx is decided from the tile's id ranges: all one id
+    is full, disjoint ranges are empty, anything else partial (sound for any ids)."""
     doc = sp.Function("mask_cap0", integer=True)
-    full, empty = classify(sp.And(KV_IDX < KEYS, sp.Eq(doc(B, Q_IDX), doc(B, KV_IDX))))
-    assert full == sp.false and empty == (KV_LO - KEYS >= 0)
+    mask = sp.And(KV_IDX < KEYS, sp.Eq(doc(B, Q_IDX), doc(B, KV_IDX)))
+    (summary,) = summaries(mask)
+    assert (summary.capture, summary.dim, summary.others) == ("mask_cap0", 1, (B,))
+    full, empty = classify(mask)
+    bounds = [summary.bound(side, which) for side in ("q", "kv") for which in ("min", "max")]
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = sorted(rng.randint(0, 3) for _ in range(12))
+        q_lo, k_lo = rng.randrange(12), rng.randrange(12)
+        q_hi, k_hi = min(11, q_lo + rng.randint(0, 4)), min(11, k_lo + rng.randint(0, 4))
+        rows, cols = ids[q_lo:q_hi + 1], ids[k_lo:k_hi + 1]
+        box = {KEYS: 12, Q_LO: q_lo, Q_HI: q_hi, KV_LO: k_lo, KV_HI: k_hi,
+               **dict(zip(bounds, (min(rows), max(rows), min(cols), max(cols))))}
+        cells = [a == b for a in rows for b in cols]
+        assert bool(full.subs(box)) == all(cells) and (not bool(empty.subs(box)) or not any(cells))
+    assert summaries(sp.Eq(doc(B, Q_IDX), doc(Q_IDX, KV_IDX))) == []   # not the document pattern
+
+
+def test_masks_no_tile_bound_decides_are_reported(caplog):
+    table = torch.zeros(4, 4, dtype=torch.bool)
+    mod = custom_mod(trace_mask_mod(lambda b, h, q, k: table[q % 4, k % 4] | (q * q > k)))
+    with caplog.at_level("WARNING", logger="fagen"):
+        render(Spec(64, mask_mod=mod))
+    assert "not decided per tile" in caplog.text and "q_idx**2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fagen"):
+        render(Spec(64, window=True))
+    assert "not decided per tile" not in caplog.text
+
+
+def test_verify_proves_the_derivative_the_cuda_computes(monkeypatch):
+    from fagen import identities
+    from fagen.variants import cuda
+
+    bias = torch.zeros(2, 64, requires_grad=True)
+    spec = Spec(64, softcap=True, score_mod=custom_mod(trace_score_mod(
+        lambda s, b, h, q, k: s * torch.sigmoid(s) + bias[h, q - k + 32])))
+    emitted = [i for i in identities.for_spec(spec) if i.name.startswith("emitted score chain")]
+    assert any("score_cap0" in i.name for i in emitted) and len(emitted) >= 2
+    assert all(r.ok for r in identities.run(emitted))
+    real = cuda.emitted_score_grad
+    monkeypatch.setattr(cuda, "emitted_score_grad", lambda math: (real(math)[0] * 2, real(math)[1]))
+    wrong = [i for i in identities.for_spec(spec) if i.name.startswith("emitted score chain") and "ds'/dx" in i.name]
+    assert [r.ok for r in identities.run(wrong)] == [False]

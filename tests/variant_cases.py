@@ -27,10 +27,13 @@ def variant_spec(base: Spec, q, k, variant: dict):
 
 
 def run_variant_case(base: Spec, shape: Shape, variant: dict, *, captures=(), lengths=None, debug=None,
-                     backward: bool = True) -> dict:
+                     backward: bool = True, source=None) -> dict:
+    """`source`: a rendered source of the variant's spec other than its own (the mutation tests)."""
     q, k, v, dout, seqlens_k = make_inputs(base, shape, lengths=lengths)
     spec, call = variant_spec(base, q, k, variant)
-    source = render(spec, debug=debug is not None)
+    if source is None:
+        source = render(spec, debug=debug is not None)
+    assert source.spec == spec, f"the source is {source.spec.name}'s, the case {spec.name}'s"
     p = DROPOUT_P if spec.dropout else 0.0
     out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED, philox_offset=OFFSET,
                              variant=call.values, debug=debug)

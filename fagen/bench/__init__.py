@@ -6,9 +6,12 @@ registry. This package turns such a lease into one prepared run that:
   1. runs the `gpu` tests (correctness on the hardware) as a subprocess,
   2. times fagen v2 and v1 side by side with PyTorch's attention backends and
      FlexAttention, in TFLOP/s counted the FlashAttention-2 paper's way,
-  3. measures peak memory against sequence length,
-  4. writes results.json, results.md and a few PNG plots into DIR,
-  5. runs compute-sanitizer's memcheck and racecheck when it is installed,
+  3. times fagen's attention variants (sliding window, softcap, ALiBi, a document
+     mask_mod) against FlexAttention with the same mod and against plain causal
+     attention (fagen's and SDPA flash's),
+  4. measures peak memory against sequence length,
+  5. writes results.json, results.md and a few PNG plots into DIR,
+  6. runs compute-sanitizer's memcheck and racecheck when it is installed,
 
 all under one time budget, failing soft: a peer or section that cannot run is
 recorded with its reason, never a crash. Modules, one concern each:
@@ -18,6 +21,7 @@ recorded with its reason, never a crash. Modules, one concern each:
   timing      CUDA-event timing and the time budget (the guard)
   peers       the systems compared: fagen v1/v2, SDPA backends, FlexAttention
   sweep       the speed sweep over (config, sequence length, pass, system)
+  variants    the variants section: each variant in fagen and Flex, and the no-mod peers
   memory      peak GPU memory against sequence length
   correctness the `gpu` pytest run and the compute-sanitizer runs
   report      JSON, Markdown, PNG plots and the short printed table

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dry-run", action="store_true",
                        help="print the plan and check imports and NVRTC; needs no GPU")
     check.add_argument("--quick", action="store_true",
-                       help="a ~3 minute subset (bf16, d=128, N = 1k, 4k, 16k)")
+                       help="a ~3 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
+                            "document-mask variants)")
     check.add_argument("--budget", type=float, default=None,
                        help="total seconds for the run (default: the plan's, 420 full / 240 quick)")
     check.add_argument("--skip", default="",

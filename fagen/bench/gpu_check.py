@@ -130,8 +130,9 @@ class _Run:
         sanitizers = 0.0
         if find_compute_sanitizer() is not None:
             sanitizers = 2 * self.plan.sanitizer_cap_s
+        variants = self.plan.variants.cap_s if self.plan.variants.cases else 0.0
         needs = {"precompile": 0.0, "peak": 5.0, "correctness": self.plan.correctness_cap_s,
-                 "sanitizers": sanitizers, "speed": self.plan.min_speed_s,
+                 "sanitizers": sanitizers, "speed": self.plan.min_speed_s, "variants": variants,
                  "memory": self.plan.memory_cap_s, "report": self.plan.report_reserve_s}
         return {name: (0.0 if name in self.skip else need) for name, need in needs.items()}
 
@@ -255,6 +256,18 @@ def _run_sections(run: "_Run") -> int:
 
     results["speed"] = run.section("speed", speed_section)
 
+    def variants_section():
+        from .variants import run_variant_sweep
+
+        def checkpoint(partial):
+            results["variants"] = partial
+            run.save()
+
+        return run_variant_sweep(plan, run.deadline("variants", cap_s=plan.variants.cap_s), log=log,
+                                 checkpoint=checkpoint)
+
+    results["variants"] = run.section("variants", variants_section)
+
     def memory_section():
         from .memory import run_memory_sweep
 
@@ -275,7 +288,8 @@ def _run_sections(run: "_Run") -> int:
 
 def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bool = True) -> int:
     """Print the plan and check, on any machine, that everything the GPU run
-    needs imports and that NVRTC compiles a fagen variant for sm_90."""
+    needs imports, that NVRTC compiles a fagen variant for sm_90, and that the variants
+    section's mods trace into the kernels the precompile section will build."""
     log(plan.describe())
     log("")
     log("checks (required pieces first):")
@@ -318,6 +332,18 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
                          for k, v in info["resources"].items())
         return f"{info['name']} for sm_90 in {info['seconds']:.2f} s ({regs})"
 
+    def variant_kernels():
+        from fagen.spec import Spec
+
+        from .precompile import compile_variant, variant_case_kwargs
+
+        kwargs = variant_case_kwargs(plan)
+        if not kwargs:
+            return "no variants in this plan"
+        last = compile_variant(kwargs[-1], "sm_90", use_cache=False)   # a mask_mod's, in the plans
+        return (", ".join(Spec(**kw).name for kw in kwargs)
+                + f"; {last['name']} compiles for sm_90 in {last['seconds']:.2f} s")
+
     def python_version():
         if sys.version_info < (3, 10):
             raise RuntimeError(f"{platform.python_version()} is too old")
@@ -339,6 +365,7 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
     check("fagen flash_attn_func", True, attention_func)
     check("NVRTC (cuda.bindings)", True, nvrtc)
     check("compile one fagen variant", True, compile_one)
+    check("variants section's fagen kernels (traced as the calls trace them)", True, variant_kernels)
     check("cupy (launches fagen on the GPU)", False, module("cupy"))
     check("matplotlib (plots)", False, module("matplotlib"))
     check("pytest (correctness section)", False, module("pytest"))
@@ -356,8 +383,10 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
     if missing:
         log("dry run: MISSING required pieces: " + ", ".join(missing))
         return 1
+    total = plan.estimate_seconds()["total"]
+    fit = "of" if total <= plan.budget_s else "against (the time guard keeps the run inside)"
     log("dry run: ok, everything the GPU check needs is here "
-        f"(estimated {plan.estimate_seconds()['total']:.0f} s of a {plan.budget_s:.0f} s budget)")
+        f"(estimated {total:.0f} s {fit} a {plan.budget_s:.0f} s budget)")
     return 0
 
 

@@ -36,16 +36,26 @@ SYSTEM_SHORT = {
 }
 PASS_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 
+# The variants section: fagen with a mod against FlexAttention with the same mod, and
+# against plain causal attention (fagen's own and SDPA's flash backend, measured once).
+VARIANT_CASES = ("window", "softcap", "alibi", "document")
+VARIANT_SYSTEMS = ("fagen_v2", "flex", "sdpa_flash", "fagen_v2_nomod")
+# The systems of a variant row that run without the mod (plain causal attention).
+NO_MOD_SYSTEMS = ("sdpa_flash", "fagen_v2_nomod")
+SYSTEM_LABELS["fagen_v2_nomod"] = "fagen v2 (no mod)"
+SYSTEM_SHORT["fagen_v2_nomod"] = "v2nm"
+
 # Sections in the order they run. Correctness first: a fast wrong kernel is
 # worth nothing, and a kernel that faults shows up there, in a subprocess,
 # before it can take down the sweep's CUDA context. The sanitizers (also
 # subprocesses, with fixed caps) run before the sweep, so the sweep can use
 # every second they leave over; memory last, since it pushes the allocator
 # to out-of-memory on purpose.
-SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "memory", "report")
+SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "memory",
+            "report")
 # Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
 GPU_TEST_VARIANTS = 16
-OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "memory")
+OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "memory")
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,90 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class VariantsConfig:
+    """The variants section: one point (the sweep's longest: N = 16k, B = 1, H = 16), causal,
+    each variant timed in fagen, in FlexAttention with the same mod, and set against plain
+    causal attention. FLOPs are counted as for causal attention whatever the mod hides (the
+    sweep's count), so a mask that hides more keys shows as a higher rate; `visible` says
+    how many keys each variant leaves."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    heads: int = 16
+    batch: int = 1
+    seqlen: int = 16384
+    causal: bool = True
+    passes: tuple = ("fwd", "fwd_bwd")
+    cases: tuple = VARIANT_CASES
+    systems: tuple = VARIANT_SYSTEMS
+    window: int = 4096          # window_size=(window, 0)
+    softcap: float = 50.0
+    documents: int = 8          # the document mask's documents, of random lengths
+    seed: int = 0               # their lengths' seed
+    # The section's cap, and the part of it FlexAttention's compiles (one per mod, forward
+    # and backward) may spend; Flex cases past it are skipped with a note.
+    cap_s: float = 90.0
+    flex_allowance_s: float = 70.0
+
+    @property
+    def label(self) -> str:
+        return (f"{self.dtype} d={self.head_dim} {'causal' if self.causal else 'non-causal'} "
+                f"N={short_seqlen(self.seqlen)} B={self.batch} H={self.heads}")
+
+    def case_label(self, case: str) -> str:
+        return {"window": f"sliding window {self.window}", "softcap": f"softcap {self.softcap:g}",
+                "alibi": "ALiBi", "document": f"document mask ({self.documents} docs)"}[case]
+
+    def flops(self, pass_: str) -> float:
+        return attention_flops(pass_, batch=self.batch, heads=self.heads, seqlen=self.seqlen,
+                               head_dim=self.head_dim, causal=self.causal)
+
+    def document_lengths(self, seqlen: int | None = None) -> list[int]:
+        """Lengths of the document mask's documents: `documents` of them, random (seeded)
+        between 1/4 and 7/4 of the mean, summing to `seqlen`."""
+        import random
+
+        n = self.seqlen if seqlen is None else seqlen
+        count = max(1, min(self.documents, n))
+        rng = random.Random(self.seed)
+        weights = [rng.uniform(0.25, 1.75) for _ in range(count)]
+        lengths = [max(1, int(n * w / sum(weights))) for w in weights]
+        lengths[-1] = n - sum(lengths[:-1])
+        return lengths
+
+    def window_for(self, seqlen: int) -> int:
+        """The window at `seqlen`: the plan's, or a quarter of a short sequence (sanity checks)."""
+        return self.window if seqlen >= 4 * self.window else max(1, seqlen // 4)
+
+    def visible_pairs(self, case: str, seqlen: int | None = None) -> int:
+        """(query, key) pairs a variant leaves visible per (batch, head), causal included."""
+        n = self.seqlen if seqlen is None else seqlen
+        causal = n * (n + 1) // 2 if self.causal else n * n
+        if case == "window":
+            w = min(self.window_for(n), n - 1)
+            return w * (w + 1) // 2 + (n - w) * (w + 1) if self.causal else causal
+        if case == "document":
+            lengths = self.document_lengths(n)
+            return sum(L * (L + 1) // 2 if self.causal else L * L for L in lengths)
+        return causal
+
+    def timed_runs(self) -> int:
+        """Measurements: each case with its mod (fagen, Flex), plus the no-mod peers once."""
+        with_mod = [s for s in self.systems if s not in NO_MOD_SYSTEMS]
+        no_mod = [s for s in self.systems if s in NO_MOD_SYSTEMS]
+        return len(self.passes) * (len(self.cases) * len(with_mod) + (len(no_mod) if self.cases else 0))
+
+    def estimate_seconds(self) -> float:
+        """About 0.5 s per 16k measurement (warm-up, sizing call, 3 repeats of 10-100 ms),
+        a sanity check and a block mask per case, and Flex's compiles (about 20 s per mod,
+        forward and backward), capped by its allowance and by the section's cap."""
+        if not self.cases:
+            return 0.0
+        flex = min(self.flex_allowance_s, 20.0 * len(self.cases)) if "flex" in self.systems else 0.0
+        return min(self.cap_s, 0.5 * self.timed_runs() + 1.5 * len(self.cases) + flex)
+
+
+@dataclass(frozen=True)
 class Plan:
     name: str = "full"
     dtypes: tuple = ("bf16", "fp16")
@@ -86,6 +180,7 @@ class Plan:
     passes: tuple = PASSES
     systems: tuple = SYSTEMS
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    variants: VariantsConfig = field(default_factory=VariantsConfig)
     # The whole run's budget. The shell wrapper kills at 460 s; this leaves
     # time to write the report after the last section stops.
     budget_s: float = 420.0
@@ -99,8 +194,9 @@ class Plan:
     report_reserve_s: float = 10.0
     # FlexAttention compiles with Inductor (tens of seconds per graph); it may
     # spend at most this much of the sweep, then its remaining points are
-    # skipped with a note rather than starving every other system.
-    flex_allowance_s: float = 90.0
+    # skipped with a note rather than starving every other system. (The
+    # variants section has its own allowance, `variants.flex_allowance_s`.)
+    flex_allowance_s: float = 60.0
     # Timing: per measurement, repeat until about target_ms of GPU time.
     warmup: int = 1
     min_repeats: int = 3
@@ -135,6 +231,11 @@ class Plan:
         versions = sum(1 for s in self.systems if s in FAGEN_SYSTEMS)
         return versions * len(self.dtypes) * len(self.head_dims) * len(self.causal)
 
+    def variant_kernels(self) -> int:
+        """Distinct fagen kernels the variants section compiles (one per case; its no-mod
+        peer is the sweep's causal kernel)."""
+        return len(self.variants.cases) if "fagen_v2" in self.variants.systems else 0
+
     def estimate_seconds(self, *, sanitizers: bool = True) -> dict[str, float]:
         """A rough forecast per section (the guard, not this, enforces the budget).
 
@@ -148,11 +249,13 @@ class Plan:
         estimate = {
             "setup": 15.0,
             "precompile": min(self.precompile_cap_s,
-                              3.0 + 1.5 * (self.fagen_variants() + GPU_TEST_VARIANTS) / 8),
+                              3.0 + 1.5 * (self.fagen_variants() + self.variant_kernels()
+                                           + GPU_TEST_VARIANTS) / 8),
             "peak": 5.0,
             "correctness": 60.0,
             "sanitizers": 2 * self.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
             "speed": speed,
+            "variants": self.variants.estimate_seconds(),
             "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
             "report": 5.0,
         }
@@ -188,6 +291,7 @@ class Plan:
                      f"{self.flex_allowance_s:.0f} s")
         lines.append("    TFLOP/s = 4 N^2 d H B (forward), x2.5 (backward), x3.5 (both), /2 if causal; "
                      "matmul peak: 8192^3 bf16 torch.matmul")
+        lines += self.variants_lines()
         mem = self.memory
         lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
                      f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
@@ -196,10 +300,45 @@ class Plan:
                      "speed_fwd_bwd.png, memory.png")
         estimate = self.estimate_seconds()
         lines.append("estimated seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in estimate.items()))
+        over = estimate["total"] - self.budget_s
+        if over > 0:
+            last = self.configs()[-1].label if self.configs() else "-"
+            lines.append(f"  over the budget by about {over:.0f} s: the speed sweep takes what the other sections "
+                         f"leave, so its time guard drops its last points (from the {last} panel back)")
         return "\n".join(lines)
+
+    def variants_lines(self) -> list[str]:
+        v = self.variants
+        if not v.cases:
+            return ["  variants: none in this plan"]
+        lines = [f"  variants: passes {', '.join(PASS_LABELS[p] for p in v.passes)}; {v.label} "
+                 f"(cap {v.cap_s:.0f} s, FlexAttention allowance {v.flex_allowance_s:.0f} s)"]
+        causal = v.visible_pairs("softcap")
+        for case in v.cases:
+            share = v.visible_pairs(case) / causal
+            lines.append(f"    variant {case}: {v.case_label(case)}, {_CASE_CALLS[case]}; "
+                         f"keys seen {share:.0%} of causal")
+        if "document" in v.cases:
+            lines.append(f"    document lengths (seed {v.seed}): {', '.join(map(str, v.document_lengths()))}")
+        lines.append("    systems: " + ", ".join(SYSTEM_LABELS[s] + (" (plain causal, measured once)"
+                                                                      if s in NO_MOD_SYSTEMS else " (same mod)")
+                                                  for s in v.systems))
+        lines.append(f"    timed runs: {v.timed_runs()}; fagen variant kernels to compile: "
+                     f"{self.variant_kernels()}; TFLOP/s counted as for causal attention; "
+                     "ratios fagen v2 / each peer")
+        return lines
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# How each variant is called in fagen (and, with the same mod, in FlexAttention).
+_CASE_CALLS = {
+    "window": "window_size=(W, 0); Flex mask_mod causal & q - k <= W",
+    "softcap": "softcap=C; Flex score_mod C tanh(score / C)",
+    "alibi": "alibi_slopes 2^(-8 i / H) fp32 (H,); Flex score_mod score - slope[h] |q - k|",
+    "document": "mask_mod doc[b, q] == doc[b, k] (int32 ids on the GPU); Flex mask_mod causal & the same",
+}
 
 
 def short_seqlen(n: int) -> str:
@@ -215,7 +354,9 @@ def quick_plan() -> Plan:
     return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
                 memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=270.0,
                 correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
-                flex_allowance_s=45.0)
+                flex_allowance_s=45.0,
+                # One score mod and one mask mod.
+                variants=VariantsConfig(cases=("softcap", "document"), cap_s=50.0, flex_allowance_s=40.0))
 
 
 def plan_named(name: str) -> Plan:

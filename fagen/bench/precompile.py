@@ -5,8 +5,15 @@ serially inside its first timed point of each panel, and the `gpu` tests would
 pay it again. Compiling every variant once up front, on several cores, fills
 fagen's disk cache (shared by the pytest subprocess and the sweep). Workers
 are spawned, not forked: the parent has CUDA initialised, and a forked CUDA
-context is unusable. Workers import only the compiler side of fagen (no
-torch), so they start fast.
+context is unusable. Workers import only fagen's renderer and compiler (and,
+through the variants' tracer, torch), never CUDA.
+
+What is compiled is what a call on this GPU will look up on a machine with no
+tuning cache: each Spec with the fallback table's tiles for the device's arch
+(`fagen.tuning.fallback_spec`, as `fagen.tuning.lookup` does), for the NVRTC
+target `fagen.launch` uses (`compiler.nvrtc_target`). The variants section's
+kernels (window, softcap, ALiBi, a document mask_mod) are compiled too; their
+Spec fields come from fagen's own argument checking (`variants.case_spec_fields`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ def variant_kwargs(plan: Plan) -> list[dict]:
             for causal in plan.causal]
 
 
+def variant_case_kwargs(plan: Plan) -> list[dict]:
+    """Spec arguments of the variants section's fagen kernels (one per case)."""
+    config = plan.variants
+    if "fagen_v2" not in config.systems or not config.cases:
+        return []
+    from .variants import case_spec_fields
+
+    base = {"head_dim": config.head_dim, "dtype": config.dtype, "version": 2,
+            "mask": "causal" if config.causal else "none"}
+    return [{**base, **case_spec_fields(case, config)} for case in config.cases]
+
+
 def test_variant_kwargs() -> list[dict]:
     """Variants the `gpu` tests use beyond the sweep's (tests/test_gpu_kernels.py:
     dropout, deterministic backward), compiled here too so the correctness
@@ -45,14 +64,30 @@ def test_variant_kwargs() -> list[dict]:
     return dropout + deterministic + single_stage
 
 
-def compile_variant(kwargs: dict, arch: str, use_cache: bool = True) -> dict:
-    """Render and NVRTC-compile one variant (through fagen's cache unless
-    `use_cache` is False); a summary."""
-    from fagen.codegen import render
-    from fagen.compiler import compile_source
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "bwd_stages", "bwd_block_n")
+
+
+def resolved_spec(kwargs: dict, device_arch: str | None = None):
+    """The Spec of `kwargs`; with `device_arch`, the one a call on such a GPU runs when no
+    tuning is cached (the fallback table's tiles for that arch), unless `kwargs` set tiles."""
     from fagen.spec import Spec
 
     spec = Spec(**kwargs)
+    if device_arch is None or any(kwargs.get(f) is not None for f in TILE_FIELDS):
+        return spec
+    from fagen.tuning.fallback import fallback_spec
+
+    return fallback_spec(spec, device_arch)
+
+
+def compile_variant(kwargs: dict, arch: str, use_cache: bool = True, device_arch: str | None = None) -> dict:
+    """Render and NVRTC-compile one variant for `arch` (through fagen's cache unless
+    `use_cache` is False); a summary. With `device_arch`, the Spec takes that GPU's
+    fallback tiles first (`resolved_spec`)."""
+    from fagen.codegen import render
+    from fagen.compiler import compile_source
+
+    spec = resolved_spec(kwargs, device_arch)
     start = time.perf_counter()
     compiled = compile_source(render(spec), arch, use_cache=use_cache)
     resources = {name: {"registers": r.registers, "spill_bytes": r.spill_bytes,
@@ -64,16 +99,31 @@ def compile_variant(kwargs: dict, arch: str, use_cache: bool = True) -> dict:
 
 def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = None,
                include_tests: bool = True) -> dict:
-    """Compile every variant for `arch` within `timeout_s`; unfinished ones
-    compile on first use instead (noted, not an error)."""
-    kwargs_list = variant_kwargs(plan) + (test_variant_kwargs() if include_tests else [])
-    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1, len(kwargs_list)))
-    section: dict = {"arch": arch, "workers": workers, "variants": {}, "status": "ok", "note": ""}
-    if not kwargs_list:
+    """Compile every variant for the GPU of capability `arch` (its NVRTC target, its
+    fallback tiles) within `timeout_s`; unfinished ones compile on first use instead
+    (noted, not an error)."""
+    from fagen.compiler import nvrtc_target
+
+    # The sweep's and the variants section's kernels run through flash_attn_func, so they
+    # get this GPU's fallback tiles; the gpu tests' extra variants are mostly explicit Specs
+    # (default tiles), compiled as given.
+    try:
+        cases, case_error = variant_case_kwargs(plan), ""
+    except Exception as exc:  # noqa: BLE001 - the variants section will meet (and report) it again
+        cases, case_error = [], f"the variants section's kernels: {type(exc).__name__}: {_first_lines(exc, 2)}"
+    jobs = [(kw, arch) for kw in variant_kwargs(plan) + cases]
+    jobs += [(kw, None) for kw in (test_variant_kwargs() if include_tests else [])]
+    target = nvrtc_target(arch)
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1, len(jobs)))
+    section: dict = {"arch": arch, "target": target, "workers": workers, "variants": {}, "status": "ok",
+                     "note": ""}
+    if case_error:
+        section["status"], section["note"] = "partial", case_error
+    if not jobs:
         section["note"] = "no fagen system in the plan"
         return section
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = {pool.submit(compile_variant, kw, arch): kw for kw in kwargs_list}
+    futures = {pool.submit(compile_variant, kw, target, True, tiles_for): kw for kw, tiles_for in jobs}
     try:
         done, pending = wait(futures, timeout=max(1.0, timeout_s), return_when=ALL_COMPLETED)
         for future in done:
@@ -91,12 +141,16 @@ def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = No
     errors = [k for k, v in section["variants"].items() if "error" in v]
     if errors:
         section["status"] = "partial"
-        section["note"] = f"{len(errors)} of {len(kwargs_list)} variants did not compile: " + ", ".join(errors[:6])
+        section["note"] = "; ".join(filter(None, [section["note"], f"{len(errors)} of {len(jobs)} variants did "
+                                                  "not compile: " + ", ".join(errors[:6])]))
     return section
 
 
 def _key(kw: dict) -> str:
-    flags = "".join(f" {flag}" for flag in ("dropout", "deterministic") if kw.get(flag))
+    flags = "".join(f" {flag}" for flag in ("dropout", "deterministic", "window", "softcap", "alibi", "sinks")
+                    if kw.get(flag))
+    flags += "".join(f" {prefix}{kw[field].digest}" for field, prefix in (("score_mod", "smod"), ("mask_mod", "mmod"))
+                     if kw.get(field) is not None)
     return f"v{kw['version']} {kw['dtype']} d{kw['head_dim']} {kw['mask']}{flags}"
 
 

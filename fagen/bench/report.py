@@ -16,7 +16,8 @@ import json
 import math
 from pathlib import Path
 
-from .plan import FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS, short_seqlen
+from .plan import (FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS,
+                   VARIANT_SYSTEMS, short_seqlen)
 
 JSON_NAME, MD_NAME = "results.json", "results.md"
 PASS_SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "f+b"}
@@ -71,6 +72,18 @@ def _panel_label(panel: tuple) -> str:
     return f"{dtype} d={d} {'causal' if causal else 'non-causal'}"
 
 
+def _system_cells(point: dict, systems) -> list[str]:
+    """One speed row's cells, per system: the rate, "h" where the host bounded it."""
+    cells = []
+    for s in systems:
+        cell = point["results"].get(s)
+        text = _cell_text(cell, 1)
+        if cell and cell.get("host_bound") and _rate(cell) is not None:
+            text += " h"
+        cells.append(text)
+    return cells
+
+
 def _cell_text(cell: dict | None, digits: int) -> str:
     rate = _rate(cell)
     if rate is not None:
@@ -94,7 +107,35 @@ def skip_reasons(speed: dict) -> dict[str, dict[str, int]]:
 # -- the short table (printed last) ------------------------------------------------------
 
 def short_table(results: dict) -> str:
-    """Compact TFLOP/s table: one block per configuration, one row per (pass, N)."""
+    """Compact TFLOP/s table: one block per configuration, one row per (pass, N); then
+    the variants' rows."""
+    return "\n".join([_short_speed_table(results)] + _short_variants_table(results))
+
+
+def _short_variants_table(results: dict) -> list[str]:
+    variants = results.get("variants") or {}
+    if not variants.get("points"):
+        return []
+    add_ratios(variants)
+    systems = [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
+    label = (variants.get("config") or {}).get("label", "")
+    lines = [f"-- variants, {label}: v2, flex with the mod; flsh, v2nm (fagen v2) plain causal; "
+             "FLOPs as causal",
+             "pass variant  seen |" + "".join(f"{SYSTEM_SHORT.get(s, s)[:5]:>5}" for s in systems)
+             + " | v2/flex v2/flsh v2/v2nm"]
+    for point in variants["points"]:
+        values = "".join(f"{_cell_text(point['results'].get(s), 0):>5}" for s in systems)
+        ratios = point.get("ratios", {})
+        ratio_text = " ".join(f"{ratios[key]:{width}.2f}" if key in ratios else f"{'-':>{width}}"
+                              for key, width in (("fagen_v2/flex", 7), ("fagen_v2/sdpa_flash", 7),
+                                                 ("fagen_v2/fagen_v2_nomod", 7)))
+        pass_ = PASS_SHORT.get(point["pass"], point["pass"])
+        lines.append(f"{pass_:<4} {point['variant'][:8]:<8} {point.get('visible_share', 1.0):4.0%} |{values} | "
+                     f"{ratio_text}")
+    return lines
+
+
+def _short_speed_table(results: dict) -> str:
     speed = results.get("speed") or {}
     lines = []
     matmul = (results.get("peak") or {}).get("matmul")
@@ -187,6 +228,7 @@ def markdown(results: dict) -> str:
             out.append(f"- {peak['copy']['what']}: **{peak['copy']['tb_per_s']:.2f} TB/s** (read + write)")
     out += _markdown_correctness(results)
     out += _markdown_speed(results)
+    out += _markdown_variants(results)
     out += _markdown_memory(results)
     out += _markdown_sanitizers(results)
     return "\n".join(out) + "\n"
@@ -231,13 +273,7 @@ def _markdown_speed(results: dict) -> list[str]:
         for point in speed["points"]:
             if point["pass"] != pass_:
                 continue
-            cells = []
-            for s in systems:
-                cell = point["results"].get(s)
-                text = _cell_text(cell, 1)
-                if cell and cell.get("host_bound") and _rate(cell) is not None:
-                    text += " h"
-                cells.append(text)
+            cells = _system_cells(point, systems)
             ratios = point.get("ratios", {})
             best = SYSTEM_LABELS.get(point.get("best_peer") or "", "")
             r2, r1 = ratios.get("fagen_v2/best"), ratios.get("fagen_v1/best")
@@ -266,6 +302,58 @@ def _markdown_speed(results: dict) -> list[str]:
                 out.append(f"| {SYSTEM_LABELS.get(name, name)} | {label} | {r.get('ok')} | "
                            f"{r.get('fwd_err', float('nan')):.2e} | {r.get('fwd_torch_err', float('nan')):.2e} | "
                            f"{grads} | {_md(r.get('error') or r.get('bwd_error') or '')} |")
+    return out
+
+
+def _markdown_variants(results: dict) -> list[str]:
+    variants = results.get("variants") or {}
+    if not variants.get("points"):
+        return []
+    add_ratios(variants)
+    systems = [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
+    config = variants.get("config") or {}
+    out = ["", "## Variants (TFLOP/s)", "",
+           f"{config.get('label', '')}. fagen v2 and FlexAttention (torch.compile, block mask) run the same "
+           "mod; SDPA flash and fagen v2 (no mod) run plain causal attention, measured once for every row "
+           f"({_md(variants.get('sdpa', ''))}). FLOPs are the causal count (4·N²·d·H·B / 2 forward, 3.5× for "
+           "forward + backward) for every variant, so a mask that hides keys shows as a higher rate; "
+           "'keys seen' is the share of the causal keys the variant leaves visible. Ratios are fagen v2 / peer."]
+    if variants.get("note"):
+        out += ["", f"Note: {_md(variants['note'])}"]
+    ratio_keys = [(f"fagen_v2/{s}", SYSTEM_LABELS.get(s, s)) for s in systems if s != "fagen_v2"]
+    for pass_ in dict.fromkeys(p["pass"] for p in variants["points"]):
+        out += ["", f"### {PASS_LABELS.get(pass_, pass_)}", "",
+                "| variant | keys seen | " + " | ".join(SYSTEM_LABELS.get(s, s) for s in systems) + " | "
+                + " | ".join(f"v2 / {label}" for _, label in ratio_keys) + " |",
+                "|---|---:|" + "---:|" * (len(systems) + len(ratio_keys))]
+        for point in variants["points"]:
+            if point["pass"] != pass_:
+                continue
+            cells = _system_cells(point, systems)
+            ratios = point.get("ratios", {})
+            out.append(f"| {_md(point.get('label', point['variant']))} | {point.get('visible_share', 1.0):.0%} | "
+                       + " | ".join(cells) + " | "
+                       + " | ".join(f"{ratios[key]:.2f}" if key in ratios else "-" for key, _ in ratio_keys) + " |")
+    reasons = skip_reasons(variants)
+    if reasons:
+        out += ["", "### Variant cells that did not run", ""]
+        for name, per in reasons.items():
+            for reason, count in per.items():
+                out.append(f"- {SYSTEM_LABELS.get(name, name)}: {_md(reason)} ({count} cells)")
+    for name, info in (variants.get("systems") or {}).items():
+        if not info.get("available"):
+            out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
+    sanity = (variants.get("sanity") or {}).get("fagen_v2") or {}
+    if sanity:
+        out += ["", "### Sanity of the fagen variant kernels (small problem vs the variant in fp32 torch)", "",
+                "| variant | ok | fwd err | bf16 torch fwd err | dq/dk/dv err (bf16 torch) | note |",
+                "|---|---|---:|---:|---|---|"]
+        for case, r in sanity.items():
+            grads = " / ".join(f"{r[g + '_err']:.2e} ({r[g + '_torch_err']:.2e})"
+                               for g in ("dq", "dk", "dv") if g + "_err" in r) or "-"
+            out.append(f"| {case} | {r.get('ok')} | {r.get('fwd_err', float('nan')):.2e} | "
+                       f"{r.get('fwd_torch_err', float('nan')):.2e} | {grads} | "
+                       f"{_md(r.get('error') or r.get('bwd_error') or '')} |")
     return out
 
 
@@ -438,8 +526,9 @@ def write_report(results: dict, out_dir: Path) -> dict:
     """Write every output file; a plotting failure is noted, not raised."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if results.get("speed"):
-        add_ratios(results["speed"])
+    for key in ("speed", "variants"):
+        if results.get(key):
+            add_ratios(results[key])
     files = {"json": None, "markdown": None, "plots": []}
     notes = results.setdefault("report_notes", [])
     try:

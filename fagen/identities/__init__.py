@@ -57,10 +57,11 @@ def run(identities=None, spec: Spec | None = None) -> list[Result]:
 
 
 def for_spec(spec: Spec) -> list[Identity]:
-    """The identities a kernel variant relies on; with a custom score_mod, also its own: the
-    derivative the CUDA code computes, each captured tensor's gradient, the chain rule."""
+    """The identities a kernel variant relies on; with a score chain (softcap, ALiBi, a
+    score_mod), also its own: the derivative its CUDA computes equals sympy's, each captured
+    tensor's gradient, the chain rule."""
     found = [identity for identity in IDENTITIES if identity.relied_on_by(spec)]
-    if spec.score_mod is not None:
+    if spec.score_mod is not None or spec.softcap or spec.alibi:   # what this variant's CUDA computes
         from ..variants.compose import variant_math
         from ..variants.cuda import capture_load_grads, emitted_score_grad
         from ..variants.language import SCORE
@@ -68,5 +69,5 @@ def for_spec(spec: Spec) -> list[Identity]:
         math = variant_math(spec)
         grad, substitutions = emitted_score_grad(math)
         found += mod_identities(SCORE, math.score, grad, loads=capture_load_grads(math), substitutions=substitutions,
-                                name=f"score_mod {math.score_source}")
+                                name=f"emitted score chain {math.score}")
     return found

@@ -38,12 +38,16 @@ def custom_mod(traced: Traced) -> CustomMod:
 @lru_cache(maxsize=256)
 def mod_expression(mod: CustomMod, prefix: str) -> sp.Basic:
     """The mod's expression with its captures renamed `<prefix>_cap<i>`."""
+    from .language import FLOAT_DTYPES
+
     expr = sp.sympify(mod.expression)
+    floating = set(FLOAT_DTYPES.values())
     renames = {}
     for f in expr.atoms(sp.core.function.AppliedUndef):
         name = f.func.__name__
-        if name.startswith("cap"):
-            assumptions = {"real": True} if f.func.is_real else {"integer": True}
+        if name.startswith("cap"):   # srepr drops a Function's assumptions: the capture's dtype restores them
+            dtype = mod.captures[int(name[3:])][0]
+            assumptions = {"real": True} if dtype in floating else {"integer": True}
             renames[f] = sp.Function(f"{prefix}_{name}", **assumptions)(*f.args)
     return expr.xreplace(renames)
 

@@ -9,6 +9,7 @@ Each function carries the expression it computes in a comment.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,7 +21,8 @@ from ..spec import Spec
 from .compose import (ALIBI_SLOPES, KEYS, SEQLEN_Q, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT, VariantMath,
                       variant_math)
 from .language import B, H, KV_IDX, Q_IDX, SCORE
-from .tiles import KV_HI, KV_LO, Q_HI, Q_LO, classify, key_range, query_range
+from .tiles import (KV_HI, KV_LO, Q_HI, Q_LO, SUMMARY_ROWS, classify, key_range, query_range, summaries,
+                    undecided_atoms)
 
 CAPTURE_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int",
                   "int64": "long long", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
@@ -192,6 +194,12 @@ def _params(spec: Spec, math: VariantMath):
     if spec.alibi:
         params += [("alibi_slopes", "const float* __restrict__", "tensor"), ("alibi_stride_b", "long long", "int64")]
     captures, grads = _capture_params(math)
+    for s in summaries(math.mask):   # per-group min / max of document ids (tiles.Summary)
+        ndim = next(c.ndim for c in math.captures if c.name == s.capture)
+        captures += [(f"{s.capture}_gmin", "const long long* __restrict__", "tensor"),
+                     (f"{s.capture}_gmax", "const long long* __restrict__", "tensor")]
+        captures += [(f"{s.capture}_sumstride{i}", "long long", "int64") for i in range(ndim)]
+        captures.append((f"{s.capture}_groups", "int", "int32"))
     return tuple(params + captures), tuple(grads)
 
 
@@ -238,22 +246,55 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
     return lines
 
 
+def _summary_lines(printer, math: VariantMath) -> tuple[list[str], list[str]]:
+    """The summary reader (once) and, per Summary, the lines that set its bounds over the box."""
+    found = summaries(math.mask)
+    if not found:
+        return [], []
+    reader = [f"// The min and max of a summarized tensor over rows [lo, hi]: groups of {SUMMARY_ROWS} rows,",
+              "// clamped to the groups that exist.",
+              "__device__ __forceinline__ void summary_range(const long long* gmin, const long long* gmax,",
+              "                                              long long base, long long stride, int groups,",
+              "                                              int lo, int hi, long long& low, long long& high) {",
+              f"  const int first = max(lo, 0) / {SUMMARY_ROWS}, last = min(hi / {SUMMARY_ROWS}, groups - 1);",
+              "  low = 9223372036854775807LL, high = -9223372036854775807LL - 1;",
+              "  for (int g = first; g <= last; ++g) {",
+              "    low = min(low, gmin[base + g * stride]), high = max(high, gmax[base + g * stride]);",
+              "  }", "}", ""]
+    lines = []
+    for s in found:
+        name = s.capture
+        dims = [i for i in range(len(s.others) + 1) if i != s.dim]
+        base = " + ".join(f"(long long)({printer._print(a)}) * ctx.{name}_sumstride{i}"
+                          for i, a in zip(dims, s.others)) or "0"
+        lines += [f"  // {name}'s ids over the rows and over the keys (document-style equality)",
+                  f"  long long {name}_qmin, {name}_qmax, {name}_kvmin, {name}_kvmax;",
+                  f"  summary_range(ctx.{name}_gmin, ctx.{name}_gmax, {base}, ctx.{name}_sumstride{s.dim}, "
+                  f"ctx.{name}_groups, q_lo, q_hi, {name}_qmin, {name}_qmax);",
+                  f"  summary_range(ctx.{name}_gmin, ctx.{name}_gmax, {base}, ctx.{name}_sumstride{s.dim}, "
+                  f"ctx.{name}_groups, kv_lo, kv_hi, {name}_kvmin, {name}_kvmax);"]
+    return reader, lines
+
+
 def _mask_functions(printer, math: VariantMath) -> list[str]:
     full, empty = classify(math.mask)
     keys, queries = key_range(math.mask), query_range(math.mask)
     box = "int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi, const Context& ctx"
-    return [
+    reader, summary_lines = _summary_lines(printer, math)
+    if summary_lines:   # summaries are read over the rows and keys that can meet at all
+        summary_lines = [
+            "  // Only rows and keys that the linear atoms let meet matter to the summaries: shrink to",
+            "  // them (sound: every visible pair lies inside both ranges).",
+            "  const IndexRange meet = query_range(b, h, kv_lo, kv_hi, ctx), seen = key_range(b, h, q_lo, q_hi, ctx);",
+            "  const int q_first = max(q_lo, meet.first), q_last = min(q_hi, meet.last);",
+            "  const int kv_first = max(kv_lo, seen.first), kv_last = min(kv_hi, seen.last);",
+        ] + [line.replace("q_lo, q_hi,", "q_first, q_last,").replace("kv_lo, kv_hi,", "kv_first, kv_last,")
+             for line in summary_lines]
+    return reader + [
         f"// Visible: {_comment(str(math.mask))}" + (f"   (mask_mod: {_comment(math.mask_source)})"
                                                      if math.mask_source else ""),
         f"__device__ __forceinline__ bool visible({SIGNATURE}) {{",
         f"  return {printer.doprint(math.mask)};", "}", "",
-        "// The rows [q_lo, q_hi] x keys [kv_lo, kv_hi] of a tile: all visible, all masked, or partial",
-        "// (fagen/variants/tiles.py derives both conditions from the mask's linear atoms).",
-        "enum TileClass { kEmptyTile = 0, kFullTile = 1, kPartialTile = 2 };",
-        f"__device__ __forceinline__ int tile_class({box}) {{",
-        f"  if ({printer.doprint(empty)}) return kEmptyTile;",
-        f"  if ({printer.doprint(full)}) return kFullTile;",
-        "  return kPartialTile;", "}", "",
         "struct IndexRange { int first, last; };  // inclusive; empty when last < first",
         "// The keys any row of [q_lo, q_hi] may see (the forward's K/V loop bounds).",
         "__device__ __forceinline__ IndexRange key_range(int b, int h, int q_lo, int q_hi, const Context& ctx) {",
@@ -261,6 +302,14 @@ def _mask_functions(printer, math: VariantMath) -> list[str]:
         "// The queries any key of [kv_lo, kv_hi] may meet (the backward's Q loop bounds).",
         "__device__ __forceinline__ IndexRange query_range(int b, int h, int kv_lo, int kv_hi, const Context& ctx) {",
         f"  return {{(int)({printer.doprint(queries.first)}), (int)({printer.doprint(queries.last)})}};", "}", "",
+        "// The rows [q_lo, q_hi] x keys [kv_lo, kv_hi] of a tile: all visible, all masked, or partial",
+        "// (fagen/variants/tiles.py derives both conditions from the mask's atoms).",
+        "enum TileClass { kEmptyTile = 0, kFullTile = 1, kPartialTile = 2 };",
+        f"__device__ __forceinline__ int tile_class({box}) {{",
+        *summary_lines,
+        f"  if ({printer.doprint(empty)}) return kEmptyTile;",
+        f"  if ({printer.doprint(full)}) return kFullTile;",
+        "  return kPartialTile;", "}", "",
     ]
 
 
@@ -270,6 +319,12 @@ def variant_code(spec: Spec) -> VariantCode | None:
     if not spec.has_mods:
         return None
     math = variant_math(spec)
+    undecided = undecided_atoms(math.mask)
+    if undecided:   # correct, slower: say so once per variant
+        logging.getLogger("fagen").warning(
+            "%s: the mask atoms %s are not decided per tile (neither linear in q_idx and kv_idx nor an id "
+            "equality across them): every tile they touch is computed as partial", spec.name,
+            ", ".join(map(str, undecided)))
     params, grads = _params(spec, math)
     printer = CudaPrinter(math.captures)
     lines = ["// " + "-" * 75, f"// Variant {spec.name}", "// (fagen/variants): the templates call these "

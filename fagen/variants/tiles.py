@@ -5,9 +5,10 @@ atom of the mask (a comparison) whose two sides are linear in q_idx and kv_idx, 
 numeric coefficients (causal, windows, key padding, prefix-LM with a per-batch length,
 chunked attention), is decided over the whole box exactly: a linear form takes its
 extremes at the box's corners. The atoms combine in Kleene's three-valued logic, so a
-tile is empty (skipped), full (no mask evaluated) or partial. Atoms that are not linear
-(a mask over captured tensors indexed by q_idx or kv_idx, say) are "unknown" over a box:
-their tiles are partial, which is correct and slower.
+tile is empty (skipped), full (no mask evaluated) or partial. An equality of a captured
+integer tensor indexed by q_idx on one side and kv_idx on the other (document ids) is decided
+from per-16-row summaries, the min and max id of the tile's rows and of its keys (`Summary`).
+Other atoms are "unknown" over a box: their tiles are partial, which is correct and slower.
 
 The loop bounds come from the top-level conjunction: each linear atom with coefficient
 +-1 on kv_idx bounds the keys any row of [q_lo, q_hi] may see (forward), and with
@@ -46,8 +47,65 @@ def _extremes(form):
     return c + a_q * q_min + a_kv * k_min, c + a_q * q_max + a_kv * k_max
 
 
+SUMMARY_ROWS = 16   # rows per summary group: the kernels' tiles are whole groups
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Per-group min and max of a captured integer tensor along the dim a mask indexes by
+    q_idx on one side of an equality and kv_idx on the other (document ids): computed on the
+    device, O(N / 16) work, they decide such atoms over a whole tile."""
+
+    capture: str    # the capture's name, e.g. mask_cap0
+    dim: int        # the dim indexed by q_idx / kv_idx
+    others: tuple   # the other dims' index expressions (free of q_idx and kv_idx)
+
+    def bound(self, side: str, which: str) -> sp.Symbol:
+        """The symbol of this summary's min or max over the box's rows (side "q") or keys ("kv")."""
+        return sp.Symbol(f"{self.capture}_{side}{which}", integer=True)
+
+
+def summary_of(atom) -> Summary | None:
+    """The Summary an Eq/Ne atom `cap(.., q_idx, ..) == cap(.., kv_idx, ..)` needs, else None."""
+    if not isinstance(atom, (sp.Eq, sp.Ne)):
+        return None
+    lhs, rhs = atom.lhs, atom.rhs
+    undef = sp.core.function.AppliedUndef
+    if not (isinstance(lhs, undef) and isinstance(rhs, undef) and lhs.func == rhs.func and lhs.is_integer):
+        return None
+    differing = [i for i, (a, b) in enumerate(zip(lhs.args, rhs.args)) if a != b]
+    if len(differing) != 1 or {lhs.args[differing[0]], rhs.args[differing[0]]} != {Q_IDX, KV_IDX}:
+        return None
+    dim = differing[0]
+    others = tuple(a for i, a in enumerate(lhs.args) if i != dim)
+    if any(a.has(Q_IDX) or a.has(KV_IDX) for a in others):
+        return None
+    return Summary(lhs.func.__name__, dim, others)
+
+
+def summaries(mask: sp.Basic) -> list[Summary]:
+    """Every Summary the mask's atoms use, each once."""
+    found = []
+    for atom in mask.atoms(sp.Eq, sp.Ne):
+        summary = summary_of(atom)
+        if summary is not None and summary not in found:
+            found.append(summary)
+    return sorted(found, key=lambda s: (s.capture, s.dim))
+
+
+def _summarized(atom, summary: Summary) -> tuple[sp.Basic, sp.Basic]:
+    q_min, q_max = summary.bound("q", "min"), summary.bound("q", "max")
+    k_min, k_max = summary.bound("kv", "min"), summary.bound("kv", "max")
+    equal = sp.And(sp.Eq(q_min, q_max), sp.Eq(k_min, k_max), sp.Eq(q_min, k_min))
+    disjoint = sp.Or(sp.Lt(q_max, k_min), sp.Lt(k_max, q_min))
+    return (equal, disjoint) if isinstance(atom, sp.Eq) else (disjoint, equal)
+
+
 def _atom(atom) -> tuple[sp.Basic, sp.Basic]:
     """(always true over the box, always false over the box) for one comparison."""
+    summary = summary_of(atom)
+    if summary is not None:
+        return _summarized(atom, summary)
     e = atom.lhs - atom.rhs
     if not (e.has(Q_IDX) or e.has(KV_IDX)):   # constant over the box: b, h, run-time values
         return atom, sp.Not(atom)
@@ -145,3 +203,13 @@ def key_range(mask: sp.Basic) -> IndexRange:
 def query_range(mask: sp.Basic) -> IndexRange:
     """The queries any key of [kv_lo, kv_hi] may meet."""
     return _range(mask, Q_IDX, KV_IDX, KV_LO, KV_HI, sp.Integer(0), SEQLEN_Q - 1)
+
+
+def undecided_atoms(mask: sp.Basic) -> list[sp.Basic]:
+    """The mask's atoms that no tile bound decides (their tiles are partial): neither linear in
+    q_idx and kv_idx nor a summarized equality."""
+    found = []
+    for atom in mask.atoms(sp.core.relational.Relational):
+        if _atom(atom) == (sp.false, sp.false):
+            found.append(atom)
+    return sorted(found, key=sp.default_sort_key)
