@@ -6,7 +6,8 @@ from __future__ import annotations
 import sympy as sp
 
 from fagen import identities
-from fagen.identities import (BASE_IDENTITIES, IDENTITIES, VARIANT_IDENTITIES, Identity, attention_backward,
+from fagen.identities import (BASE_IDENTITIES, IDENTITIES, MERGE_IDENTITIES, VARIANT_IDENTITIES, Identity,
+                              attention_backward,
                               attention_forward, equal, for_spec, format_table, frobenius, gradient, matrix,
                               mod_identities, rowsum, run, sink_gradient, sink_is_extra_key, softmax_rows,
                               variants)
@@ -30,7 +31,7 @@ def test_registry_covers_the_issue_and_names_are_unique():
                    "masked block", "no key", "differentiable lse", "sinks: dS", "sinks: dsink",
                    "one extra key", "score mod chain rule", "softcap:", "ALiBi:", "softcap + ALiBi:"):
         assert needed in names, needed
-    assert IDENTITIES == [*BASE_IDENTITIES, *VARIANT_IDENTITIES]
+    assert IDENTITIES == [*BASE_IDENTITIES, *VARIANT_IDENTITIES, *MERGE_IDENTITIES]
     # Concrete shapes N = 2 and 3, and symbolic shapes where sympy can.
     shapes = {i.shapes for i in IDENTITIES}
     assert {"N=2, d=2", "N=3, d=2", "symbolic n, d"} <= shapes
@@ -288,7 +289,8 @@ def test_for_spec_selects_the_variant_identities():
 
     plain = Spec(head_dim=64)
     variant_plain = [i for i in for_spec(plain) if i in VARIANT_IDENTITIES]
-    assert for_spec(plain) == [i for i in BASE_IDENTITIES if i.relied_on_by(plain)] + variant_plain
+    assert for_spec(plain) == [i for i in BASE_IDENTITIES if i.relied_on_by(plain)] + variant_plain \
+        + [i for i in MERGE_IDENTITIES if i.relied_on_by(plain)]
     assert {(i.name, i.shapes) for i in variant_plain} == {
         ("differentiable lse: dS = P o (dP - (D - dL) 1^T)", "N=2, d=2"),
         ("differentiable lse: dS = P o (dP - (D - dL) 1^T)", "N=3, d=2")}

@@ -114,3 +114,36 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
         seen.add(node)
         todo.extend(graph.get(node, ()))
     assert high not in seen, f"{low} reaches {high}"
+
+
+# Users of ops that nothing below them may import (../shared/DESIGN.md: "users of ops; ops never
+# imports them"), each with the modules allowed to: the package's front door, the package itself
+# and, for decode, distributed/ (context parallelism is built on merge_attention).
+TOP_LAYERS = {"fagen.decode": ("fagen", "fagen.decode", "fagen.distributed")}
+
+
+def importers_of(graph: dict[str, set[str]], package: str) -> set[str]:
+    return {name for name, targets in graph.items()
+            if any(t == package or t.startswith(package + ".") for t in targets)}
+
+
+def _allowed(name: str, allowed: tuple) -> bool:
+    """`fagen` itself by name only (every module is under it); the others with their submodules."""
+    return name in allowed or any(name.startswith(a + ".") for a in allowed if a != "fagen")
+
+
+@pytest.mark.parametrize("package", sorted(TOP_LAYERS))
+def test_only_the_front_door_imports_a_top_layer(package):
+    graph = import_graph()
+    assert package in graph, f"{package} is not a module of fagen"
+    assert "fagen" in importers_of(graph, package), f"fagen/__init__.py no longer exports {package}"
+    intruders = sorted(m for m in importers_of(graph, package) if not _allowed(m, TOP_LAYERS[package]))
+    assert not intruders, f"{', '.join(intruders)} import {package}"
+
+
+def test_the_top_layer_rule_sees_an_intruder():
+    """Positive control: a lower module importing decode, even a submodule of it, is caught."""
+    graph = {"fagen": {"fagen.decode"}, "fagen.decode": {"fagen.decode.merge"}, "fagen.decode.merge": {"fagen.ops"},
+             "fagen.ops": {"fagen.decode.merge"}, "fagen.distributed.ring": {"fagen.decode"}}
+    found = {m for m in importers_of(graph, "fagen.decode") if not _allowed(m, TOP_LAYERS["fagen.decode"])}
+    assert found == {"fagen.ops"}

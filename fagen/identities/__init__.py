@@ -3,7 +3,8 @@
 `core` holds the records (Identity, Result), the proof tools (`is_zero`,
 `equal`, `gradient`, `softmax_rows`, ...) and the identities of plain
 attention; `variants` those of sinks, a differentiable lse and score mods
-(softcap, ALiBi, traced score_mods: `mod_identities`). This package joins
+(softcap, ALiBi, traced score_mods: `mod_identities`); `merge` those of
+merging partial attention results (fagen.merge_attention). This package joins
 them into IDENTITIES; `run()` proves them and returns timed Results;
 `for_spec(spec)` lists the ones a kernel variant relies on; `format_table`
 prints what `fagen verify` shows.
@@ -23,11 +24,12 @@ from .core import (BASE_IDENTITIES, Identity, Result, block_stats, blocked_accum
                    online_softmax_symbolic, p_from_stats_and_lse, p_from_stats_and_lse_symbolic, pv_gradients,
                    pv_gradients_symbolic, rowsum, score_gradients, score_gradients_symbolic, softmax_jacobian,
                    softmax_rows)
+from .merge import MERGE_IDENTITIES
 from .variants import (NUMERIC_POINTS, VARIANT_IDENTITIES, attention_backward, attention_forward,
                        derivative_is, mod_identities, numerically_equal, sink_gradient, sink_is_extra_key)
 
-__all__ = ["BASE_IDENTITIES", "IDENTITIES", "NUMERIC_POINTS", "VARIANT_IDENTITIES", "Identity", "Result",
-           "attention_backward", "attention_forward", "block_stats", "blocked_accumulation", "core",
+__all__ = ["BASE_IDENTITIES", "IDENTITIES", "MERGE_IDENTITIES", "NUMERIC_POINTS", "VARIANT_IDENTITIES", "Identity",
+           "Result", "attention_backward", "attention_forward", "block_stats", "blocked_accumulation", "core",
            "delta_from_output", "delta_from_output_symbolic", "derivative_is", "dropout_expectation",
            "dropout_gradient", "empty_row_convention", "equal", "fa1_rescaled_output", "fa2_unscaled_output",
            "for_spec", "format_table", "frobenius", "gradient", "is_zero", "masked_block_contributes_nothing",
@@ -36,7 +38,7 @@ __all__ = ["BASE_IDENTITIES", "IDENTITIES", "NUMERIC_POINTS", "VARIANT_IDENTITIE
            "pv_gradients_symbolic", "rowsum", "run", "score_gradients", "score_gradients_symbolic",
            "sink_gradient", "sink_is_extra_key", "softmax_jacobian", "softmax_rows", "variants"]
 
-IDENTITIES: list[Identity] = [*BASE_IDENTITIES, *VARIANT_IDENTITIES]
+IDENTITIES: list[Identity] = [*BASE_IDENTITIES, *VARIANT_IDENTITIES, *MERGE_IDENTITIES]
 
 
 def run(identities=None, spec: Spec | None = None) -> list[Result]:
