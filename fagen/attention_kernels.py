@@ -87,7 +87,8 @@ def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: to
 def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
     """A variant's kernel arguments (fagen/variants) as per-call tensors, and its scalars as a
     hashable part of the launch plan's key (scalars are bound into the plan)."""
-    variant = variant or {}
+    if not variant:   # plain attention: the hot path of most calls
+        return {}, ()
     tensors = {n: x for n, x in variant.items() if isinstance(x, torch.Tensor)}
     scalars = tuple(sorted((n, x) for n, x in variant.items() if not isinstance(x, torch.Tensor)))
     return tensors, scalars
@@ -150,7 +151,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     variant_tensors, variant_scalars = _split_variant(variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
-    block_m = spec.backward_tiles.block_m
+    block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
     padded_rows = -(-seqlen_q // block_m) * block_m
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
                "delta": _empty(batch, heads, padded_rows, **f32),
@@ -158,10 +159,10 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
                "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **variant_tensors,
                **(debug or {})}
     grads = {}
-    code = variant_code(spec)
-    for name, _, _ in (code.grad_params if code else ()):   # captured tensors' gradients, by atomics
-        grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, **f32)
-    tensors.update(grads)
+    if variant:
+        for name, _, _ in variant_code(spec).grad_params:   # captured tensors' gradients, by atomics
+            grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, **f32)
+        tensors.update(grads)
     if spec.version == 2:
         tensors["lse"] = stats[0]
     else:
