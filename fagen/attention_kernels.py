@@ -27,8 +27,33 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
 
 def _strides_of(values: dict, **tensors) -> None:
     for name, t in tensors.items():
+        if t.dim() == 3:   # packed sequences (total, H, d): the kernels offset rows by cu_seqlens
+            values.update({f"{name}_stride_b": 0, f"{name}_stride_n": t.stride(0), f"{name}_stride_h": t.stride(1)})
+            continue
         values.update({f"{name}_stride_b": t.stride(0), f"{name}_stride_n": t.stride(1),
                        f"{name}_stride_h": t.stride(2)})
+
+
+def _geometry(q, k, varlen):
+    """(batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads); for packed sequences (`varlen` =
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)) the lengths are the maxima."""
+    if varlen is None:
+        return (*q.shape, k.shape[1], k.shape[2])
+    cu_q, _, max_q, max_k = varlen
+    return cu_q.shape[0] - 1, max_q, q.shape[1], q.shape[2], max_k, k.shape[1]
+
+
+def _packed(tensors: dict, values: dict, varlen) -> None:
+    """Packed sequences: the data parameters' names (`<name>_packed`) and cu_seqlens, max lengths."""
+    from .codegen import VARLEN_PACKED
+
+    if varlen is None:
+        return
+    for name in VARLEN_PACKED:
+        if name in tensors:
+            tensors[name + "_packed"] = tensors.pop(name)
+    tensors.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
+    values.update(max_seqlen_q=varlen[2], max_seqlen_k=varlen[3])
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -72,16 +97,28 @@ def _run(plan_key, build, tensors: dict, debug, after_first=None) -> None:
             after_first()
 
 
-def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: torch.Tensor) -> torch.Tensor:
+def sequence_rows(varlen) -> torch.Tensor:
+    """Packed sequences: which rows of each (B, max_seqlen_q) statistics slot hold a query, (B, 1, max)."""
+    cu_q, _, max_q, _ = varlen
+    lengths = (cu_q[1:] - cu_q[:-1]).view(-1, 1, 1)
+    return torch.arange(max_q, device=cu_q.device).view(1, 1, -1) < lengths
+
+
+def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """d loss / d sink_h = -sum over (b, i) of P_sink (D - dL), with P_sink = exp(sink_h - L): the sink
-    is a key whose value row is zero, so its dS is P_sink (0 - (D - dL))."""
+    is a key whose value row is zero, so its dS is P_sink (0 - (D - dL)). `rows` masks the slots
+    of packed sequences that hold no query."""
     if version == 2:
         lse = stats[0]
     else:
         row_max, row_sum = stats
         lse = torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, math.inf))
     p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
-    return -(p_sink * delta_minus_dlse).sum(dim=(0, 2)).to(sinks.dtype)
+    terms = p_sink * delta_minus_dlse
+    if rows is not None:
+        terms = torch.where(rows, terms, torch.zeros_like(terms))
+    return -terms.sum(dim=(0, 2)).to(sinks.dtype)
 
 
 def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
@@ -95,15 +132,16 @@ def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None, variant=None):
+            seed=0, philox_offset=0, debug=None, variant=None, varlen=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
     (lse,) for version 2 and (m, l) for version 1. `variant` holds a variant's run-time
-    arguments by kernel parameter name (`variant_arguments`)."""
+    arguments by kernel parameter name (`variant_arguments`). With `varlen` = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
+    and the statistics are (B, H, max_seqlen_q) with each sequence's rows first."""
     spec = source.spec
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = _geometry(q, k, varlen)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    out = _empty(*q.shape, dtype=q.dtype, device=q.device)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
     variant_tensors, variant_scalars = _split_variant(variant)
@@ -115,6 +153,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     def build():
         values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
+        _packed(values, values, varlen)
         _strides_of(values, q=q, k=k, v=v, o=out)
         if spec.dropout:
             values.update(dropout_args(dropout_p, seed, philox_offset))
@@ -123,13 +162,14 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
                                                    PER_CALL_SCALARS)]
 
     key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-           v.stride(), scale, dropout_p, variant_scalars)
+           v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
+    _packed(tensors, {}, varlen)
     _run(key, build, tensors, debug)
     return out, tuple(stats)
 
 
 def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
-             dropout_args=None, debug=None, variant=None, dlse=None, extras=None):
+             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
     dK and dV are computed per query head; with GQA/MQA the query heads that
@@ -139,14 +179,13 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape).
     """
     spec, kernels = source.spec, source.kernels
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = _geometry(q, k, varlen)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
-    dq = _empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=device)
-    dk = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
-    dv = _empty(batch, seqlen_k, heads, head_dim, dtype=q.dtype, device=device)
+    dq = _empty(*q.shape, dtype=q.dtype, device=device)
+    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
+    dv = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = _split_variant(variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
@@ -176,6 +215,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
         values = {**tensors, **drop, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads,
                   "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
+        _packed(values, values, varlen)
         _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
         loaded = launch.load(source, device)
         return [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
@@ -183,8 +223,9 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
 
     keep = (drop.get("keep_threshold"), drop.get("keep_scale"))
     key = ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-           out.stride(), dout.stride(), scale, keep, variant_scalars)
+           out.stride(), dout.stride(), scale, keep, variant_scalars, None if varlen is None else varlen[2:])
     delta = tensors["delta"]
+    _packed(tensors, {}, varlen)
 
     def subtract_dlse():   # after the preprocess kernel: D - dL for every row
         delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
@@ -193,9 +234,10 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     if extras is not None:
         extras.update(grads)
         if spec.sinks:
-            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q])
+            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q],
+                                             None if varlen is None else sequence_rows(varlen))
     if heads != kv_heads:
         group = heads // kv_heads
-        dk = dk.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)
-        dv = dv.view(batch, seqlen_k, kv_heads, group, head_dim).float().sum(3).to(q.dtype)
+        dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
+        dv = dv.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
     return dq, dk, dv

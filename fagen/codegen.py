@@ -200,6 +200,32 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
     return {role: tuple(p) for role, p in params.items()}
 
 
+# Packed sequences (Spec.varlen): these kernel parameters arrive as `<name>_packed` and each
+# kernel views its sequence through a local `<name>` (macros.j2 `varlen_views`), so that the
+# templates index as for a padded batch. Q-side rows start at cu_seqlens_q[b], K-side rows at
+# cu_seqlens_k[b]; statistics and workspaces are (B, H, max_seqlen_q[, d]) slots.
+VARLEN_Q_ROWS = {"q": "q", "out": "o", "dout": "do", "dq": "dq"}
+VARLEN_K_ROWS = {"k": "k", "v": "v", "dk_out": "dk", "dv_out": "dv"}
+VARLEN_STATS = ("lse", "row_max", "row_sum", "row_max_out", "row_sum_out")
+VARLEN_ROW_WORKSPACES = ("o_accum", "dq_accum")      # (B, H, max_seqlen_q, d)
+VARLEN_PADDED = ("delta", "lse_log2")                # (B, H, padded max_seqlen_q)
+VARLEN_PACKED = (*VARLEN_Q_ROWS, *VARLEN_K_ROWS, *VARLEN_STATS, *VARLEN_ROW_WORKSPACES, *VARLEN_PADDED)
+
+
+def _varlen_params(params: list[Param]) -> list[Param]:
+    """A kernel's parameters for packed sequences: data as `_packed`, the max lengths, cu_seqlens."""
+    out = []
+    for p in params:
+        if p.name in VARLEN_PACKED:
+            out.append(Param(p.name + "_packed", p.ctype, p.kind))
+        elif p.name in ("seqlen_q", "seqlen_k"):
+            side = p.name[-1]
+            out += [_tensor(f"cu_seqlens_{side}", "int", const=True), Param("max_" + p.name, p.ctype, p.kind)]
+        else:
+            out.append(p)
+    return out
+
+
 FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2"}
 
 # Every kernel's last two parameters: the first head and batch of its launch. gridDim.y
@@ -219,6 +245,7 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     name = spec.name
 
     def entry(role, params, threads, rows, rows_from, smem):
+        params = tuple(_varlen_params(list(params))) if spec.varlen else params
         return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)
 
     return Entries(
@@ -255,6 +282,8 @@ def render(spec: Spec, debug: bool = False) -> Source:
         elem_ctype=ELEM_CTYPE[spec.dtype],
         debug=debug,
         variant=variant_code(spec),
+        varlen={"q_rows": VARLEN_Q_ROWS, "k_rows": VARLEN_K_ROWS, "stats": VARLEN_STATS,
+                "row_workspaces": VARLEN_ROW_WORKSPACES},
     )
     return Source(spec=spec, code=code, kernels=entries)
 

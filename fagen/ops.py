@@ -31,6 +31,7 @@ from . import attention_kernels, generated_sources, tuning, variant_attention
 from .codegen import Source, source_for
 from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
 from .variant_args import VariantCall, variant_call
+from .varlen_args import check_varlen, packed_lse
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
@@ -409,6 +410,54 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse or return_attn_probs,
                         deterministic, version, "", variant)
     return (*result, None) if return_attn_probs else result
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
+                           sinks=None, score_mod=None, mask_mod=None, version=2):
+    """Exact attention over packed sequences, flash-attn 2.8's signature and conventions.
+
+    q (total_q, H, d), k and v (total_k, Hk, d) hold B sequences back to back; cu_seqlens_q
+    and cu_seqlens_k (int32, (B + 1,)) give where each starts; max_seqlen_q / max_seqlen_k bound
+    their lengths. One launch covers every sequence (tiles past a sequence's end exit at once);
+    zero-length sequences are legal. causal is bottom-right aligned per sequence, and every
+    variant (window, softcap, ALiBi, sinks, score_mod with q_idx / kv_idx counted within the
+    sequence, mask_mod) applies per sequence; dropout keys on each sequence's own (b, h, row,
+    col). Returns out (total_q, H, d); with return_lse also L (H, total_q), differentiable;
+    return_attn_probs=True returns (out, L, None).
+    """
+    _check_flag("return_attn_probs", return_attn_probs)
+    cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version,
+                                              q.shape[-1])
+    batch, heads = cu_q.numel() - 1, q.shape[1]
+    call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                        sizes=(batch, max_seqlen_q, heads, max_seqlen_k))
+    q, k, v, head_dim = _padded_head_dim(q, k, v)
+    out, slots = _varlen_run(call, q, k, v, (cu_q, cu_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
+                             causal, version, deterministic)
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    if not (return_lse or return_attn_probs):
+        return out
+    lse = packed_lse(slots, cu_q, q.shape[0])
+    return (out, lse, None) if return_attn_probs else (out, lse)
+
+
+@torch.compiler.disable
+def _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic):
+    try:
+        spec = Spec(head_dim=q.shape[2], dtype=TORCH_DTYPES[q.dtype], version=version,
+                    mask="causal" if causal else "none", dropout=dropout_p > 0, deterministic=deterministic,
+                    varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as exc:
+        raise ValueError(f"fagen: {exc}") from None
+    spec = tuning.lookup(spec, seqlen_q=max(1, varlen[2]), seqlen_k=max(1, varlen[3]),
+                         batch=max(1, varlen[0].numel() - 1), heads=q.shape[1], device=q.device)
+    return variant_attention.run(source_for(spec), call, q, k, v, None, _philox_state(dropout_p, q.device),
+                                 dropout_p, softmax_scale, varlen=varlen)
 
 
 def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:

@@ -269,6 +269,7 @@ class Spec:
     sinks        a learnable logit per head joins every row's softmax denominator
     score_mod    a traced score_mod (CustomMod), applied after softcap and ALiBi
     mask_mod     a traced mask_mod (CustomMod), applied with the other masks, last
+    varlen       packed sequences (cu_seqlens_q / cu_seqlens_k), flash_attn_varlen_func's layout
     """
 
     head_dim: int
@@ -290,6 +291,7 @@ class Spec:
     sinks: bool = False
     score_mod: CustomMod | None = None
     mask_mod: CustomMod | None = None
+    varlen: bool = False
 
     def __post_init__(self):
         self._check_head_dim()
@@ -299,10 +301,12 @@ class Spec:
             raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
-        for flag in ("key_padding", "dropout", "deterministic", *BUILTIN_MODS):
+        for flag in ("key_padding", "dropout", "deterministic", "varlen", *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         self._check_mods()
+        if self.varlen and self.key_padding:
+            raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         # Unset tile fields take the fallback table's values.
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
@@ -506,6 +510,8 @@ class Spec:
             parts.append("drop")
         if self.deterministic:
             parts.append("det")
+        if self.varlen:
+            parts.append("varlen")
         return "_".join(parts)
 
     @property
@@ -526,7 +532,7 @@ class Spec:
         """The fields; the variant fields only where set, so that a spec without them reads
         (and its generated header renders) exactly as before they existed."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for flag in BUILTIN_MODS:
+        for flag in (*BUILTIN_MODS, "varlen"):
             if not data[flag]:
                 del data[flag]
         for field in ("score_mod", "mask_mod"):
@@ -558,7 +564,7 @@ class Spec:
             parts.pop()
             fields["bwd_stages"] = int(bwd.group(1))
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
-                 "drop": ("dropout", True), "det": ("deterministic", True),
+                 "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

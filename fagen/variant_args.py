@@ -70,9 +70,11 @@ def _captures(prefix: str, traced, q, call: VariantCall) -> None:
 
 
 def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                 score_mod=None, mask_mod=None) -> VariantCall | None:
-    batch, seqlen_q, heads, _ = q.shape
-    window = _window(window_size, causal, seqlen_q, k.shape[1])
+                 score_mod=None, mask_mod=None, sizes=None) -> VariantCall | None:
+    """`sizes` = (batch, seqlen_q, heads, seqlen_k) where q and k are not (B, N, H, d) (packed sequences:
+    the maxima)."""
+    batch, seqlen_q, heads, seqlen_k = sizes or (*q.shape[:3], k.shape[1])
+    window = _window(window_size, causal, seqlen_q, seqlen_k)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
         raise ValueError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
     if window is None and not softcap and alibi_slopes is None and sinks is None and score_mod is None \

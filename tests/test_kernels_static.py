@@ -38,6 +38,10 @@ def _custom_mods():
 SPECS += [Spec(d, version=v, mask="causal", window=True, softcap=True, alibi=True, sinks=True, dropout=True,
                key_padding=True, deterministic=det)
           for d in (64, 128, 256) for v in (1, 2) for det in (False, True)]
+# Packed sequences (flash_attn_varlen_func), with and without the built-ins.
+SPECS += [Spec(d, version=v, mask="causal", dropout=True, varlen=True, **extra)
+          for d in (64, 128, 256) for v in (1, 2)
+          for extra in ({}, {"deterministic": True, "window": True, "softcap": True, "sinks": True})]
 
 
 @pytest.fixture(scope="module", autouse=True)
