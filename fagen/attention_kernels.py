@@ -14,7 +14,7 @@ from fractions import Fraction
 import torch
 
 from . import launch
-from .codegen import Source
+from .codegen import VARLEN_PACKED, Source
 from .variants.cuda import variant_code
 
 LOG2E = 1.4426950408889634
@@ -43,17 +43,16 @@ def _geometry(q, k, varlen):
     return cu_q.shape[0] - 1, max_q, q.shape[1], q.shape[2], max_k, k.shape[1]
 
 
-def _packed(tensors: dict, values: dict, varlen) -> None:
-    """Packed sequences: the data parameters' names (`<name>_packed`) and cu_seqlens, max lengths."""
-    from .codegen import VARLEN_PACKED
-
+def _packed(tensors: dict, varlen) -> dict:
+    """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
+    cu_seqlens, and returns the scalar arguments (the max lengths) to bind."""
     if varlen is None:
-        return
+        return {}
     for name in VARLEN_PACKED:
         if name in tensors:
             tensors[name + "_packed"] = tensors.pop(name)
     tensors.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
-    values.update(max_seqlen_q=varlen[2], max_seqlen_k=varlen[3])
+    return {"max_seqlen_q": varlen[2], "max_seqlen_k": varlen[3]}
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -153,7 +152,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     def build():
         values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
-        _packed(values, values, varlen)
+        values.update(varlen_scalars)
         _strides_of(values, q=q, k=k, v=v, o=out)
         if spec.dropout:
             values.update(dropout_args(dropout_p, seed, philox_offset))
@@ -163,7 +162,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
 
     key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
            v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
-    _packed(tensors, {}, varlen)
+    varlen_scalars = _packed(tensors, varlen)
     _run(key, build, tensors, debug)
     return out, tuple(stats)
 
@@ -215,7 +214,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
         values = {**tensors, **drop, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads,
                   "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
-        _packed(values, values, varlen)
+        values.update(varlen_scalars)
         _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
         loaded = launch.load(source, device)
         return [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
@@ -225,7 +224,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     key = ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(), v.stride(),
            out.stride(), dout.stride(), scale, keep, variant_scalars, None if varlen is None else varlen[2:])
     delta = tensors["delta"]
-    _packed(tensors, {}, varlen)
+    varlen_scalars = _packed(tensors, varlen)
 
     def subtract_dlse():   # after the preprocess kernel: D - dL for every row
         delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
