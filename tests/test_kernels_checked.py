@@ -63,3 +63,29 @@ def test_checked_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv(launch.CHECKED_ENV, "yes")
     with pytest.raises(ValueError, match="FAGEN_EMULATE_CHECKED='yes'"):
         launch.emulate_checked()
+
+
+def test_variant_mods_never_read_or_write_past_their_tensors():
+    """Mods are evaluated on whole tiles, but the indices they see stay inside the sequence:
+    a bias table and document ids sized exactly to the valid indices are neither read nor
+    (the bias's gradient) written past their ends, under ASan, also for the ragged tiles."""
+    import torch
+
+    from variant_cases import run_variant_case
+
+    nq, nk = 70, 90
+    bias = (torch.randn(2, nq + nk - 1, generator=torch.Generator().manual_seed(5)) * 0.3).requires_grad_()
+    doc = torch.tensor([[0] * 30 + [1] * (nk - 30), [2] * nk], dtype=torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + nk - 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    shape = Shape(2, nq, nk, heads=2, kv_heads=1)
+    run_variant_case(Spec(64, mask="causal"), shape, {"score_mod": score_mod, "mask_mod": mask_mod},
+                     captures=(bias,))
+    run_variant_case(Spec(64, version=1, mask="causal", deterministic=True), shape,
+                     {"score_mod": lambda s, b, h, q_idx, kv_idx: s + bias.detach()[h, q_idx - kv_idx + nk - 1],
+                      "mask_mod": mask_mod})
