@@ -217,14 +217,16 @@ def _nvrtc_ptx(source: str, arch: str) -> str:
     options = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{include_dir()}".encode(),
                f"-I{cuda_header_dir()}".encode()]
     (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    # Fresh buffers, never `b" " * size`: for size 1 that is CPython's shared b" " object, which
+    # NVRTC would overwrite (fagen/compiler.py's `_fetch`).
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
-    log = b" " * size
+    log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(program, log)
-    assert int(status) == 0, log.decode(errors="replace")
+    assert int(status) == 0, bytes(log).decode(errors="replace")
     _, size = nvrtc.nvrtcGetPTXSize(program)
-    ptx = b" " * size
+    ptx = bytearray(size)
     nvrtc.nvrtcGetPTX(program, ptx)
-    return ptx.decode(errors="replace")
+    return bytes(ptx).decode(errors="replace")
 
 
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])

@@ -140,13 +140,17 @@ def test_header_compiles_as_device_code_with_nvrtc():
     options = [b"-arch=sm_80", b"-std=c++17", f"-I{INCLUDE}".encode()]
     try:
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        # Fresh buffers: `b" " * 1` is CPython's one shared b" " object, which NVRTC would
+        # overwrite with the log's NUL (every later b" " in the process, print's separator
+        # included, would then be b"\x00"; fagen/compiler.py's `_fetch` says the same).
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, bytes(log).decode(errors="replace")
         err, ptx_size = nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * ptx_size
+        ptx = bytearray(ptx_size)
         nvrtc.nvrtcGetPTX(prog, ptx)
+        ptx = bytes(ptx)
         # The device path multiplies with the hardware's mul.hi rather than 64-bit products.
         assert b".entry draw" in ptx and b"mul.hi.u32" in ptx
     finally:
