@@ -31,7 +31,7 @@ from . import attention_kernels, generated_sources, tuning, variant_attention
 from .codegen import Source, source_for
 from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
 from .variant_args import VariantCall, variant_call
-from .varlen_args import check_varlen, packed_lse
+from .varlen_args import check_varlen, packed_lse, values_checkable
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
@@ -81,14 +81,6 @@ def check_inputs(q, k, v, seqlens_k=None) -> None:
         _check_seqlens_k(seqlens_k, q, k)
 
 
-def _values_checkable(t: torch.Tensor) -> bool:
-    """Whether reading a tensor's values is allowed here: not while torch.compile traces
-    (they are data) and not during CUDA graph capture (the device sync would fail it)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
 def _check_seqlens_k(seqlens_k, q, k) -> None:
     if not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype != torch.int32:
         got = seqlens_k.dtype if isinstance(seqlens_k, torch.Tensor) else type(seqlens_k).__name__
@@ -99,7 +91,7 @@ def _check_seqlens_k(seqlens_k, q, k) -> None:
         raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
     # Unchecked (traced or captured), a value above Nk counts as Nk and one below 0 as 0:
     # the kernels clamp each length to [0, Nk].
-    if seqlens_k.numel() == 0 or not _values_checkable(seqlens_k):
+    if seqlens_k.numel() == 0 or not values_checkable(seqlens_k):
         return
     low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
     if low < 0 or high > k.shape[1]:

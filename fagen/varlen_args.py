@@ -14,7 +14,9 @@ import torch
 TORCH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _values_checkable(t: torch.Tensor) -> bool:
+def values_checkable(t: torch.Tensor) -> bool:
+    """Whether reading a tensor's values is allowed here: not while torch.compile traces
+    (they are data) and not during CUDA graph capture (the device sync would fail it)."""
     if torch.compiler.is_compiling():
         return False
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
@@ -42,7 +44,7 @@ def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> t
         raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
-    if _values_checkable(cu):
+    if values_checkable(cu):
         values = cu.tolist()   # one device sync
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")

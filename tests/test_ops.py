@@ -369,7 +369,7 @@ def test_unchecked_seqlens_k_values_are_clamped_by_the_kernels(monkeypatch):
     """Under CUDA graph capture or torch.compile the values are not read: a length above Nk
     then counts as Nk and one below 0 as 0, as documented."""
     q, k, v = qkv()
-    monkeypatch.setattr(ops, "_values_checkable", lambda t: False)
+    monkeypatch.setattr(ops, "values_checkable", lambda t: False)
     wild = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([-3, 999], dtype=torch.int32))
     clamped = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([0, 56], dtype=torch.int32))
     assert torch.equal(wild, clamped)
@@ -379,12 +379,12 @@ def test_unchecked_seqlens_k_values_are_clamped_by_the_kernels(monkeypatch):
 def test_seqlens_k_values_are_not_read_while_capturing(monkeypatch):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not ops._values_checkable(on_gpu)
-    assert ops._values_checkable(torch.zeros(2))   # CPU tensors are never captured
+    assert not ops.values_checkable(on_gpu)
+    assert ops.values_checkable(torch.zeros(2))   # CPU tensors are never captured
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert ops._values_checkable(on_gpu)
+    assert ops.values_checkable(on_gpu)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not ops._values_checkable(torch.zeros(2))
+    assert not ops.values_checkable(torch.zeros(2))
 
 
 def test_first_load_of_a_variant_is_logged(monkeypatch, caplog):
