@@ -1,5 +1,6 @@
-"""Warm per-call host overhead of fagen.flash_attn_func (everything but the kernels),
-as a ratio to a trivial PyTorch SDPA call measured in the same run.
+"""Warm per-call host overhead of fagen.flash_attn_func and of a decoding step
+(fagen.flash_attn_with_kvcache: everything but the kernels), as a ratio to a trivial
+PyTorch SDPA call measured in the same run.
 
     python benchmarks/call_overhead.py [--calls 4000] [--repeats 7]
 
@@ -9,6 +10,11 @@ autograd dispatch, the tuning-cache lookup, the cached render, argument
 packing (every kernel argument is still converted to its C type) and output
 allocation. Runs on CPU tensors; on a GPU the same path adds CuPy's own
 launch call per kernel.
+
+The decoding step is the common serving call: B = 8, one query token with 32 query
+heads over 8 K/V heads (GQA packing), d = 128, appending one token to a 4096-row cache
+with rotary, and the same step on a paged cache (pages of 256 rows), with the split
+count chosen by the heuristic each call.
 
 The yardstick is the trivial SDPA call the issue's targets were set against:
 `torch.nn.functional.scaled_dot_product_attention(q[:, :1, :1], k[:, :1, :1],
@@ -62,9 +68,35 @@ def main() -> None:
     grad = torch.ones(q.shape, dtype=q.dtype)
     fwd_bwd = per_call_us(lambda: torch.autograd.grad(fagen.flash_attn_func(q, k, v, causal=True),
                                                       (q, k, v), grad), args.calls // 4, args.repeats)
+    decode, decode_paged = decode_steps(args.calls, args.repeats)
     print(f"trivial torch SDPA call (1x1x1x64, CPU):       {sdpa:7.1f} us")
     print(f"warm forward call, kernels stubbed:            {fwd:7.1f} us  ({fwd / sdpa:.2f}x SDPA)")
     print(f"warm forward + backward, kernels stubbed:      {fwd_bwd:7.1f} us  ({fwd_bwd / sdpa:.2f}x SDPA)")
+    print(f"warm decode step (append + rotary), stubbed:   {decode:7.1f} us  ({decode / sdpa:.2f}x SDPA)")
+    print(f"warm paged decode step, stubbed:               {decode_paged:7.1f} us  ({decode_paged / sdpa:.2f}x SDPA)")
+
+
+def decode_steps(calls: int, repeats: int) -> tuple[float, float]:
+    """Per-call host time of a warm decoding step, contiguous and paged (kernels stubbed)."""
+    batch, heads, kv_heads, d, capacity, page = 8, 32, 8, 128, 4096, 256
+    q = torch.randn(batch, 1, heads, d, dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, 1, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.ones(capacity, 32, dtype=torch.bfloat16), torch.zeros(capacity, 32, dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), 1000, dtype=torch.int32)
+    k_cache, v_cache = (torch.zeros(batch, capacity, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    pages = batch * capacity // page
+    k_pages, v_pages = (torch.zeros(pages, page, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.arange(pages, dtype=torch.int32).view(batch, -1)
+    steps = {
+        "contiguous": lambda: fagen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin,
+                                                            cache_seqlens=seqlens),
+        "paged": lambda: fagen.flash_attn_with_kvcache(q, k_pages, v_pages, k_new, v_new, cos, sin,
+                                                       cache_seqlens=seqlens, block_table=table),
+    }
+    for step in steps.values():
+        step()   # warm: render, compile, load (the emulator runs it once for real)
+    stub_kernels()
+    return tuple(per_call_us(step, calls, repeats) for step in steps.values())
 
 
 if __name__ == "__main__":

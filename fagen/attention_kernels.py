@@ -240,3 +240,92 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
         dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
         dv = dv.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
+                     block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None):
+    """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
+
+    q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
+    capacity). A contiguous cache (B_cache, N_cache, Hk, d) takes cache_rows = (cache_batch,
+    cache_start), int32 (B,): the cache entry and first row of each batch entry; a paged one
+    (pages, page_size, Hk, d) takes block_table (B, max_pages) int32. Returns (out, lse (B, H, Nq)).
+    With `varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) q is packed (total_q,
+    H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
+    """
+    batch, seqlen_q, heads, head_dim = _geometry(q, q, varlen)[:4]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    out = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    lse = _empty(batch, heads, seqlen_q, **f32)
+    split = num_splits > 1   # the partials are (B, H, Nq, splits[, d]); unsplit launches never touch them
+    variant_tensors, variant_scalars = _split_variant(variant)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
+               "o_partial": _empty(*((batch, heads, seqlen_q, num_splits, head_dim) if split else (0,)), **f32),
+               "lse_partial": _empty(*((batch, heads, seqlen_q, num_splits) if split else (0,)), **f32),
+               **variant_tensors}
+    if block_table is not None:
+        tensors["block_table"] = block_table
+    else:
+        tensors["cache_batch"], tensors["cache_start"] = cache_rows
+
+    def build():
+        values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": k_cache.shape[2],
+                  "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale,
+                  "softmax_scale_log2": scale * LOG2E, "num_splits": num_splits,
+                  "k_cache_stride_b": k_cache.stride(0), "v_cache_stride_b": v_cache.stride(0)}
+        values.update(varlen_scalars)
+        _strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
+        values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
+        if block_table is not None:
+            values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
+        loaded, entries = launch.load(source, q.device), source.kernels
+        blocks = -(-seqlen_q // entries.forward.rows_per_block)
+        plan = [loaded.bind(entries.forward, (blocks * num_splits, heads, batch), values, PER_CALL_SCALARS)]
+        if split:
+            plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
+        return plan
+
+    key = ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
+           k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
+           None if block_table is None else block_table.shape, None if varlen is None else varlen[2:])
+    varlen_scalars = _packed(tensors, varlen)
+    _run(key, build, tensors, None)
+    return out, lse
+
+
+def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seqlens, *, cache_batch=None,
+                    block_table=None, rotary=None, q_positions_step: bool = False):
+    """Append k_new, v_new (B, N_new, Hk, d) to a kv_cache spec's cache in place at rows
+    cache_seqlens[b] + t (contiguous: of cache entry cache_batch[b]; paged: through block_table),
+    rotating the keys with rotary = (cos, sin, interleaved). Returns q, or with rotary a rotated
+    copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b])."""
+    batch, seqlen_q, heads, _ = q.shape
+    cos, sin, interleaved = rotary or (None, None, False)
+    q_rot = q if rotary is None else _empty(*q.shape, dtype=q.dtype, device=q.device)
+    nothing = torch.empty(0, dtype=q.dtype, device=q.device)
+    tensors = {"q": q, "k_new": k_new, "v_new": v_new, "q_rot": q_rot, "k_cache": k_cache, "v_cache": v_cache,
+               "cache_seqlens": cache_seqlens, "rotary_cos": nothing if cos is None else cos,
+               "rotary_sin": nothing if sin is None else sin}
+    if block_table is not None:
+        tensors["block_table"] = block_table
+    else:
+        tensors["cache_batch"] = cache_batch
+    rotary_dim = 0 if cos is None else 2 * cos.shape[1]
+
+    def build():
+        values = {**tensors, "rotary_dim": rotary_dim, "rotary_interleaved": int(interleaved),
+                  "q_positions_step": int(q_positions_step), "new_tokens": k_new.shape[1], "seqlen_q": seqlen_q,
+                  "heads": heads, "kv_heads": k_cache.shape[2]}
+        _strides_of(values, q=q, kn=k_new, vn=v_new, qr=q_rot, k=k_cache, v=v_cache)
+        if block_table is not None:
+            values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
+        tokens = max(k_new.shape[1], seqlen_q if rotary_dim else 0)
+        entry = source.kernels.cache_update
+        return [launch.load(source, q.device).bind(entry, (tokens, heads, batch), values)]
+
+    key = ("cache_update", source.hash, launch.backend_key(q.device), q.shape, q.stride(), k_new.shape,
+           k_new.stride(), v_new.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), rotary_dim,
+           interleaved, q_positions_step, None if block_table is None else block_table.shape)
+    _run(key, build, tensors, None)
+    return q_rot

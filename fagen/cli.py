@@ -147,11 +147,23 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _decoding_spec(name: str) -> Spec | None:
+    """The kv_cache spec a name describes, or None (not a name, or not a decoding kernel)."""
+    try:
+        spec = Spec.from_name(name)
+    except ValueError:
+        return None
+    return spec if spec.kv_cache else None
+
+
 def _not_built(name: str, directory: Path) -> str:
     try:
         spec = Spec.from_name(name)
     except ValueError as exc:
         return f"fagen: no variant {name!r} in {directory}/, and it is not a spec name: {exc}"
+    if spec.kv_cache:
+        return (f"fagen: {name} is a decoding kernel: flash_attn_with_kvcache compiles it at run time and no "
+                f"op module builds it; `fagen show {name}` prints its CUDA")
     return (f"fagen: {name} is not built in {directory}/; build it with:\n"
             f"    {build_command(spec, directory)}")
 
@@ -160,6 +172,14 @@ def cmd_show(args) -> int:
     directory = Path(args.dir)
     manifest_path = directory / f"{args.name}.json"
     if not manifest_path.exists():
+        decoding = _decoding_spec(args.name)
+        if decoding is not None and not args.resources:
+            # Decoding kernels have no op module to build (flash_attn_with_kvcache renders them
+            # at run time), so their source is shown as rendered.
+            from .codegen import render
+
+            print(render(decoding).code, end="")
+            return 0
         print(_not_built(args.name, directory), file=sys.stderr)
         return 2
     data = json.loads(manifest_path.read_text())

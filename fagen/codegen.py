@@ -73,15 +73,18 @@ class Entries:
     """The kernels of one variant, by role."""
 
     forward: Entry
-    bwd_preprocess: Entry
-    bwd_main: Entry
+    bwd_preprocess: Entry | None  # None for kv_cache specs, which are forward only
+    bwd_main: Entry | None
     bwd_dq: Entry | None          # deterministic specs: the dQ pass without atomics
     bwd_dq_convert: Entry | None  # other specs: fp32 atomics accumulator -> dQ
+    combine: Entry | None = None  # kv_cache specs (forward only, no backward): merges split-KV partials
+    cache_update: Entry | None = None  # kv_cache specs: appends new keys / values (and rotary) in place
 
     @property
     def all(self) -> tuple[Entry, ...]:
         return tuple(e for e in (self.forward, self.bwd_preprocess, self.bwd_main, self.bwd_dq,
-                                 self.bwd_dq_convert) if e is not None)
+                                 self.bwd_dq_convert, self.combine, self.cache_update)
+                     if e is not None)
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,43 @@ def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
     params.append(Param("softmax_scale_log2", "float", "float32"))
     if spec.has_mods:   # variant scores are scaled before their score_mod
         params.append(Param("softmax_scale", "float", "float32"))
-    params += _dropout(spec) + _variant(spec)
+    params += _dropout(spec) + _variant(spec) + _kv_cache(spec)
     return tuple(params + _debug(spec, debug, "tiles_visited"))
+
+
+def _kv_cache(spec: Spec) -> list[Param]:
+    """Decoding against a KV cache (Spec.kv_cache): where each batch entry's keys live, and the
+    split-KV partials. k and v arrive as `k_cache` / `v_cache` (macros.j2 `cache_views`)."""
+    if spec.kv_cache is None:
+        return []
+    if spec.kv_cache == "paged":   # key j of entry b: page block_table[b][j / page_size], row j % page_size
+        rows = [_tensor("block_table", "int", const=True), Param("block_table_stride", "int", "int32"),
+                Param("page_size", "int", "int32")]
+    else:                          # entry b reads cache entry cache_batch[b] from row cache_start[b] on
+        rows = [_tensor("cache_batch", "int", const=True), _tensor("cache_start", "int", const=True)]
+    return rows + [Param("k_cache_stride_b", "long long", "int64"), Param("v_cache_stride_b", "long long", "int64"),
+                   Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float")]
+
+
+def cache_update_params(spec: Spec) -> tuple[Param, ...]:
+    """The KV cache update kernel's: new keys / values appended in place, rotary on them and q."""
+    elem = ELEM_CTYPE[spec.dtype]
+    rows = ([_tensor("block_table", "int", const=True), Param("block_table_stride", "int", "int32"),
+             Param("page_size", "int", "int32")] if spec.kv_cache == "paged"
+            else [_tensor("cache_batch", "int", const=True)])
+    ints = ("rotary_dim", "rotary_interleaved", "q_positions_step", "new_tokens", "seqlen_q", "heads", "kv_heads")
+    return (_tensor("q", elem, const=True), _tensor("k_new", elem, const=True), _tensor("v_new", elem, const=True),
+            _tensor("q_rot", elem), _tensor("k_cache", elem), _tensor("v_cache", elem),
+            _tensor("cache_seqlens", "int", const=True), *rows, _tensor("rotary_cos", elem, const=True),
+            _tensor("rotary_sin", elem, const=True), *(Param(n, "int", "int32") for n in ints),
+            *_strides("q", "kn", "vn", "qr", "k", "v"))
+
+
+def combine_params(spec: Spec) -> tuple[Param, ...]:
+    """The split-KV combine kernel's: fp32 partials (B, H, Nq, splits[, d]) in, O and L out."""
+    return (_tensor("o_partial", "float", const=True), _tensor("lse_partial", "float", const=True),
+            _tensor("out", ELEM_CTYPE[spec.dtype]), _tensor("lse", "float"), Param("heads", "int", "int32"),
+            Param("seqlen_q", "int", "int32"), Param("num_splits", "int", "int32"), *_strides("o"))
 
 
 def _variant(spec: Spec, grads: bool = False) -> list[Param]:
@@ -227,6 +265,8 @@ def _varlen_params(params: list[Param]) -> list[Param]:
 
 
 FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2"}
+COMBINE_WARPS = 4   # the split-KV combine kernel: one warp per query row
+CACHE_UPDATE_THREADS = 64   # the KV cache update kernel: a head's features, one per thread
 
 # Every kernel's last two parameters: the first head and batch of its launch. gridDim.y
 # (heads) and gridDim.z (batch) stop at 65535, so `launch` splits larger grids into
@@ -245,9 +285,22 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     name = spec.name
 
     def entry(role, params, threads, rows, rows_from, smem):
+        if spec.kv_cache:   # k and v are a cache, read through cache_views, never a packed sequence
+            params = tuple(Param(p.name + "_cache", p.ctype, p.kind) if p.name in ("k", "v") else p for p in params)
         params = tuple(_varlen_params(list(params))) if spec.varlen else params
         return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)
 
+    if spec.kv_cache:
+        # Decoding: the forward (one block per query tile and key split), the split-KV combine and
+        # the cache update. Packed queries over a paged cache (varlen) run the forward alone.
+        forward = entry("fwd", forward_params(spec, debug), spec.threads, spec.block_m, "q",
+                        spec.shared_layout.total_bytes)
+        if spec.varlen:
+            return Entries(forward, None, None, None, None)
+        return Entries(forward, None, None, None, None,
+                       combine=entry("combine", combine_params(spec), 32 * COMBINE_WARPS, COMBINE_WARPS, "q", 0),
+                       cache_update=Entry(f"{name}_cache_update", cache_update_params(spec) + GRID_OFFSETS,
+                                          CACHE_UPDATE_THREADS, 1, "q", 0))
     return Entries(
         forward=entry("fwd", forward_params(spec, debug), spec.threads,
                       spec.block_m if spec.version == 2 else None, "q", spec.shared_layout.total_bytes),

@@ -124,13 +124,19 @@ def _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, 
     return dropout_p, float(softmax_scale)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t itself if its rows are contiguous and start 16-byte aligned (cp.async's need), else a
-    contiguous copy (this also covers broadcast tensors such as the dO of `out.sum()`)."""
-    s_b, s_n, s_h, s_d = t.stride()
-    ok = (s_d == 1 and t.data_ptr() % 16 == 0 and s_b > 0 and s_n > 0 and s_h > 0
-          and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
-    return t if ok else t.contiguous()
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its rows are contiguous and start 16-byte aligned (cp.async's need), else an
+    aligned contiguous copy (this also covers broadcast tensors such as the dO of `out.sum()`,
+    and a contiguous view that starts off alignment, which .contiguous() would return as is).
+    Any number of dims: (B, N, H, d) or packed (total, H, d)."""
+    if t.dim() == 4:   # the hot path of every call: unrolled
+        s_b, s_n, s_h, s_d = t.stride()
+        ok = (s_d == 1 and t.data_ptr() % 16 == 0 and s_b > 0 and s_n > 0 and s_h > 0
+              and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
+    else:
+        *outer, s_d = t.stride()
+        ok = s_d == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s % ALIGN_ELEMENTS == 0 for s in outer)
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 # -- choosing and building the kernels ---------------------------------------------------------
@@ -176,7 +182,7 @@ def _forward_kernels(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, 
     reuses: the Source and the aligned q, k, v the kernels read."""
     source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
     seed, offset = _rng_pair(rng)
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=softmax_scale, seqlens_k=seqlens_k,
                                            dropout_p=dropout_p, seed=seed, philox_offset=offset)
     return (out, stats[0], stats[1] if version == 1 else None), source, (q, k, v)
@@ -194,7 +200,7 @@ def _backward_kernels(source, dout, q, k, v, out, stat, row_sum, seqlens_k, rng,
     gradient of the returned L, or None."""
     stats = (stat,) if version == 2 else (stat, row_sum)
     drop = None if rng is None else attention_kernels.dropout_args(dropout_p, *_rng_pair(rng))
-    dout = torch.zeros_like(out) if dout is None else _aligned(dout)
+    dout = torch.zeros_like(out) if dout is None else aligned_rows(dout)
     return attention_kernels.backward(source, q, k, v, out, stats, dout, softmax_scale=softmax_scale,
                                       seqlens_k=seqlens_k, dropout_args=drop, dlse=dlse)
 
@@ -209,8 +215,8 @@ def _dlse(dstat, drow_sum, row_sum, version):
 def _backward_impl(dout, q, k, v, out, stat, row_sum, seqlens_k, rng, dropout_p, softmax_scale, causal,
                    version, deterministic, module_source, dlse=None):
     source = _source(q, k, seqlens_k, dropout_p, causal, version, deterministic, module_source)
-    return _backward_kernels(source, dout, _aligned(q), _aligned(k), _aligned(v), out, stat, row_sum, seqlens_k,
-                             rng, dropout_p, softmax_scale, version, dlse)
+    return _backward_kernels(source, dout, aligned_rows(q), aligned_rows(k), aligned_rows(v), out, stat, row_sum,
+                             seqlens_k, rng, dropout_p, softmax_scale, version, dlse)
 
 
 # -- custom ops (what torch.compile and opcheck see) -----------------------------------------------
@@ -420,22 +426,53 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return_attn_probs=True returns (out, L, None).
     """
     _check_flag("return_attn_probs", return_attn_probs)
-    cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version,
                                               q.shape[-1])
     batch, heads = cu_q.numel() - 1, q.shape[1]
     call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                         sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
                         sizes=(batch, max_seqlen_q, heads, max_seqlen_k))
+    varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if table is not None:
+        out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
+        return _varlen_result(out, slots, cu_q, q.shape[0], q.shape[-1], return_lse, return_attn_probs)
     q, k, v, head_dim = _padded_head_dim(q, k, v)
-    out, slots = _varlen_run(call, q, k, v, (cu_q, cu_k, max_seqlen_q, max_seqlen_k), dropout_p, softmax_scale,
-                             causal, version, deterministic)
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
+    out, slots = _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic)
+    return _varlen_result(out, slots, cu_q, q.shape[0], head_dim, return_lse, return_attn_probs)
+
+
+def _varlen_result(out, slots, cu_q, total_q: int, head_dim: int, return_lse: bool, return_attn_probs: bool):
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     if not (return_lse or return_attn_probs):
         return out
-    lse = packed_lse(slots, cu_q, q.shape[0])
+    lse = packed_lse(slots, cu_q, total_q)
     return (out, lse, None) if return_attn_probs else (out, lse)
+
+
+@torch.compiler.disable
+def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version):
+    """Packed queries over a paged K/V cache: forward only, as in flash-attn (its backward does not
+    take a block table), so a call that would need gradients is refused."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash_attn_varlen_func with a block_table (a paged K/V cache) is forward only: "
+                         "run it under torch.no_grad() or pass tensors that do not require grad")
+    if dropout_p > 0 or version != 2:
+        raise ValueError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
+                         f"dropout_p={dropout_p}, version={version}")
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"a paged K/V cache needs head_dim to be a multiple of {HEAD_DIM_MULTIPLE} (its rows cannot "
+                         f"be padded in place), got {q.shape[-1]}")
+    try:
+        spec = Spec.for_kv_cache(q.shape[2], TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1],
+                                 varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as exc:   # sinks, score_mod, mask_mod
+        raise ValueError(f"fagen: with a block_table, {exc}") from None
+    return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q), k, v, None, seqlen_k=varlen[3],
+                                              block_table=table, softmax_scale=softmax_scale,
+                                              variant=call.values if call else None, varlen=varlen)
 
 
 @torch.compiler.disable

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal")
+KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcache's cache is laid out
 VERSIONS = (1, 2)
 NUM_WARPS = (1, 2, 4, 8)
 MAX_STAGES = 4
@@ -270,6 +271,10 @@ class Spec:
     score_mod    a traced score_mod (CustomMod), applied after softcap and ALiBi
     mask_mod     a traced mask_mod (CustomMod), applied with the other masks, last
     varlen       packed sequences (cu_seqlens_q / cu_seqlens_k), flash_attn_varlen_func's layout
+    kv_cache     decoding against a KV cache (flash_attn_with_kvcache, forward only): "contiguous"
+                 (B_cache, N_cache, Hk, d), rows from cache_batch_idx / cache_leftpad, or "paged"
+                 (num_pages, page_size, Hk, d) through a block table; the keys split into
+                 num_splits ranges whose fp32 partials a combine kernel merges by L
     """
 
     head_dim: int
@@ -292,6 +297,7 @@ class Spec:
     score_mod: CustomMod | None = None
     mask_mod: CustomMod | None = None
     varlen: bool = False
+    kv_cache: str | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -307,6 +313,7 @@ class Spec:
         self._check_mods()
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
+        self._check_kv_cache()
         # Unset tile fields take the fallback table's values.
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
@@ -331,6 +338,33 @@ class Spec:
         if self.deterministic and any(any(m.grads) for m in (self.score_mod,) if m is not None):
             raise ValueError("deterministic=True cannot accumulate the gradients of tensors a score_mod "
                              "captures (they are summed with atomics); detach them, or use deterministic=False")
+
+    @classmethod
+    def for_kv_cache(cls, head_dim: int, dtype: str, *, causal: bool, page_size: int | None, varlen: bool = False,
+                     **fields) -> "Spec":
+        """The kv_cache spec of a decoding step (or, with varlen, of packed queries over a paged
+        cache): 64-row query tiles, few queries being the common case, and K/V tiles that never
+        straddle a page (block_n divides page_size, a multiple of 16)."""
+        block_n = 64 if head_dim <= 128 else 32
+        while page_size is not None and page_size % block_n:
+            block_n //= 2
+        return cls(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", key_padding=not varlen,
+                   varlen=varlen, kv_cache="contiguous" if page_size is None else "paged", block_m=64,
+                   num_warps=4, block_n=block_n, num_stages=2, **fields)
+
+    def _check_kv_cache(self):
+        if self.kv_cache is None:
+            return
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"unknown kv_cache {self.kv_cache!r}; expected None or one of {KV_CACHES}")
+        if self.version != 2 or not (self.key_padding or self.varlen):
+            raise ValueError("kv_cache needs version=2 and key_padding=True (each entry's keys: cache_seqlens), "
+                             "or varlen=True (each sequence's keys: cu_seqlens_k)")
+        if self.varlen and self.kv_cache != "paged":
+            raise ValueError("packed sequences (varlen) read a KV cache only through a block table: kv_cache='paged'")
+        if self.dropout or self.sinks or self.score_mod or self.mask_mod:
+            raise ValueError("kv_cache kernels take no dropout, sinks, score_mod or mask_mod "
+                             "(flash-attn's paged and decoding kernels take window, softcap and ALiBi)")
 
     @property
     def has_mods(self) -> bool:
@@ -393,7 +427,7 @@ class Spec:
                 f"(block_m={self.block_m}, block_n={self.block_n}, head_dim={self.head_dim}, "
                 f"num_stages={self.num_stages}); {arch} allows at most {allowed}")
         needed = self.backward_shared_bytes
-        if backward and needed > allowed:
+        if backward and self.kv_cache is None and needed > allowed:   # kv_cache kernels: forward only
             fitted = self.fit_backward(allowed)
             hint = (f"; bwd_stages={fitted.bwd_stages} needs {fitted.backward_shared_bytes}"
                     if fitted is not self else "")
@@ -512,6 +546,8 @@ class Spec:
             parts.append("det")
         if self.varlen:
             parts.append("varlen")
+        if self.kv_cache:
+            parts.append({"contiguous": "cache", "paged": "paged"}[self.kv_cache])
         return "_".join(parts)
 
     @property
@@ -535,10 +571,10 @@ class Spec:
         for flag in (*BUILTIN_MODS, "varlen"):
             if not data[flag]:
                 del data[flag]
-        for field in ("score_mod", "mask_mod"):
+        for field in ("score_mod", "mask_mod", "kv_cache"):
             if data[field] is None:
                 del data[field]
-            else:
+            elif field != "kv_cache":
                 data[field] = data[field].to_dict()
         return data
 
@@ -565,6 +601,7 @@ class Spec:
             fields["bwd_stages"] = int(bwd.group(1))
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
+                 "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

@@ -2,9 +2,11 @@
 
 q (total_q, H, d) and k, v (total_k, Hk, d) hold B sequences back to back; cu_seqlens_q and
 cu_seqlens_k (int32, (B + 1,)) give where each starts, from 0, non-decreasing, ending at the
-totals; max_seqlen_q / max_seqlen_k bound every length (they size the grid). Every error names
-the argument. Value checks read the tensors (one device sync) and are skipped where values
-cannot be read: under torch.compile and CUDA graph capture.
+totals; max_seqlen_q / max_seqlen_k bound every length (they size the grid). With a block_table
+(B, max_pages) int32, k and v are a paged cache (num_pages, page_size, Hk, d) instead, and
+cu_seqlens_k counts each sequence's keys in its pages. Every error names the argument. Value
+checks read the tensors (one device sync) and are skipped where values cannot be read: under
+torch.compile and CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 TORCH_DTYPES = (torch.float16, torch.bfloat16)
+PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
 
 
 def values_checkable(t: torch.Tensor) -> bool:
@@ -51,16 +54,58 @@ def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> t
         lengths = [b - a for a, b in zip(values, values[1:])]
         if any(n < 0 for n in lengths):
             raise ValueError(f"{name} must be non-decreasing, got {values}")
-        if values[-1] != total:
+        if total is not None and values[-1] != total:
             raise ValueError(f"{name}[-1] must equal the {total} tokens packed, got {values[-1]}")
         if lengths and max(lengths) > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than a sequence of {max(lengths)} tokens")
     return cu.contiguous()
 
 
+def _paged_rows(k, v):
+    """A paged K/V cache (num_pages, page_size, Hk, d): checked, and seen as (pages, Hk, d) rows
+    for the checks every K/V gets."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (num_pages, page_size, kv_heads, head_dim) with a "
+                             f"block_table, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                             f"(the kernels read 16-byte rows), got strides {t.stride()}")
+    page_size = k.shape[1]
+    if page_size == 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"a paged cache's page_size (k.shape[1]) must be a multiple of {PAGE_MULTIPLE}, "
+                         f"got {page_size}")
+    return k[:, 0], v[:, 0]
+
+
+def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tensor:
+    """block_table (B, max_pages) int32: sequence b's key j is row j % page_size of page
+    block_table[b][j / page_size]."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise TypeError(f"block_table must be a 2-D int32 tensor (batch, max_pages), got {got}")
+    if block_table.shape[0] != batch or block_table.device != q.device:
+        raise ValueError(f"block_table must be ({batch}, max_pages) on q's device {q.device}, got "
+                         f"{tuple(block_table.shape)} on {block_table.device}")
+    page_size = k.shape[1]
+    if max_seqlen_k > block_table.shape[1] * page_size:
+        raise ValueError(f"max_seqlen_k = {max_seqlen_k} is more than the block table's {block_table.shape[1]} pages "
+                         f"of {page_size} rows hold")
+    if values_checkable(block_table) and block_table.numel():
+        low, high = int(block_table.min()), int(block_table.max())
+        if low < 0 or high >= k.shape[0]:
+            raise ValueError(f"block_table names page {low if low < 0 else high}; k has pages 0..{k.shape[0] - 1}")
+    return block_table.contiguous()
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
-    """Validate a packed call; returns (cu_seqlens_q, cu_seqlens_k) ready for the kernels."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    """Validate a packed call; returns (cu_seqlens_q, cu_seqlens_k, block_table) ready for the
+    kernels. With a block_table, k and v are a paged cache (num_pages, page_size, Hk, d) and
+    cu_seqlens_k counts each sequence's keys in it."""
+    _check_packed("q", q)
+    paged = block_table is not None
+    k_rows, v_rows = _paged_rows(k, v) if paged else (k, v)
+    for name, t in (("k", k_rows), ("v", v_rows)):
         _check_packed(name, t)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
@@ -68,19 +113,18 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q's number of heads ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})")
-    if block_table is not None:
-        raise ValueError("block_table (a paged K/V cache) is not supported by flash_attn_varlen_func yet; "
-                         "pass k and v packed like q")
+    if q.shape[2] != k_rows.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k_rows.shape[2]}")
+    if k_rows.shape[1] == 0 or q.shape[1] % k_rows.shape[1]:
+        raise ValueError(f"q's number of heads ({q.shape[1]}) must be a multiple of k's ({k_rows.shape[1]})")
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], "max_seqlen_k", max_seqlen_k,
+                     q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {cu_q.numel() - 1} "
                          f"and {cu_k.numel() - 1}")
-    return cu_q, cu_k
+    table = _check_table(block_table, q, k, cu_q.numel() - 1, max_seqlen_k) if paged else None
+    return cu_q, cu_k, table
 
 
 def packed_lse(slots: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:

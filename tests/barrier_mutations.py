@@ -35,9 +35,11 @@ FAMILIES = {
     "bwd_main": Spec(64, mask="causal"),
     "bwd_main_deterministic": Spec(64, mask="causal", deterministic=True),
     "bwd_dq_deterministic": Spec(64, mask="causal", deterministic=True),
+    # Decoding: the forward over a paged cache (pages of 48 rows, 16-key tiles) in two splits.
+    "fwd_kv_cache": Spec.for_kv_cache(64, "fp16", causal=True, page_size=48),
 }
 KERNEL_OF_FAMILY = {"fwd_v2": "_fwd", "fwd_v1": "_fwd", "bwd_main": "_bwd", "bwd_main_deterministic": "_bwd",
-                    "bwd_dq_deterministic": "_bwd_dq"}
+                    "bwd_dq_deterministic": "_bwd_dq", "fwd_kv_cache": "_fwd"}
 # More queries than keys (causal rows with no key, and Q blocks with no K/V tile), more keys
 # than queries, several blocks of each, and no key at all.
 SCENARIOS = (Shape(1, 200, 90, heads=2, kv_heads=1), Shape(1, 90, 200, heads=2, kv_heads=1),
@@ -92,8 +94,24 @@ def all_mutants() -> list[Mutant]:
     return [m for family in FAMILIES for m in mutants_of(family)]
 
 
+def run_kv_cache(source: Source, shape: Shape) -> list[torch.Tensor]:
+    """A decoding step's forward: shape's queries against its keys in a shuffled paged cache,
+    unsplit (O staged in shared memory) and split in two (partials from registers, the combine)."""
+    page = 48
+    gen = torch.Generator().manual_seed(shape.seqlen_q + shape.seqlen_k)
+    pages = max(1, -(-shape.seqlen_k // page))
+    table = torch.randperm(pages + 1, generator=gen)[:pages].view(1, pages).to(torch.int32)
+    q = torch.randn(1, shape.seqlen_q, shape.heads, 64, generator=gen).half()
+    k, v = (torch.randn(pages + 1, page, shape.kv_heads, 64, generator=gen).half() for _ in range(2))
+    keys = torch.tensor([shape.seqlen_k], dtype=torch.int32)
+    return [x for splits in (1, 2) for x in ops.forward_kv_cache(source, q, k, v, keys, seqlen_k=pages * page,
+                                                                  block_table=table, num_splits=splits)]
+
+
 def run_variant(source: Source, shape: Shape) -> list[torch.Tensor]:
     spec = source.spec
+    if spec.kv_cache:
+        return run_kv_cache(source, shape)
     q, k, v, dout, seqlens_k = make_inputs(spec, shape)
     p = DROPOUT_P if spec.dropout else 0.0
     out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED, philox_offset=OFFSET)

@@ -143,3 +143,28 @@ def variant_check(spec: Spec, source: Source | None = None) -> None:
                                   if custom_mod(trace_mask_mod(fn)) == spec.mask_mod]
     base = spec.replace(window=False, softcap=False, alibi=False, sinks=False, score_mod=None, mask_mod=None)
     run_variant_case(base, VARIANT_SHAPE, variant, source=source)
+
+
+# -- decoding against a KV cache ----------------------------------------------------------------
+
+def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
+    """A decoding step through `flash_attn_with_kvcache` with `source` as the step's kernels: the
+    append (with rotary), the attention over the cache in three splits merged by the combine
+    kernel, and the cache left behind, against the oracle (tests/kvcache_cases.py). A paged spec
+    runs a paged cache of pages of 48 rows (three 16-key tiles each: a tile past a page's first
+    row is read too); a contiguous one takes cache_batch_idx and leftpad."""
+    from fagen.decode import kvcache
+    from kvcache_cases import Case, check_call
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    if spec.kv_cache == "paged":
+        case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11), (32, False)
+    else:
+        case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12), (32, True)
+    with mock.patch.object(kvcache, "source_for", step_source):
+        check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)

@@ -166,10 +166,29 @@ MUTANTS += [
                   Edit("mask_cap0_kvmax < mask_cap0_qmin", "mask_cap0_kvmax <= mask_cap0_qmin")),
                  (checks.variant_check,)),
 ]
+# Decoding (Spec.kv_cache): the cache views, the page lookup, the splits, the combine, the update.
+DECODE_PAGED = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48)   # 16-key tiles, 3 per page
+DECODE_CACHE = Spec.for_kv_cache(64, "fp16", causal=True, page_size=None)
+MUTANTS += [
+    KernelMutant("paged: every K tile read from its page's first rows", DECODE_PAGED,
+                 (Edit("(long long)page_row * k_stride_n", "0LL"),), (checks.kv_cache_check,)),
+    KernelMutant("paged: the page cursor steps to the next page one tile late", DECODE_PAGED,
+                 (Edit("if (page_row == page_size)", "if (page_row > page_size)"),), (checks.kv_cache_check,)),
+    KernelMutant("cache_leftpad ignored by the keys", DECODE_CACHE,
+                 (Edit("(long long)cache_start[batch] * k_stride_n", "0"),), (checks.kv_cache_check,)),
+    KernelMutant("split-KV: splits overlap by a tile", DECODE_PAGED,
+                 (Edit("min(split_share, num_tiles_all", "min(split_share + 1, num_tiles_all"),),
+                  (checks.kv_cache_check,)),
+    KernelMutant("combine: splits weighed by the largest L, not by L", DECODE_PAGED,
+                 (Edit("expf(split_lse[s] - row_lse) * o_partial", "expf(split_lse[s] - max_lse) * o_partial"),),
+                 (checks.kv_cache_check,)),
+    KernelMutant("rotary: the pair's second member turned the wrong way", DECODE_CACHE,
+                 (Edit(": value * c + other * s;", ": value * c - other * s;"),), (checks.kv_cache_check,)),
+]
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",
-          "documents: tiles whose id ranges touch skipped as empty")
+          "documents: tiles whose id ranges touch skipped as empty", "combine: splits weighed by the largest L, not by L")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

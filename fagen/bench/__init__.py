@@ -9,9 +9,12 @@ registry. This package turns such a lease into one prepared run that:
   3. times fagen's attention variants (sliding window, softcap, ALiBi, a document
      mask_mod) against FlexAttention with the same mod and against plain causal
      attention (fagen's and SDPA flash's),
-  4. measures peak memory against sequence length,
-  5. writes results.json, results.md and a few PNG plots into DIR,
-  6. runs compute-sanitizer's memcheck and racecheck when it is installed,
+  4. times a decoding step against a KV cache (contiguous and paged; TB/s as a share of
+     the measured copy bandwidth) and varlen causal training against a padded batch,
+     beside PyTorch's backends and FlexAttention,
+  5. measures peak memory against sequence length,
+  6. writes results.json, results.md and a few PNG plots into DIR,
+  7. runs compute-sanitizer's memcheck and racecheck when it is installed,
 
 all under one time budget, failing soft: a peer or section that cannot run is
 recorded with its reason, never a crash. Modules, one concern each:
@@ -22,6 +25,8 @@ recorded with its reason, never a crash. Modules, one concern each:
   peers       the systems compared: fagen v1/v2, SDPA backends, FlexAttention
   sweep       the speed sweep over (config, sequence length, pass, system)
   variants    the variants section: each variant in fagen and Flex, and the no-mod peers
+  decode      the decode section: a KV-cache decoding step, and varlen training vs padding
+  decode_report  the decode section's bandwidth, ratios, short-table rows and Markdown
   memory      peak GPU memory against sequence length
   correctness the `gpu` pytest run and the compute-sanitizer runs
   report      JSON, Markdown, PNG plots and the short printed table

@@ -131,9 +131,10 @@ class _Run:
         if find_compute_sanitizer() is not None:
             sanitizers = 2 * self.plan.sanitizer_cap_s
         variants = self.plan.variants.cap_s if self.plan.variants.cases else 0.0
+        decode = self.plan.decode.cap_s if self.plan.decode.enabled else 0.0
         needs = {"precompile": 0.0, "peak": 5.0, "correctness": self.plan.correctness_cap_s,
                  "sanitizers": sanitizers, "speed": self.plan.min_speed_s, "variants": variants,
-                 "memory": self.plan.memory_cap_s, "report": self.plan.report_reserve_s}
+                 "decode": decode, "memory": self.plan.memory_cap_s, "report": self.plan.report_reserve_s}
         return {name: (0.0 if name in self.skip else need) for name, need in needs.items()}
 
     def deadline(self, section: str, cap_s: float | None = None):
@@ -268,6 +269,19 @@ def _run_sections(run: "_Run") -> int:
 
     results["variants"] = run.section("variants", variants_section)
 
+    def decode_section():
+        from .decode import run_decode_section
+
+        def checkpoint(partial):
+            results["decode"] = partial
+            run.save()
+
+        copy = ((results.get("peak") or {}).get("copy") or {}).get("tb_per_s")
+        return run_decode_section(plan, run.deadline("decode", cap_s=plan.decode.cap_s), log=log,
+                                  checkpoint=checkpoint, copy_tb_per_s=copy)
+
+    results["decode"] = run.section("decode", decode_section)
+
     def memory_section():
         from .memory import run_memory_sweep
 
@@ -288,8 +302,9 @@ def _run_sections(run: "_Run") -> int:
 
 def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bool = True) -> int:
     """Print the plan and check, on any machine, that everything the GPU run
-    needs imports, that NVRTC compiles a fagen variant for sm_90, and that the variants
-    section's mods trace into the kernels the precompile section will build."""
+    needs imports, that NVRTC compiles a fagen variant for sm_90, that the variants
+    section's mods trace into the kernels the precompile section will build, and that one
+    of the decode section's kernels renders and compiles."""
     log(plan.describe())
     log("")
     log("checks (required pieces first):")
@@ -319,6 +334,11 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
         func = fagen_attention_func()
         return f"{func.__module__}.{func.__name__}"
 
+    def decode_functions():
+        from .decode import fagen_decode_functions
+
+        return ", ".join(f"{f.__module__}.{f.__name__}" for f in fagen_decode_functions())
+
     def nvrtc():
         from fagen.compiler import cuda_header_dir, nvrtc_version
 
@@ -344,6 +364,17 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
         return (", ".join(Spec(**kw).name for kw in kwargs)
                 + f"; {last['name']} compiles for sm_90 in {last['seconds']:.2f} s")
 
+    def decode_kernels():
+        from .precompile import compile_variant, decode_kernel_kwargs, spec_name
+
+        kwargs = decode_kernel_kwargs(plan)
+        if not kwargs:
+            return "no decode section in this plan"
+        paged = next((kw for kw in kwargs if kw.get("kv_cache") == "paged"), kwargs[0])
+        info = compile_variant(paged, "sm_90", use_cache=False)
+        return (", ".join(spec_name(kw) for kw in kwargs)
+                + f"; {info['name']} compiles for sm_90 in {info['seconds']:.2f} s")
+
     def python_version():
         if sys.version_info < (3, 10):
             raise RuntimeError(f"{platform.python_version()} is too old")
@@ -366,6 +397,8 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
     check("NVRTC (cuda.bindings)", True, nvrtc)
     check("compile one fagen variant", True, compile_one)
     check("variants section's fagen kernels (traced as the calls trace them)", True, variant_kernels)
+    check("decode section's fagen kernels (decode step, paged, varlen, padded)", True, decode_kernels)
+    check("fagen flash_attn_with_kvcache and flash_attn_varlen_func", True, decode_functions)
     check("cupy (launches fagen on the GPU)", False, module("cupy"))
     check("matplotlib (plots)", False, module("matplotlib"))
     check("pytest (correctness section)", False, module("pytest"))

@@ -51,11 +51,21 @@ SYSTEM_SHORT["fagen_v2_nomod"] = "v2nm"
 # subprocesses, with fixed caps) run before the sweep, so the sweep can use
 # every second they leave over; memory last, since it pushes the allocator
 # to out-of-memory on purpose.
-SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "memory",
-            "report")
+SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode",
+            "memory", "report")
 # Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
 GPU_TEST_VARIANTS = 16
-OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "memory")
+OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "memory")
+
+# The decode section: one decoding step against a KV cache (memory-bound, so judged by its
+# bandwidth), and causal training over packed documents of mixed lengths (varlen).
+DECODE_SYSTEMS = ("fagen", "fagen_paged", "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
+VARLEN_SYSTEMS = ("fagen_varlen", "fagen_padded", "sdpa_padded")
+DECODE_LABELS = {
+    "fagen": "fagen", "fagen_paged": "fagen paged", "sdpa_math": "SDPA math",
+    "sdpa_efficient": "SDPA efficient", "sdpa_flash": "SDPA flash", "flex": "FlexAttention",
+    "fagen_varlen": "fagen varlen", "fagen_padded": "fagen padded", "sdpa_padded": "SDPA padded",
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,19 @@ class MemoryConfig:
     causal: bool = False
     seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
     systems: tuple = ("fagen_v2", "sdpa_math", "sdpa_flash")
+
+
+def random_lengths(total: int, count: int, seed: int) -> list[int]:
+    """`count` document lengths (at most `total`), random (seeded) between 1/4 and 7/4 of the
+    mean, summing to `total`."""
+    import random
+
+    count = max(1, min(count, total))
+    rng = random.Random(seed)
+    weights = [rng.uniform(0.25, 1.75) for _ in range(count)]
+    lengths = [max(1, int(total * w / sum(weights))) for w in weights]
+    lengths[-1] = total - sum(lengths[:-1])
+    return lengths
 
 
 @dataclass(frozen=True)
@@ -126,15 +149,7 @@ class VariantsConfig:
     def document_lengths(self, seqlen: int | None = None) -> list[int]:
         """Lengths of the document mask's documents: `documents` of them, random (seeded)
         between 1/4 and 7/4 of the mean, summing to `seqlen`."""
-        import random
-
-        n = self.seqlen if seqlen is None else seqlen
-        count = max(1, min(self.documents, n))
-        rng = random.Random(self.seed)
-        weights = [rng.uniform(0.25, 1.75) for _ in range(count)]
-        lengths = [max(1, int(n * w / sum(weights))) for w in weights]
-        lengths[-1] = n - sum(lengths[:-1])
-        return lengths
+        return random_lengths(self.seqlen if seqlen is None else seqlen, self.documents, self.seed)
 
     def window_for(self, seqlen: int) -> int:
         """The window at `seqlen`: the plan's, or a quarter of a short sequence (sanity checks)."""
@@ -169,6 +184,107 @@ class VariantsConfig:
 
 
 @dataclass(frozen=True)
+class DecodeConfig:
+    """The decode section's two parts.
+
+    decode: one step (Nq = 1, non-causal) of B entries against full KV caches of `cache_len`
+    tokens, GQA (q_heads over kv_heads), in a contiguous cache and in a paged one (pages of
+    `page_size`, a seeded random block table). Memory-bound: reported as bytes moved per
+    second, and as a fraction of the device copy's bandwidth.
+    varlen: causal training over `varlen_tokens` tokens packed from `documents` documents of
+    random (seeded) lengths, against the same documents padded to the longest; TFLOP/s count
+    only the documents' own causal FLOPs, so padding shows as a lower rate."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    batch: int = 64
+    cache_len: int = 8192
+    q_heads: int = 32
+    kv_heads: int = 8
+    page_size: int = 256
+    decode_systems: tuple = DECODE_SYSTEMS
+    # (batch, cache_len) of the small step fagen's output is checked on against fp32 torch.
+    sanity_shape: tuple = (2, 1024)
+    varlen_tokens: int = 16384
+    varlen_heads: int = 16
+    documents: int = 10
+    seed: int = 0               # the document lengths' and the block table's seed
+    varlen_passes: tuple = ("fwd", "fwd_bwd")
+    varlen_systems: tuple = VARLEN_SYSTEMS
+    # (documents, tokens, heads) of the small packed problem fagen's varlen and padded calls
+    # are checked on before they are timed.
+    varlen_sanity_shape: tuple = (3, 512, 2)
+    # The section's cap; FlexAttention (a torch.compile of its decoding kernel, tens of
+    # seconds) runs last and only starts with at least `flex_start_s` of it left.
+    cap_s: float = 40.0
+    flex_start_s: float = 20.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.decode_systems or self.varlen_systems)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def pages_per_entry(self) -> int:
+        return -(-self.cache_len // self.page_size)
+
+    @property
+    def decode_label(self) -> str:
+        return (f"{self.dtype} B={self.batch} cache {short_seqlen(self.cache_len)} Hq={self.q_heads} "
+                f"Hk={self.kv_heads} d={self.head_dim} Nq=1 non-causal")
+
+    @property
+    def varlen_label(self) -> str:
+        lengths = self.document_lengths()
+        return (f"{self.dtype} {short_seqlen(self.varlen_tokens)} tokens in {len(lengths)} docs "
+                f"(max {max(lengths)}) H={self.varlen_heads} d={self.head_dim} causal")
+
+    def decode_bytes(self, kv_heads_read: int | None = None, *, batch: int | None = None,
+                     cache_len: int | None = None) -> int:
+        """Bytes one decoding step must move to or from memory: K and V read
+        (B N Hk d, 2 bytes each, two tensors), q read and out written (B Hq d each). A peer
+        that is given K/V expanded to every query head reads `kv_heads_read` = Hq heads."""
+        b = self.batch if batch is None else batch
+        n = self.cache_len if cache_len is None else cache_len
+        heads = self.kv_heads if kv_heads_read is None else kv_heads_read
+        element = 2   # bf16 / fp16
+        return 2 * b * n * heads * self.head_dim * element + 2 * b * self.q_heads * self.head_dim * element
+
+    def document_lengths(self) -> list[int]:
+        """`documents` lengths, random (seeded) between 1/4 and 7/4 of the mean, summing to
+        `varlen_tokens`."""
+        return random_lengths(self.varlen_tokens, self.documents, self.seed)
+
+    def padded_shape(self) -> tuple[int, int]:
+        """(B, N) of the padded batch: one entry per document, as long as the longest."""
+        lengths = self.document_lengths()
+        return len(lengths), max(lengths)
+
+    def varlen_flops(self, pass_: str, lengths: list[int] | None = None) -> float:
+        """The documents' useful FLOPs: each document's causal count (flops.attention_flops),
+        summed; the padding's work is not counted."""
+        return sum(attention_flops(pass_, batch=1, heads=self.varlen_heads, seqlen=n, head_dim=self.head_dim,
+                                   causal=True) for n in (self.document_lengths() if lengths is None else lengths))
+
+    def timed_runs(self) -> int:
+        return len(self.decode_systems) + len(self.varlen_passes) * len(self.varlen_systems)
+
+    def estimate_seconds(self) -> float:
+        """About 0.3 s per measurement (a warm-up, a sizing call and up to 20 calls of 0.5-5 ms,
+        or 0.3-3 ms for varlen), 2 s for the inputs and the sanity checks, and Flex's compile
+        (about 20 s), within the cap."""
+        if not self.enabled:
+            return 0.0
+        flex = 20.0 if "flex" in self.decode_systems else 0.0
+        others = self.timed_runs() - (1 if flex else 0)
+        return min(self.cap_s, 0.3 * others + 2.0 + flex)
+
+
+@dataclass(frozen=True)
 class Plan:
     name: str = "full"
     dtypes: tuple = ("bf16", "fp16")
@@ -181,6 +297,7 @@ class Plan:
     systems: tuple = SYSTEMS
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     variants: VariantsConfig = field(default_factory=VariantsConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     # The whole run's budget. The shell wrapper kills at 460 s; this leaves
     # time to write the report after the last section stops.
     budget_s: float = 420.0
@@ -236,6 +353,15 @@ class Plan:
         peer is the sweep's causal kernel)."""
         return len(self.variants.cases) if "fagen_v2" in self.variants.systems else 0
 
+    def decode_kernels(self) -> int:
+        """Distinct fagen kernels the decode section adds: one per fagen system, but the padded
+        batch's plain causal kernel where the sweep compiles it already."""
+        c = self.decode
+        fagen = [s for s in c.decode_systems + c.varlen_systems if s.startswith("fagen")]
+        shared = ("fagen_v2" in self.systems and c.dtype in self.dtypes and c.head_dim in self.head_dims
+                  and True in self.causal)
+        return len(fagen) - (1 if shared and "fagen_padded" in fagen else 0)
+
     def estimate_seconds(self, *, sanitizers: bool = True) -> dict[str, float]:
         """A rough forecast per section (the guard, not this, enforces the budget).
 
@@ -250,12 +376,13 @@ class Plan:
             "setup": 15.0,
             "precompile": min(self.precompile_cap_s,
                               3.0 + 1.5 * (self.fagen_variants() + self.variant_kernels()
-                                           + GPU_TEST_VARIANTS) / 8),
+                                           + self.decode_kernels() + GPU_TEST_VARIANTS) / 8),
             "peak": 5.0,
             "correctness": 60.0,
             "sanitizers": 2 * self.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
             "speed": speed,
             "variants": self.variants.estimate_seconds(),
+            "decode": self.decode.estimate_seconds(),
             "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
             "report": 5.0,
         }
@@ -292,6 +419,7 @@ class Plan:
         lines.append("    TFLOP/s = 4 N^2 d H B (forward), x2.5 (backward), x3.5 (both), /2 if causal; "
                      "matmul peak: 8192^3 bf16 torch.matmul")
         lines += self.variants_lines()
+        lines += self.decode_lines()
         mem = self.memory
         lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
                      f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
@@ -328,6 +456,43 @@ class Plan:
                      "ratios fagen v2 / each peer")
         return lines
 
+    def decode_lines(self) -> list[str]:
+        c = self.decode
+        if not c.enabled:
+            return ["  decode: none in this plan"]
+        lines = [f"  decode: cap {c.cap_s:.0f} s; fagen checked first against fp32 torch (2x bf16 torch's "
+                 "error)"]
+        if c.decode_systems:
+            lines.append(f"    decode step: {c.decode_label}, full caches; sanity at B={c.sanity_shape[0]} "
+                         f"cache {short_seqlen(c.sanity_shape[1])}")
+            lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _DECODE_CALLS.get(s, "").format(c=c)
+                                                     for s in c.decode_systems))
+            peers = []
+            if any(s.startswith("sdpa") for s in c.decode_systems):
+                peers.append(f"SDPA: (B, H, N, d) caches, enable_gqa where the backend takes it, else K/V expanded "
+                             f"to {c.q_heads} heads beforehand ({c.group}x the bytes, counted)")
+            if "flex" in c.decode_systems:
+                peers.append(f"FlexAttention: torch.compile, enable_gqa, no block mask, run last, only with "
+                             f">= {c.flex_start_s:.0f} s left")
+            if peers:
+                lines.append("    " + "; ".join(peers))
+            lines.append(f"    bytes per step: K + V read (B N Hk d, 2 B each) + q + out = "
+                         f"{c.decode_bytes() / 1e9:.2f} GB (K/V expanded to Hq heads: "
+                         f"{c.decode_bytes(c.q_heads) / 1e9:.2f} GB); TB/s = bytes / median time, as a "
+                         "fraction of the copy bandwidth (which counts read + write bytes alike)")
+        if c.varlen_systems:
+            batch, longest = c.padded_shape()
+            lines.append(f"    varlen training: {c.varlen_label}; passes "
+                         f"{', '.join(PASS_LABELS[p] for p in c.varlen_passes)}")
+            lines.append(f"    document lengths (seed {c.seed}): {', '.join(map(str, c.document_lengths()))}")
+            lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _VARLEN_CALLS[s].format(b=batch, n=longest)
+                                                     for s in c.varlen_systems))
+            lines.append(f"    TFLOP/s count the documents' causal FLOPs only "
+                         f"({c.varlen_flops('fwd') / 1e9:.0f} GFLOP forward, x3.5 for both); "
+                         "ratios fagen varlen / each")
+        lines.append(f"    timed runs: {c.timed_runs()}; fagen kernels to compile: {self.decode_kernels()}")
+        return lines
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -338,6 +503,20 @@ _CASE_CALLS = {
     "softcap": "softcap=C; Flex score_mod C tanh(score / C)",
     "alibi": "alibi_slopes 2^(-8 i / H) fp32 (H,); Flex score_mod score - slope[h] |q - k|",
     "document": "mask_mod doc[b, q] == doc[b, k] (int32 ids on the GPU); Flex mask_mod causal & the same",
+}
+
+
+# How the decode section's fagen systems and padded peers are called (formatted with the
+# config `c`, or the padded batch's size b x n).
+_DECODE_CALLS = {
+    "fagen": " (flash_attn_with_kvcache, contiguous cache)",
+    "fagen_paged": " (the same keys in pages of {c.page_size}, seeded random block table)",
+}
+_VARLEN_CALLS = {
+    "fagen_varlen": " (flash_attn_varlen_func, packed)",
+    "fagen_padded": " (flash_attn_func, causal, on B={b} x N={n} right-padded; no seqlens_k, which would "
+                    "align each entry's diagonal to its own length)",
+    "sdpa_padded": " (flash backend, else efficient; is_causal, B={b} x N={n})",
 }
 
 
@@ -356,7 +535,9 @@ def quick_plan() -> Plan:
                 correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
                 flex_allowance_s=45.0,
                 # One score mod and one mask mod.
-                variants=VariantsConfig(cases=("softcap", "document"), cap_s=50.0, flex_allowance_s=40.0))
+                variants=VariantsConfig(cases=("softcap", "document"), cap_s=50.0, flex_allowance_s=40.0),
+                # No Flex compile, and of SDPA only its flash backend (the fastest peer).
+                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=20.0))
 
 
 def plan_named(name: str) -> Plan:

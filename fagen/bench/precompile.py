@@ -13,7 +13,10 @@ tuning cache: each Spec with the fallback table's tiles for the device's arch
 (`fagen.tuning.fallback_spec`, as `fagen.tuning.lookup` does), for the NVRTC
 target `fagen.launch` uses (`compiler.nvrtc_target`). The variants section's
 kernels (window, softcap, ALiBi, a document mask_mod) are compiled too; their
-Spec fields come from fagen's own argument checking (`variants.case_spec_fields`).
+Spec fields come from fagen's own argument checking (`variants.case_spec_fields`). So are
+the decode section's: the decode step's kernels (contiguous and paged cache) as
+`fagen.decode.kvcache.decode_spec` builds them (fixed tiles, no tuning lookup), and the
+varlen and padded training kernels as `fagen.ops` builds them (then the fallback tiles).
 """
 
 from __future__ import annotations
@@ -45,6 +48,42 @@ def variant_case_kwargs(plan: Plan) -> list[dict]:
     base = {"head_dim": config.head_dim, "dtype": config.dtype, "version": 2,
             "mask": "causal" if config.causal else "none"}
     return [{**base, **case_spec_fields(case, config)} for case in config.cases]
+
+
+def spec_kwargs(spec) -> dict:
+    """The arguments that rebuild `spec` exactly (Spec(**spec_kwargs(spec)) == spec)."""
+    import dataclasses
+
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+
+
+def decode_kernel_kwargs(plan: Plan) -> list[dict]:
+    """Spec arguments of the decode section's fagen kernels: the decode step's (full caches,
+    Nq = 1, so never causal), as flash_attn_with_kvcache builds them, with their own tiles;
+    the varlen and padded training kernels as flash_attn_varlen_func and flash_attn_func
+    build them (tiles from the fallback table, like the sweep's; the padded one is often the
+    sweep's own, and `precompile` compiles each distinct kernel once)."""
+    config = plan.decode
+    kwargs = []
+    if {"fagen", "fagen_paged"} & set(config.decode_systems):
+        from fagen.spec import Spec
+
+        pages = {"fagen": None, "fagen_paged": config.page_size}
+        kwargs += [spec_kwargs(Spec.for_kv_cache(config.head_dim, config.dtype, causal=False,
+                                                 page_size=pages[name]))
+                   for name in ("fagen", "fagen_paged") if name in config.decode_systems]
+    base = {"head_dim": config.head_dim, "dtype": config.dtype, "version": 2, "mask": "causal"}
+    if "fagen_varlen" in config.varlen_systems:
+        kwargs.append({**base, "varlen": True})
+    if "fagen_padded" in config.varlen_systems:   # plain causal (decode.FagenPadded)
+        kwargs.append(base)
+    return kwargs
+
+
+def spec_name(kwargs: dict) -> str:
+    from fagen.spec import Spec
+
+    return Spec(**kwargs).name
 
 
 def test_variant_kwargs() -> list[dict]:
@@ -111,14 +150,21 @@ def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = No
         cases, case_error = variant_case_kwargs(plan), ""
     except Exception as exc:  # noqa: BLE001 - the variants section will meet (and report) it again
         cases, case_error = [], f"the variants section's kernels: {type(exc).__name__}: {_first_lines(exc, 2)}"
-    jobs = [(kw, arch) for kw in variant_kwargs(plan) + cases]
+    try:
+        decode, decode_error = decode_kernel_kwargs(plan), ""
+    except Exception as exc:  # noqa: BLE001 - the decode section will meet (and report) it again
+        decode, decode_error = [], f"the decode section's kernels: {type(exc).__name__}: {_first_lines(exc, 2)}"
+    jobs = []
+    for kw in variant_kwargs(plan) + cases + decode:
+        if kw not in [job for job, _ in jobs]:
+            jobs.append((kw, arch))
     jobs += [(kw, None) for kw in (test_variant_kwargs() if include_tests else [])]
     target = nvrtc_target(arch)
     workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1, len(jobs)))
     section: dict = {"arch": arch, "target": target, "workers": workers, "variants": {}, "status": "ok",
                      "note": ""}
-    if case_error:
-        section["status"], section["note"] = "partial", case_error
+    if case_error or decode_error:
+        section["status"], section["note"] = "partial", "; ".join(filter(None, [case_error, decode_error]))
     if not jobs:
         section["note"] = "no fagen system in the plan"
         return section
@@ -147,11 +193,12 @@ def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = No
 
 
 def _key(kw: dict) -> str:
-    flags = "".join(f" {flag}" for flag in ("dropout", "deterministic", "window", "softcap", "alibi", "sinks")
-                    if kw.get(flag))
+    flags = "".join(f" {flag}" for flag in ("dropout", "deterministic", "window", "softcap", "alibi", "sinks",
+                                            "key_padding", "varlen") if kw.get(flag))
+    flags += f" {kw['kv_cache']} cache" if kw.get("kv_cache") else ""
     flags += "".join(f" {prefix}{kw[field].digest}" for field, prefix in (("score_mod", "smod"), ("mask_mod", "mmod"))
                      if kw.get(field) is not None)
-    return f"v{kw['version']} {kw['dtype']} d{kw['head_dim']} {kw['mask']}{flags}"
+    return f"v{kw.get('version', 2)} {kw['dtype']} d{kw['head_dim']} {kw.get('mask', 'none')}{flags}"
 
 
 def _first_lines(exc: BaseException, lines: int = 6) -> str:

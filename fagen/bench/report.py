@@ -16,6 +16,9 @@ import json
 import math
 from pathlib import Path
 
+from . import decode_report
+from .markdown import md as _md
+from .markdown import sanity_table
 from .plan import (FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS,
                    VARIANT_SYSTEMS, short_seqlen)
 
@@ -108,8 +111,9 @@ def skip_reasons(speed: dict) -> dict[str, dict[str, int]]:
 
 def short_table(results: dict) -> str:
     """Compact TFLOP/s table: one block per configuration, one row per (pass, N); then
-    the variants' rows."""
-    return "\n".join([_short_speed_table(results)] + _short_variants_table(results))
+    the variants' rows, then the decode section's (decode_report)."""
+    return "\n".join([_short_speed_table(results)] + _short_variants_table(results)
+                     + decode_report.short_lines(results))
 
 
 def _short_variants_table(results: dict) -> list[str]:
@@ -229,13 +233,10 @@ def markdown(results: dict) -> str:
     out += _markdown_correctness(results)
     out += _markdown_speed(results)
     out += _markdown_variants(results)
+    out += decode_report.markdown_lines(results)
     out += _markdown_memory(results)
     out += _markdown_sanitizers(results)
     return "\n".join(out) + "\n"
-
-
-def _md(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _markdown_correctness(results: dict) -> list[str]:
@@ -345,15 +346,8 @@ def _markdown_variants(results: dict) -> list[str]:
             out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
     sanity = (variants.get("sanity") or {}).get("fagen_v2") or {}
     if sanity:
-        out += ["", "### Sanity of the fagen variant kernels (small problem vs the variant in fp32 torch)", "",
-                "| variant | ok | fwd err | bf16 torch fwd err | dq/dk/dv err (bf16 torch) | note |",
-                "|---|---|---:|---:|---|---|"]
-        for case, r in sanity.items():
-            grads = " / ".join(f"{r[g + '_err']:.2e} ({r[g + '_torch_err']:.2e})"
-                               for g in ("dq", "dk", "dv") if g + "_err" in r) or "-"
-            out.append(f"| {case} | {r.get('ok')} | {r.get('fwd_err', float('nan')):.2e} | "
-                       f"{r.get('fwd_torch_err', float('nan')):.2e} | {grads} | "
-                       f"{_md(r.get('error') or r.get('bwd_error') or '')} |")
+        out += sanity_table("Sanity of the fagen variant kernels (small problem vs the variant in fp32 torch)",
+                            "variant", sanity)
     return out
 
 
@@ -529,6 +523,8 @@ def write_report(results: dict, out_dir: Path) -> dict:
     for key in ("speed", "variants"):
         if results.get(key):
             add_ratios(results[key])
+    if results.get("decode"):
+        decode_report.add_varlen_ratios(decode_report.add_bandwidth(results["decode"]))
     files = {"json": None, "markdown": None, "plots": []}
     notes = results.setdefault("report_notes", [])
     try:

@@ -160,6 +160,8 @@ def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
     else:                   # FA-1's inner Q loop: Q_i arrives per iteration, K_j and V_j stay
         geometries[entries.forward.name] = KernelGeometry(2, spec.block_m, spec.block_n, d, spec.num_warps,
                                                           spec.block_m * d * 2)
+    if entries.bwd_main is None:   # kv_cache specs: forward only (their other kernels have no mma)
+        return geometries
     t = spec.backward_tiles
     bd = t.head_dim_pad
     # The backward's own mma per warp: S^T and dP^T over the full d by every warp of a key

@@ -1,0 +1,250 @@
+"""The decode section's derived numbers and its rows in the short table and results.md.
+
+From the section's dict alone (no torch), like report.py, which calls `short_lines` and
+`markdown_lines`. Decode cells carry their bytes and median time; the bandwidth and its
+fraction of the copy bandwidth are derived here (`add_bandwidth`), as are the varlen
+ratios fagen varlen / each system (`add_varlen_ratios`, of TFLOP/s: > 1 means fagen varlen
+is faster).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .markdown import md as _md
+from .markdown import sanity_table
+from .plan import DECODE_LABELS, DECODE_SYSTEMS, VARLEN_SYSTEMS
+
+PASS_SHORT = {"fwd": "fwd", "fwd_bwd": "f+b", "bwd": "bwd"}
+LABEL_WIDTH = 14   # "SDPA efficient"
+
+
+def bandwidth_tb_per_s(nbytes: float, ms: float) -> float:
+    """Bytes moved per second, in TB/s (10^12 bytes)."""
+    if ms <= 0:
+        raise ValueError(f"time must be positive, got {ms} ms")
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _points(section: dict, part: str) -> list[dict]:
+    return [p for p in section.get("points", []) if p.get("part") == part]
+
+
+def _ordered(names, order: tuple) -> list[str]:
+    """`names` in the plan's system order (unknown ones last), whatever order they ran in."""
+    names = list(dict.fromkeys(names))
+    return [n for n in order if n in names] + [n for n in names if n not in order]
+
+
+def add_bandwidth(section: dict) -> dict:
+    """Per timed decode cell: TB/s = bytes / median time, and that as a fraction of the copy
+    bandwidth (both count every byte read or written)."""
+    copy = _number((section.get("copy") or {}).get("tb_per_s"))
+    for point in _points(section, "decode"):
+        for cell in point.get("results", {}).values():
+            ms, nbytes = _number(cell.get("ms")), _number(cell.get("bytes"))
+            if ms is None or nbytes is None or ms <= 0:
+                continue
+            cell["tb_per_s"] = bandwidth_tb_per_s(nbytes, ms)
+            cell["copy_fraction"] = cell["tb_per_s"] / copy if copy else None
+    return section
+
+
+def add_varlen_ratios(section: dict) -> dict:
+    """Per varlen point: fagen varlen's TFLOP/s over each other system's (same FLOPs, so
+    also the inverse ratio of their times)."""
+    for point in _points(section, "varlen"):
+        results = point.get("results", {})
+        ours = _number((results.get("fagen_varlen") or {}).get("tflops"))
+        point["ratios"] = {}
+        for name, cell in results.items():
+            rate = _number(cell.get("tflops"))
+            if ours is not None and rate and name != "fagen_varlen":
+                point["ratios"][f"fagen_varlen/{name}"] = ours / rate
+    return section
+
+
+def _skip_text(cell: dict, limit: int) -> str:
+    reason = str(cell.get("skipped", "did not run"))
+    for prefix in ("skipped: ", "NotAvailable: "):
+        reason = reason[len(prefix):] if reason.startswith(prefix) else reason
+    text = f"skipped: {reason}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def sanity_text(section: dict) -> str:
+    sanity = section.get("sanity") or {}
+    if not sanity:
+        return "sanity not run"
+    bad = [DECODE_LABELS.get(name, name) for name, r in sanity.items() if not r.get("ok")]
+    return "SANITY FAILED: " + ", ".join(bad) if bad else "sanity ok"
+
+
+def section_note(section: dict) -> str:
+    """One line for the sections table: each decode system's share of copy bandwidth, the
+    varlen ratios, the sanity, and the time guard's count."""
+    add_bandwidth(section)
+    add_varlen_ratios(section)
+    parts = []
+    for point in _points(section, "decode"):
+        shares = [f"{DECODE_LABELS.get(n, n)} {c['copy_fraction']:.0%}" for n, c in point["results"].items()
+                  if _number(c.get("copy_fraction")) is not None]
+        if shares:
+            parts.append("decode, of copy bandwidth: " + ", ".join(shares))
+    per_peer: dict[str, list[str]] = {}
+    for point in _points(section, "varlen"):
+        for key, ratio in point["ratios"].items():
+            peer = DECODE_LABELS.get(key.split("/")[1], key)
+            per_peer.setdefault(peer, []).append(f"{PASS_SHORT.get(point['pass'], point['pass'])} {ratio:.2f}")
+    if per_peer:
+        parts.append("fagen varlen / " + ", / ".join(f"{peer} {' '.join(r)}" for peer, r in per_peer.items()))
+    parts.append(sanity_text(section))
+    if section.get("not_run"):
+        parts.append(f"time guard: {section['not_run']} measurements not run")
+    return "; ".join(parts)
+
+
+# -- the short table ------------------------------------------------------------------------
+
+def short_lines(results: dict) -> list[str]:
+    """The section's block of the short table: one row per decode system, one per varlen system."""
+    section = results.get("decode") or {}
+    if not section.get("points"):
+        return []
+    add_bandwidth(section)
+    add_varlen_ratios(section)
+    return _short_decode(section) + _short_varlen(section)
+
+
+def _short_decode(section: dict) -> list[str]:
+    lines = []
+    copy = _number((section.get("copy") or {}).get("tb_per_s"))
+    for point in _points(section, "decode"):
+        copy_text = f"copy {copy:.2f} TB/s" if copy else "copy not measured"
+        lines += [f"-- decode {point['label']}; {copy_text}; {sanity_text(section)}",
+                  f"{'system':<{LABEL_WIDTH}}     ms GB/step   TB/s of copy"]
+        for name in _ordered(point["results"], DECODE_SYSTEMS):
+            cell = point["results"][name]
+            label = DECODE_LABELS.get(name, name)[:LABEL_WIDTH]
+            if _number(cell.get("tb_per_s")) is None:
+                lines.append(f"{label:<{LABEL_WIDTH}} {_skip_text(cell, 64)}")
+                continue
+            fraction = cell.get("copy_fraction")
+            lines.append(f"{label:<{LABEL_WIDTH}} {cell['ms']:6.3f} {cell['bytes'] / 1e9:7.2f} {cell['tb_per_s']:6.2f} "
+                         f"{f'{fraction:.0%}' if fraction is not None else '-':>7}"
+                         + (" K/V expanded" if cell.get("expanded") else ""))
+    return lines
+
+
+def _short_varlen(section: dict) -> list[str]:
+    points = {p["pass"]: p for p in _points(section, "varlen")}
+    if not points:
+        return []
+    passes = list(points)
+    first = points[passes[0]]
+    names = _ordered((n for p in points.values() for n in p["results"]), VARLEN_SYSTEMS)
+    lines = [f"-- varlen {first['label']}; TFLOP/s of the documents' causal FLOPs",
+             f"{'system':<{LABEL_WIDTH}}" + "".join(f" {PASS_SHORT.get(p, p) + ' ms':>7} TFLOP/s" for p in passes)
+             + " | varlen/this " + " ".join(f"{PASS_SHORT.get(p, p):>4}" for p in passes)]
+    for name in names:
+        label = DECODE_LABELS.get(name, name)[:LABEL_WIDTH]
+        cells = [points[p]["results"].get(name, {}) for p in passes]
+        if all(_number(c.get("tflops")) is None for c in cells):
+            lines.append(f"{label:<{LABEL_WIDTH}} {_skip_text(cells[0], 64)}")
+            continue
+        timed = "".join(f" {c['ms']:7.3f} {c['tflops']:7.1f}" if _number(c.get("tflops")) is not None
+                        else f" {'-':>7} {'-':>7}" for c in cells)
+        ratios = [points[p]["ratios"].get(f"fagen_varlen/{name}") for p in passes]
+        ratio_text = " ".join(f"{r:4.2f}" if r is not None else f"{'-':>4}" for r in ratios)
+        backend = next((c["backend"] for c in cells if c.get("backend")), None)
+        lines.append(f"{label:<{LABEL_WIDTH}}{timed} | {'':11} {ratio_text}" + (f" ({backend})" if backend else ""))
+    return lines
+
+
+# -- results.md --------------------------------------------------------------------------------
+
+def markdown_lines(results: dict) -> list[str]:
+    section = results.get("decode") or {}
+    if not section.get("points"):
+        return []
+    add_bandwidth(section)
+    add_varlen_ratios(section)
+    out = ["", "## Decode and varlen training", ""]
+    if section.get("note"):
+        out += [f"Note: {_md(section['note'])}", ""]
+    return out + _markdown_decode(section) + _markdown_varlen(section) + _markdown_sanity(section)
+
+
+def _markdown_decode(section: dict) -> list[str]:
+    copy = section.get("copy") or {}
+    out = []
+    for point in _points(section, "decode"):
+        tb = _number(copy.get("tb_per_s"))
+        out += [f"### Decode step: {point['label']}", "",
+                f"Memory-bound, so the figure that matters is the share of the copy bandwidth. Bytes counted: "
+                f"{_md(section.get('bytes_note', ''))}. Copy bandwidth: "
+                + (f"**{tb:.2f} TB/s**, {_md(copy.get('source', ''))}." if tb else f"{_md(copy.get('source', '-'))}.")
+                + " A step is nearly all reads, and a read stream may run a little faster than a copy, so a "
+                "share near or just above 100% is the ceiling, not an error."
+                + " SDPA with enable_gqa is credited with the bytes the step needs, though a backend may move "
+                "more (the math backend repeats K/V to every query head inside the call); a peer given K/V "
+                "expanded beforehand is counted with the expanded bytes.", "",
+                "| system | ms | GB moved | TB/s | of copy | K/V heads read | note |",
+                "|---|---:|---:|---:|---:|---:|---|"]
+        for name in _ordered(point["results"], DECODE_SYSTEMS):
+            cell = point["results"][name]
+            label = DECODE_LABELS.get(name, name)
+            if _number(cell.get("tb_per_s")) is None:
+                out.append(f"| {label} | - | - | - | - | - | {_md(_skip_text(cell, 400))} |")
+                continue
+            fraction = cell.get("copy_fraction")
+            note = "" if cell.get("gqa") in ("native", "enable_gqa") else cell.get("gqa", "")
+            out.append(f"| {label} | {cell['ms']:.3f} | {cell['bytes'] / 1e9:.2f} | {cell['tb_per_s']:.2f} | "
+                       f"{f'{fraction:.0%}' if fraction is not None else '-'} | {cell.get('kv_heads_read', '-')}"
+                       f" ({cell.get('gqa', '')}) | {_md(note)}{' host-bound' if cell.get('host_bound') else ''} |")
+        out.append("")
+    return out
+
+
+def _markdown_varlen(section: dict) -> list[str]:
+    points = _points(section, "varlen")
+    if not points:
+        return []
+    config = section.get("config") or {}
+    batch, longest = (config.get("padded") or ["?", "?"])[:2]
+    out = [f"### Varlen training: {points[0]['label']}", "",
+           f"Document lengths: {', '.join(map(str, config.get('lengths', [])))}; the padded systems run "
+           f"B = {batch} x N = {longest}. TFLOP/s count only the documents' causal FLOPs "
+           "(sum of 4·L²·d·H / 2 forward, 3.5× for forward + backward), so padding shows as a lower rate. "
+           "Ratios are fagen varlen / each (of TFLOP/s).", "",
+           "| pass | system | ms | TFLOP/s | fagen varlen / this | note |", "|---|---|---:|---:|---:|---|"]
+    for point in points:
+        for name in _ordered(point["results"], VARLEN_SYSTEMS):
+            cell = point["results"][name]
+            label = DECODE_LABELS.get(name, name)
+            if _number(cell.get("tflops")) is None:
+                out.append(f"| {PASS_SHORT.get(point['pass'], point['pass'])} | {label} | - | - | - | "
+                           f"{_md(_skip_text(cell, 400))} |")
+                continue
+            ratio = point.get("ratios", {}).get(f"fagen_varlen/{name}")
+            note = f"backend: {cell['backend']}" if cell.get("backend") else ""
+            out.append(f"| {PASS_SHORT.get(point['pass'], point['pass'])} | {label} | {cell['ms']:.3f} | "
+                       f"{cell['tflops']:.1f} | {f'{ratio:.2f}' if ratio is not None else '-'} | {_md(note)} |")
+    return out + [""]
+
+
+def _markdown_sanity(section: dict) -> list[str]:
+    sanity = section.get("sanity") or {}
+    out = []
+    for name, info in (section.get("systems") or {}).items():
+        if not info.get("available"):
+            out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
+    if sanity:
+        out += sanity_table("Sanity of fagen's decode and varlen calls (small problem vs fp32 torch)", "system",
+                            {DECODE_LABELS.get(name, name): r for name, r in sanity.items()},
+                            note_keys=("error", "bwd_error", "shape"))
+    return out

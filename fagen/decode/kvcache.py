@@ -1,0 +1,176 @@
+"""`flash_attn_with_kvcache`: one decoding step against a KV cache, flash-attn 2.8's signature.
+
+A step (1) rotates q and the new keys (rotary), (2) appends the new keys and values to the
+cache in place at cache_seqlens, and (3) attends over each entry's keys with a kv_cache spec
+(Spec.kv_cache): the kernel reads a contiguous cache through cache_batch_idx / cache_leftpad,
+or a paged one through block_table, in place. Nq = 1 leaves most of a 64-row tile empty,
+so the query heads that share a K/V head are packed into the tile's rows (GQA packing), and
+the keys are split into num_splits ranges whose fp32 partials a combine kernel merges by L
+(the identity of fagen.merge_attention), so that a small batch still fills the GPU.
+Forward only, as in flash-attn. Everything is checked before the cache is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from .. import attention_kernels, launch
+from ..codegen import source_for
+from ..ops import TORCH_DTYPES, aligned_rows
+from ..spec import Spec
+from ..variant_args import variant_call
+from .kvcache_args import check_kvcache, check_rotary
+
+MAX_SPLITS = 128
+
+
+def choose_splits(row_blocks: int, key_tiles: int, processors: int, max_splits: int = MAX_SPLITS) -> int:
+    """The split count for `row_blocks` thread blocks (batch x heads x query blocks) each over
+    `key_tiles` K/V tiles on `processors` SMs. Work that already fills the SMs (80%) is not
+    split. Otherwise the count is the smallest whose last wave of blocks is nearly as full
+    (85%) as the best count's, among counts that change the tiles per split (FlashAttention-2's
+    split-KV rule)."""
+    if row_blocks >= 0.8 * processors:
+        return 1
+    limit = max(1, min(max_splits, processors, key_tiles))
+
+    def distinct(s):   # s splits give fewer tiles per split than s - 1 do
+        return s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))
+
+    def wave_fill(s):
+        waves = row_blocks * s / processors
+        return waves / math.ceil(waves)
+
+    fills = {s: wave_fill(s) for s in range(1, limit + 1) if distinct(s)}
+    best = max(fills.values())
+    return next(s for s, fill in fills.items() if fill >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=16)
+def processor_count(device: torch.device) -> int:
+    """SMs on a GPU; on the emulator, the CPU threads that run its blocks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
+
+
+def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int | None, fields: dict) -> Spec:
+    """The kv_cache spec of a step (Spec.for_kv_cache), built once per distinct step: a Spec
+    validates itself, which costs more than the rest of a warm call."""
+    return _decode_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, tuple(sorted(fields.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple) -> Spec:
+    return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, **dict(fields))
+
+
+_loaded: set = set()   # (source, device) pairs compiled and loaded once in this process
+
+
+def _load_before_writing(source, device: torch.device) -> None:
+    """Compile and load a step's kernels before the cache is touched, so that a failure there
+    leaves it intact (the first call of a spec on a device only: the compile does not depend on
+    the emulator build a later call may switch to)."""
+    key = (source.hash, device)
+    if key not in _loaded:
+        launch.load(source, device)
+        _loaded.add(key)
+
+
+def _packable(q, kv_heads: int, causal: bool, call) -> bool:
+    """GQA packing puts query (i, g) of a K/V head's group into row i * group + g. It needs a
+    mask that does not depend on the row (one query, or neither causal nor a window) and no
+    per-head ALiBi slope."""
+    fields = call.spec_fields if call else {}
+    row_free = q.shape[1] == 1 or not (causal or fields.get("window"))
+    return q.shape[2] > kv_heads and row_free and not fields.get("alibi")
+
+
+def _pack(q, kv_heads: int):
+    b, n, h, d = q.shape
+    return q.view(b, n, kv_heads, h // kv_heads, d).transpose(2, 3).reshape(b, n * (h // kv_heads), kv_heads, d)
+
+
+def _unpack(out, lse, shape):
+    b, n, h, d = shape
+    kv_heads = out.shape[2]
+    group = h // kv_heads
+    out = out.view(b, n, group, kv_heads, d).transpose(2, 3).reshape(b, n, h, d)
+    lse = lse.view(b, kv_heads, n, group).transpose(2, 3).reshape(b, h, n)
+    return out, lse
+
+
+def _check_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in 0..{MAX_SPLITS} (0: chosen from the SM count), "
+                         f"got {num_splits!r}")
+    return num_splits
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, after appending k and v to it in place (flash-attn 2.8).
+
+    q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or with block_table (B,
+    max_pages) int32 a paged cache (num_pages, page_size, Hk, d) with page_size any multiple of
+    16; k, v (B, N_new, Hk, d) are rotated (k only) and written at rows cache_seqlens[b] ..
+    + N_new; cache_seqlens (int or int32 (B,)) counts each entry's keys before the append;
+    cache_batch_idx (B,) picks each entry's cache row, cache_leftpad (B,) its first key.
+    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) rotate q and k at their absolute cache
+    positions (q at cache_seqlens + i when causal or windowed, else all at cache_seqlens),
+    interleaved or not. Causal is bottom-right aligned to each entry's keys; window_size,
+    softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
+    the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
+    """
+    cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
+    num_splits = _check_splits(num_splits)
+    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a float > 0 or None, got {softmax_scale!r}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    call = variant_call(q, k_cache, causal=causal, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sizes=(batch, seqlen_q, heads, cache.capacity))
+    if seqlen_q == 1 and alibi_slopes is None:
+        causal = False   # one query sees every key either way (flash-attn drops it too)
+    spec = decode_spec(head_dim, q.dtype, causal, cache.page_size, call.spec_fields if call else {})
+    source = source_for(spec)
+    _load_before_writing(source, q.device)
+    if k is not None:   # rotary and the append: one kernel, in place
+        windowed = bool(call and call.spec_fields.get("window"))
+        q = attention_kernels.update_kv_cache(
+            source, q, k_cache, v_cache, k, v, cache.cache_seqlens, cache_batch=cache.cache_batch,
+            block_table=None if block_table is None else block_table.contiguous(),
+            rotary=None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(),
+                                                    rotary_interleaved),
+            q_positions_step=causal or windowed)
+    if batch == 0 or seqlen_q == 0 or heads == 0:
+        out = torch.zeros_like(q)
+        lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
+        return (out, lse) if return_softmax_lse else out
+    keys = (cache.cache_seqlens + cache.new_tokens - cache.cache_start).to(torch.int32)
+    shape, kv_heads = q.shape, k_cache.shape[2]
+    packed = _packable(q, kv_heads, causal, call)
+    q_kernel = _pack(q, kv_heads) if packed else aligned_rows(q)
+    if num_splits == 0:
+        row_blocks = batch * q_kernel.shape[2] * -(-q_kernel.shape[1] // spec.block_m)
+        key_tiles = -(-cache.capacity // spec.block_n)
+        num_splits = choose_splits(row_blocks, key_tiles, processor_count(q.device))
+    out, lse = attention_kernels.forward_kv_cache(
+        source, q_kernel, k_cache, v_cache, keys, seqlen_k=cache.capacity,
+        cache_rows=None if block_table is not None else (cache.cache_batch, cache.cache_start),
+        block_table=None if block_table is None else block_table.contiguous(), num_splits=num_splits,
+        softmax_scale=softmax_scale, variant=call.values if call else None)
+    if packed:
+        out, lse = _unpack(out, lse, shape)
+    return (out, lse) if return_softmax_lse else out

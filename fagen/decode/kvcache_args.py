@@ -1,0 +1,205 @@
+"""`flash_attn_with_kvcache`'s arguments, checked before anything is written to the cache.
+
+flash-attn 2.8's layout: q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or
+paged (num_pages, page_size, Hk, d) with block_table (B, max_pages) int32; k, v (B, N_new,
+Hk, d) to append at cache_seqlens. Every error names the argument and what was expected.
+Checks of values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) read the
+tensors, one device sync, and are skipped where values cannot be read (torch.compile, CUDA
+graph capture): the cache is then the caller's to keep consistent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import MAX_HEAD_DIM
+from ..varlen_args import TORCH_DTYPES, values_checkable
+
+PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
+
+
+@dataclass
+class CacheCall:
+    """The checked call: each batch entry's cache rows and key counts as int32 (B,) tensors."""
+
+    cache_seqlens: torch.Tensor   # keys already in the cache, per entry (absolute row index of the append)
+    cache_batch: torch.Tensor     # the cache entry each batch entry reads (contiguous cache)
+    cache_start: torch.Tensor     # its first row (cache_leftpad)
+    capacity: int                 # rows one entry can hold: N_cache, or max_pages * page_size
+    page_size: int | None         # None: a contiguous cache
+    new_tokens: int               # N_new, 0 without k / v
+
+
+def _check_data(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in TORCH_DTYPES:
+        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+
+
+def _check_index(name: str, t, shape: tuple, device, dims: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an int32 tensor of shape {dims}, got {got}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    return t.contiguous()
+
+
+def _same_as_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    if t.dtype != q.dtype or t.device != q.device:
+        raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype} on {t.device}")
+
+
+class RangeChecks:
+    """Elementwise low <= t <= high checks of index tensors, read with one device sync for the
+    whole call (`raise_first`); skipped where values cannot be read (torch.compile, capture)."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
+
+    def add(self, name: str, t: torch.Tensor, low, high, what: str) -> None:
+        if values_checkable(t) and t.numel():
+            self.pending.append((name, t, (t < low) | (t > high), what))
+
+    def raise_first(self) -> None:
+        if not self.pending:
+            return
+        failed = torch.stack([bad.any() for _, _, bad, _ in self.pending]).tolist()   # the one sync
+        for (name, t, bad, what), wrong in zip(self.pending, failed):
+            if wrong:
+                index = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"{name}{list(index)} = {int(t[index])} is out of range: {what}")
+
+
+def _check_cache(q, k_cache, v_cache, block_table):
+    _check_data("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    layout = "(num_pages, page_size, kv_heads, head_dim)" if block_table is not None else \
+        "(batch_cache, seqlen_cache, kv_heads, head_dim)"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_data(name, t, 4, layout)
+        _same_as_q(name, t, q)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    d, kv_heads = q.shape[3], k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"q and k_cache must have the same head_dim, got {d} and {k_cache.shape[3]}")
+    if d % 8 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM} for a KV cache (its rows are "
+                         f"read in 16-byte chunks and cannot be padded in place), got {d}")
+    if kv_heads == 0 or q.shape[2] % kv_heads:
+        raise ValueError(f"q's number of heads ({q.shape[2]}) must be a multiple of k_cache's ({kv_heads})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                             f"(the kernels read 16-byte rows), got strides {t.stride()}")
+
+
+def _check_new(q, k_cache, k, v):
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is None:
+        return 0
+    for name, t in (("k", k), ("v", v)):
+        _check_data(name, t, 4, "(batch, seqlen_new, kv_heads, head_dim)")
+        _same_as_q(name, t, q)
+        expected = (q.shape[0], k.shape[1], k_cache.shape[2], q.shape[3])
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape (batch, seqlen_new, kv_heads, head_dim) = {expected}, "
+                             f"got {tuple(t.shape)}")
+    return k.shape[1]
+
+
+def check_rotary(q, rotary_cos, rotary_sin, k, capacity: int, interleaved) -> None:
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError("rotary_cos / rotary_sin rotate the appended keys: pass k and v as well")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be True or False, got {interleaved!r}")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        _same_as_q(name, t, q)
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > q.shape[3]:
+        raise ValueError(f"the rotary dimension (2 * rotary_cos.shape[1] = {rotary_dim}) must be in 2.."
+                         f"head_dim ({q.shape[3]})")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos / rotary_sin need a row per cache position: at least {capacity} rows, "
+                         f"got {rotary_cos.shape[0]}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table) -> CacheCall:
+    """Validate everything but rotary and the variant; returns the per-entry rows as tensors."""
+    _check_cache(q, k_cache, v_cache, block_table)
+    new_tokens = _check_new(q, k_cache, k, v)
+    batch, device = q.shape[0], q.device
+    page_size, checks = None, RangeChecks()
+    if block_table is not None:
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            raise ValueError("a paged cache (block_table) takes no cache_batch_idx or cache_leftpad: "
+                             "the block table already names each entry's pages")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise ValueError("block_table must be a 2-D int32 tensor (batch, max_pages)")
+        block_table = _check_index("block_table", block_table, (batch, block_table.shape[1]), device,
+                                   "(batch, max_pages)")
+        page_size = k_cache.shape[1]
+        if page_size == 0 or page_size % PAGE_MULTIPLE:
+            raise ValueError(f"a paged cache's page_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, "
+                             f"got {page_size}")
+        capacity = block_table.shape[1] * page_size
+        checks.add("block_table", block_table, 0, k_cache.shape[0] - 1, f"pages are 0..{k_cache.shape[0] - 1}")
+        cache_batch = torch.arange(batch, dtype=torch.int32, device=device)   # unused by paged kernels
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None:
+            if k_cache.shape[0] != batch:
+                raise ValueError(f"k_cache holds {k_cache.shape[0]} entries for a batch of {batch}: pass "
+                                 f"cache_batch_idx to say which entry each batch entry uses")
+            cache_batch = torch.arange(batch, dtype=torch.int32, device=device)
+        else:
+            cache_batch = _check_index("cache_batch_idx", cache_batch_idx, (batch,), device, "(batch,)")
+            checks.add("cache_batch_idx", cache_batch, 0, k_cache.shape[0] - 1,
+                         f"k_cache has entries 0..{k_cache.shape[0] - 1}")
+    seqlens = _cache_seqlens(cache_seqlens, batch, device, capacity, new_tokens, checks)
+    if cache_leftpad is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=device)
+    else:
+        start = _check_index("cache_leftpad", cache_leftpad, (batch,), device, "(batch,)")
+        checks.add("cache_leftpad", start, 0, seqlens, "it must be in 0..cache_seqlens of its entry")
+    checks.raise_first()
+    return CacheCall(seqlens, cache_batch, start, capacity, page_size, new_tokens)
+
+
+def _cache_seqlens(cache_seqlens, batch: int, device, capacity: int, new_tokens: int,
+                   checks: RangeChecks) -> torch.Tensor:
+    if cache_seqlens is None:
+        if new_tokens:
+            raise ValueError("cache_seqlens is needed to append k and v (it says where they go)")
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - new_tokens:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} is out of range: the cache holds {capacity} rows "
+                             f"and {new_tokens} are appended")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    seqlens = _check_index("cache_seqlens", cache_seqlens, (batch,), device, "(batch,)")
+    checks.add("cache_seqlens", seqlens, 0, capacity - new_tokens,
+                 f"the cache holds {capacity} rows per entry and {new_tokens} are appended")
+    return seqlens

@@ -1,0 +1,128 @@
+"""Packed queries over a paged K/V cache (`flash_attn_varlen_func(..., block_table=...)`, Spec
+varlen + kv_cache="paged") on the emulator: forward only, as in flash-attn. Each sequence's
+output and L against the float64 oracle on that sequence's keys gathered from its pages
+(FlashAttention-2's rule), with ragged and empty sequences, pages of 16 and 48 rows in a
+shuffled table, causal bottom-right per sequence, GQA, window / softcap / ALiBi, and the
+bad inputs."""
+
+import pytest
+import torch
+
+import fagen
+from fagen.codegen import render
+from fagen.compiler import compile_source
+from fagen.reference import attention_forward, attention_same_dtype
+from fagen.spec import Spec
+from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, max_error
+
+LENGTHS_Q, LENGTHS_K = [5, 0, 40, 17, 3], [30, 12, 70, 17, 0]   # prefill chunks, an empty query, no keys
+H, HK, D = 4, 2, 64
+
+
+def cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def paged(page, dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    per_sequence = -(-max(LENGTHS_K) // page)
+    pages = len(LENGTHS_K) * per_sequence + 3
+    table = torch.randperm(pages, generator=gen)[:len(LENGTHS_K) * per_sequence].view(len(LENGTHS_K), -1)
+    k = torch.randn(pages, page, HK, D, generator=gen).to(dtype)
+    v = torch.randn(pages, page, HK, D, generator=gen).to(dtype)
+    q = torch.randn(sum(LENGTHS_Q), H, D, generator=gen).to(dtype)
+    return q, k, v, table.to(torch.int32)
+
+
+def gathered(cache, table, b):
+    return torch.cat([cache[int(p)] for p in table[b]])[:LENGTHS_K[b]][None]
+
+
+@pytest.mark.parametrize("page, causal, variant", [
+    (16, True, {}),
+    (48, False, {}),
+    (16, True, {"window_size": (9, 0), "softcap": 20.0, "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}),
+])
+def test_each_sequence_against_the_oracle(page, causal, variant):
+    q, k, v, table = paged(page, seed=page)
+    out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
+                                            causal=causal, block_table=table, return_lse=True, **variant)
+    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+    cu_q = cu(LENGTHS_Q)
+    worst_kernel = worst_torch = 0.0
+    for b, (lq, lk) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        if lq == 0:
+            continue
+        if lk == 0:   # no key: O = 0, L = +inf
+            assert torch.equal(out[rows], torch.zeros_like(out[rows])) and bool(torch.isinf(lse[:, rows]).all())
+            continue
+        one = (q[rows][None], gathered(k, table, b), gathered(v, table, b))
+        ref_out, ref_lse = attention_forward(*one, causal=causal, **variant)
+        same = attention_same_dtype(*one, torch.zeros_like(one[0]), causal=causal, **variant)[0]
+        seen = ~torch.isinf(ref_lse[0])
+        assert torch.equal(torch.isinf(lse[:, rows]), ~seen), f"sequence {b}: rows without keys"
+        assert max_error(lse[:, rows][seen], ref_lse[0][seen]) < 1e-3, f"sequence {b}: L"
+        worst_kernel = max(worst_kernel, max_error(out[rows][None], ref_out))
+        worst_torch = max(worst_torch, max_error(same, ref_out))
+    assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
+
+
+def test_paged_equals_packed_keys():
+    """The same keys packed (the training path) and paged give the same attention."""
+    q, k, v, table = paged(16, seed=7)
+    packed_k = torch.cat([gathered(k, table, b)[0] for b in range(len(LENGTHS_K))])
+    packed_v = torch.cat([gathered(v, table, b)[0] for b in range(len(LENGTHS_K))])
+    args = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
+    from_pages = fagen.flash_attn_varlen_func(q, k, v, *args, causal=True, block_table=table)
+    from_packed = fagen.flash_attn_varlen_func(q, packed_k, packed_v, *args, causal=True)
+    assert max_error(from_pages, from_packed) <= 2 * 2**-10   # different tiles: a rounding apart at most
+
+
+def _args():
+    q, k, v, table = paged(16)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu(LENGTHS_Q), cu_seqlens_k=cu(LENGTHS_K), max_seqlen_q=max(LENGTHS_Q),
+                max_seqlen_k=max(LENGTHS_K), block_table=table)
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ({"block_table": torch.zeros(5, 5)}, TypeError, "block_table must be a 2-D int32"),
+    ({"block_table": torch.zeros(4, 5, dtype=torch.int32)}, ValueError, r"block_table must be \(5, max_pages\)"),
+    ({"block_table": torch.full((5, 5), 99, dtype=torch.int32)}, ValueError, "block_table names page 99"),
+    ({"max_seqlen_k": 500}, ValueError, "max_seqlen_k = 500 is more than"),
+    ({"k": torch.zeros(28, 24, HK, D, dtype=torch.float16), "v": torch.zeros(28, 24, HK, D, dtype=torch.float16)},
+     ValueError, "page_size .* multiple of 16"),
+    ({"k": torch.zeros(28 * 16, HK, D, dtype=torch.float16)}, ValueError, "k must have 4 dims"),
+    ({"dropout_p": 0.1}, ValueError, "without dropout"),
+    ({"sinks": torch.zeros(H)}, ValueError, "with a block_table"),
+])
+def test_bad_paged_inputs(change, error, message):
+    with pytest.raises(error, match=message):
+        fagen.flash_attn_varlen_func(**{**_args(), **change})
+
+
+def test_paged_is_forward_only():
+    args = _args()
+    args["q"].requires_grad_(True)
+    with pytest.raises(ValueError, match="forward only"):
+        fagen.flash_attn_varlen_func(**args)
+    with torch.no_grad():
+        fagen.flash_attn_varlen_func(**args)
+
+
+def test_paged_varlen_kernel_is_race_free(monkeypatch):
+    monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "warp-serial")
+    q, k, v, table = paged(48, seed=5)
+    fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K), causal=True,
+                                 block_table=table)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_paged_varlen_kernels_compile_without_spills(head_dim, arch):
+    spec = Spec.for_kv_cache(head_dim, "bf16", causal=True, page_size=16, varlen=True, window=True, softcap=True,
+                             alibi=True)
+    assert spec.name.endswith("varlen_paged_m64n16w4s2") and spec.block_n == 16   # tiles never straddle a page
+    for name, report in compile_source(render(spec), arch).resources.items():
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, f"{name} on {arch}: {report}"
