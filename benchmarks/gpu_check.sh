@@ -3,13 +3,13 @@
 # attention backends, peak memory, and compute-sanitizer, in under 8 minutes.
 #
 #   benchmarks/gpu_check.sh            # the full run (about 7 minutes)
-#   benchmarks/gpu_check.sh --quick    # a subset (about 3 minutes)
+#   benchmarks/gpu_check.sh --quick    # a subset (about 5 minutes)
 #   benchmarks/gpu_check.sh --dry-run  # on any machine: the plan and the import/NVRTC checks
 #
 # Runs from the working tree (no install step). Writes results.json,
 # results.md, four PNGs and gpu_check.log into $OUT when set (the device tool
 # brings back what is there: at most 8 files), else ./gpu-check-results.
-# The Python side keeps its own budget (420 s full, 240 s quick) and writes
+# The Python side keeps its own budget (420 s full, 285 s quick) and writes
 # results.json after every section; the hard `timeout` here is the backstop:
 # on it, Python gets SIGTERM, writes the report from what it has, and exits 124.
 set -uo pipefail

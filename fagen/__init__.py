@@ -6,16 +6,19 @@
     spec = fagen.autotune(fagen.Spec(64, mask="causal"), seqlen_q=4096, batch=4, heads=32)
     out = fagen.flash_attn_func(q, k, v, window_size=(256, 0), softcap=30.0)          # flash-attn's variants
     out = fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: fagen.where(i >= j, s, s - 1.0))
+    out = fagen.sdpa(q, k, v, is_causal=True)                          # SDPA's signature, (B, H, N, d)
+    import fagen.integrations.transformers                             # attn_implementation="fagen"
 """
 
 __version__ = "0.1.0"
 
 from .decode import flash_attn_with_kvcache, merge_attention  # noqa: E402
 from .ops import attention, flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from .sdpa import sdpa  # noqa: E402
 from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
 from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402
 
 __all__ = ["ModError", "Spec", "attention", "autotune", "exp", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "log",
-           "maximum", "merge_attention", "minimum", "sigmoid", "sqrt", "tanh", "where", "__version__"]
+           "maximum", "merge_attention", "minimum", "sdpa", "sigmoid", "sqrt", "tanh", "where", "__version__"]

@@ -141,6 +141,16 @@ def test_only_the_front_door_imports_a_top_layer(package):
     assert not intruders, f"{', '.join(intruders)} import {package}"
 
 
+def test_nothing_in_fagen_imports_the_integrations():
+    """fagen.integrations is glue for other libraries (transformers): users import it; fagen's own
+    modules, the front door included, never do (importing it pulls in that library)."""
+    graph = import_graph()
+    assert "fagen.integrations.transformers" in graph
+    intruders = sorted(m for m in importers_of(graph, "fagen.integrations")
+                       if not m.startswith("fagen.integrations") and not m.startswith("fagen.bench"))
+    assert not intruders, f"{', '.join(intruders)} import fagen.integrations"
+
+
 def test_the_top_layer_rule_sees_an_intruder():
     """Positive control: a lower module importing decode, even a submodule of it, is caught."""
     graph = {"fagen": {"fagen.decode"}, "fagen.decode": {"fagen.decode.merge"}, "fagen.decode.merge": {"fagen.ops"},

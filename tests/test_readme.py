@@ -14,7 +14,8 @@ from fagen import ops
 from fagen.reference import attention_backward, attention_forward, attention_same_dtype, dropout_keep_mask
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-EXAMPLES = [block for block in re.findall(r"```python\n(.*?)```", README, re.S) if "flash_attn_func(" in block]
+EXAMPLES = [block for block in re.findall(r"```python\n(.*?)```", README, re.S)
+            if any(call in block for call in ("flash_attn_func(", "fagen.sdpa(", 'attn_implementation="fagen"'))]
 PRINTED = re.compile(r"^print\(.*\)\s+#\s*(\S+)\s*$", re.M)
 GRAD_FACTOR, ABS_FLOOR = 3.0, 1e-5   # FlashAttention-2's rule (tests/kernel_cases.py)
 

@@ -9,8 +9,7 @@ is faster).
 
 from __future__ import annotations
 
-import math
-
+from .markdown import finite, sanity_text, skip_text
 from .markdown import md as _md
 from .markdown import sanity_table
 from .plan import DECODE_LABELS, DECODE_SYSTEMS, VARLEN_SYSTEMS
@@ -26,9 +25,6 @@ def bandwidth_tb_per_s(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
 
 
-def _number(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
 
 def _points(section: dict, part: str) -> list[dict]:
     return [p for p in section.get("points", []) if p.get("part") == part]
@@ -43,10 +39,10 @@ def _ordered(names, order: tuple) -> list[str]:
 def add_bandwidth(section: dict) -> dict:
     """Per timed decode cell: TB/s = bytes / median time, and that as a fraction of the copy
     bandwidth (both count every byte read or written)."""
-    copy = _number((section.get("copy") or {}).get("tb_per_s"))
+    copy = finite((section.get("copy") or {}).get("tb_per_s"))
     for point in _points(section, "decode"):
         for cell in point.get("results", {}).values():
-            ms, nbytes = _number(cell.get("ms")), _number(cell.get("bytes"))
+            ms, nbytes = finite(cell.get("ms")), finite(cell.get("bytes"))
             if ms is None or nbytes is None or ms <= 0:
                 continue
             cell["tb_per_s"] = bandwidth_tb_per_s(nbytes, ms)
@@ -59,29 +55,15 @@ def add_varlen_ratios(section: dict) -> dict:
     also the inverse ratio of their times)."""
     for point in _points(section, "varlen"):
         results = point.get("results", {})
-        ours = _number((results.get("fagen_varlen") or {}).get("tflops"))
+        ours = finite((results.get("fagen_varlen") or {}).get("tflops"))
         point["ratios"] = {}
         for name, cell in results.items():
-            rate = _number(cell.get("tflops"))
+            rate = finite(cell.get("tflops"))
             if ours is not None and rate and name != "fagen_varlen":
                 point["ratios"][f"fagen_varlen/{name}"] = ours / rate
     return section
 
 
-def _skip_text(cell: dict, limit: int) -> str:
-    reason = str(cell.get("skipped", "did not run"))
-    for prefix in ("skipped: ", "NotAvailable: "):
-        reason = reason[len(prefix):] if reason.startswith(prefix) else reason
-    text = f"skipped: {reason}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def sanity_text(section: dict) -> str:
-    sanity = section.get("sanity") or {}
-    if not sanity:
-        return "sanity not run"
-    bad = [DECODE_LABELS.get(name, name) for name, r in sanity.items() if not r.get("ok")]
-    return "SANITY FAILED: " + ", ".join(bad) if bad else "sanity ok"
 
 
 def section_note(section: dict) -> str:
@@ -92,7 +74,7 @@ def section_note(section: dict) -> str:
     parts = []
     for point in _points(section, "decode"):
         shares = [f"{DECODE_LABELS.get(n, n)} {c['copy_fraction']:.0%}" for n, c in point["results"].items()
-                  if _number(c.get("copy_fraction")) is not None]
+                  if finite(c.get("copy_fraction")) is not None]
         if shares:
             parts.append("decode, of copy bandwidth: " + ", ".join(shares))
     per_peer: dict[str, list[str]] = {}
@@ -102,7 +84,7 @@ def section_note(section: dict) -> str:
             per_peer.setdefault(peer, []).append(f"{PASS_SHORT.get(point['pass'], point['pass'])} {ratio:.2f}")
     if per_peer:
         parts.append("fagen varlen / " + ", / ".join(f"{peer} {' '.join(r)}" for peer, r in per_peer.items()))
-    parts.append(sanity_text(section))
+    parts.append(sanity_text(section, DECODE_LABELS))
     if section.get("not_run"):
         parts.append(f"time guard: {section['not_run']} measurements not run")
     return "; ".join(parts)
@@ -122,16 +104,16 @@ def short_lines(results: dict) -> list[str]:
 
 def _short_decode(section: dict) -> list[str]:
     lines = []
-    copy = _number((section.get("copy") or {}).get("tb_per_s"))
+    copy = finite((section.get("copy") or {}).get("tb_per_s"))
     for point in _points(section, "decode"):
         copy_text = f"copy {copy:.2f} TB/s" if copy else "copy not measured"
-        lines += [f"-- decode {point['label']}; {copy_text}; {sanity_text(section)}",
+        lines += [f"-- decode {point['label']}; {copy_text}; {sanity_text(section, DECODE_LABELS)}",
                   f"{'system':<{LABEL_WIDTH}}     ms GB/step   TB/s of copy"]
         for name in _ordered(point["results"], DECODE_SYSTEMS):
             cell = point["results"][name]
             label = DECODE_LABELS.get(name, name)[:LABEL_WIDTH]
-            if _number(cell.get("tb_per_s")) is None:
-                lines.append(f"{label:<{LABEL_WIDTH}} {_skip_text(cell, 64)}")
+            if finite(cell.get("tb_per_s")) is None:
+                lines.append(f"{label:<{LABEL_WIDTH}} {skip_text(cell, 64)}")
                 continue
             fraction = cell.get("copy_fraction")
             lines.append(f"{label:<{LABEL_WIDTH}} {cell['ms']:6.3f} {cell['bytes'] / 1e9:7.2f} {cell['tb_per_s']:6.2f} "
@@ -153,10 +135,10 @@ def _short_varlen(section: dict) -> list[str]:
     for name in names:
         label = DECODE_LABELS.get(name, name)[:LABEL_WIDTH]
         cells = [points[p]["results"].get(name, {}) for p in passes]
-        if all(_number(c.get("tflops")) is None for c in cells):
-            lines.append(f"{label:<{LABEL_WIDTH}} {_skip_text(cells[0], 64)}")
+        if all(finite(c.get("tflops")) is None for c in cells):
+            lines.append(f"{label:<{LABEL_WIDTH}} {skip_text(cells[0], 64)}")
             continue
-        timed = "".join(f" {c['ms']:7.3f} {c['tflops']:7.1f}" if _number(c.get("tflops")) is not None
+        timed = "".join(f" {c['ms']:7.3f} {c['tflops']:7.1f}" if finite(c.get("tflops")) is not None
                         else f" {'-':>7} {'-':>7}" for c in cells)
         ratios = [points[p]["ratios"].get(f"fagen_varlen/{name}") for p in passes]
         ratio_text = " ".join(f"{r:4.2f}" if r is not None else f"{'-':>4}" for r in ratios)
@@ -183,7 +165,7 @@ def _markdown_decode(section: dict) -> list[str]:
     copy = section.get("copy") or {}
     out = []
     for point in _points(section, "decode"):
-        tb = _number(copy.get("tb_per_s"))
+        tb = finite(copy.get("tb_per_s"))
         out += [f"### Decode step: {point['label']}", "",
                 f"Memory-bound, so the figure that matters is the share of the copy bandwidth. Bytes counted: "
                 f"{_md(section.get('bytes_note', ''))}. Copy bandwidth: "
@@ -198,8 +180,8 @@ def _markdown_decode(section: dict) -> list[str]:
         for name in _ordered(point["results"], DECODE_SYSTEMS):
             cell = point["results"][name]
             label = DECODE_LABELS.get(name, name)
-            if _number(cell.get("tb_per_s")) is None:
-                out.append(f"| {label} | - | - | - | - | - | {_md(_skip_text(cell, 400))} |")
+            if finite(cell.get("tb_per_s")) is None:
+                out.append(f"| {label} | - | - | - | - | - | {_md(skip_text(cell, 400))} |")
                 continue
             fraction = cell.get("copy_fraction")
             note = "" if cell.get("gqa") in ("native", "enable_gqa") else cell.get("gqa", "")
@@ -226,9 +208,9 @@ def _markdown_varlen(section: dict) -> list[str]:
         for name in _ordered(point["results"], VARLEN_SYSTEMS):
             cell = point["results"][name]
             label = DECODE_LABELS.get(name, name)
-            if _number(cell.get("tflops")) is None:
+            if finite(cell.get("tflops")) is None:
                 out.append(f"| {PASS_SHORT.get(point['pass'], point['pass'])} | {label} | - | - | - | "
-                           f"{_md(_skip_text(cell, 400))} |")
+                           f"{_md(skip_text(cell, 400))} |")
                 continue
             ratio = point.get("ratios", {}).get(f"fagen_varlen/{name}")
             note = f"backend: {cell['backend']}" if cell.get("backend") else ""

@@ -132,9 +132,11 @@ class _Run:
             sanitizers = 2 * self.plan.sanitizer_cap_s
         variants = self.plan.variants.cap_s if self.plan.variants.cases else 0.0
         decode = self.plan.decode.cap_s if self.plan.decode.enabled else 0.0
+        models = self.plan.models.cap_s if self.plan.models.enabled else 0.0
         needs = {"precompile": 0.0, "peak": 5.0, "correctness": self.plan.correctness_cap_s,
                  "sanitizers": sanitizers, "speed": self.plan.min_speed_s, "variants": variants,
-                 "decode": decode, "memory": self.plan.memory_cap_s, "report": self.plan.report_reserve_s}
+                 "decode": decode, "models": models, "memory": self.plan.memory_cap_s,
+                 "report": self.plan.report_reserve_s}
         return {name: (0.0 if name in self.skip else need) for name, need in needs.items()}
 
     def deadline(self, section: str, cap_s: float | None = None):
@@ -282,6 +284,18 @@ def _run_sections(run: "_Run") -> int:
 
     results["decode"] = run.section("decode", decode_section)
 
+    def models_section():
+        from .models import run_models_section
+
+        def checkpoint(partial):
+            results["models"] = partial
+            run.save()
+
+        return run_models_section(plan, run.deadline("models", cap_s=plan.models.cap_s), log=log,
+                                  checkpoint=checkpoint)
+
+    results["models"] = run.section("models", models_section)
+
     def memory_section():
         from .memory import run_memory_sweep
 
@@ -303,8 +317,9 @@ def _run_sections(run: "_Run") -> int:
 def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bool = True) -> int:
     """Print the plan and check, on any machine, that everything the GPU run
     needs imports, that NVRTC compiles a fagen variant for sm_90, that the variants
-    section's mods trace into the kernels the precompile section will build, and that one
-    of the decode section's kernels renders and compiles."""
+    section's mods trace into the kernels the precompile section will build, that one
+    of the decode section's kernels renders and compiles, and that transformers builds the
+    models section's Llama (on the meta device) with the parameters the plan counts."""
     log(plan.describe())
     log("")
     log("checks (required pieces first):")
@@ -375,6 +390,31 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
         return (", ".join(spec_name(kw) for kw in kwargs)
                 + f"; {info['name']} compiles for sm_90 in {info['seconds']:.2f} s")
 
+    def models_kernels():
+        from .precompile import compile_variant, models_kernel_kwargs, spec_name
+
+        kwargs = models_kernel_kwargs(plan)
+        if not kwargs:
+            return "no fagen in this plan's models section"
+        info = compile_variant(kwargs[-1], "sm_90", use_cache=False)   # generate's varlen one, in the plans
+        return (", ".join(spec_name(kw) for kw in kwargs)
+                + f"; {info['name']} compiles for sm_90 in {info['seconds']:.2f} s")
+
+    def models_section_pieces():
+        import torch
+
+        from .models import build_model, import_transformers
+        from .models_report import model_label
+
+        version = import_transformers()
+        # The plan's model on the meta device: its architecture, without memory or weights.
+        model = build_model(plan.models, "meta", torch.bfloat16, implementation="fagen")
+        count = sum(p.numel() for p in model.parameters())
+        if count != plan.models.parameter_count():
+            raise ValueError(f"the model has {count:,} parameters, the plan counts {plan.models.parameter_count():,}")
+        return f"transformers {version}, attn_implementation 'fagen' registered; {model_label(plan.models)}: " \
+               f"{count:,} parameters (as counted)"
+
     def python_version():
         if sys.version_info < (3, 10):
             raise RuntimeError(f"{platform.python_version()} is too old")
@@ -399,6 +439,9 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
     check("variants section's fagen kernels (traced as the calls trace them)", True, variant_kernels)
     check("decode section's fagen kernels (decode step, paged, varlen, padded)", True, decode_kernels)
     check("fagen flash_attn_with_kvcache and flash_attn_varlen_func", True, decode_functions)
+    check("models section's fagen kernels (training step, generate's padded batch)", True, models_kernels)
+    # The models section skips itself without transformers (the `test` extra installs it).
+    check("transformers and the models section's Llama (models section)", False, models_section_pieces)
     check("cupy (launches fagen on the GPU)", False, module("cupy"))
     check("matplotlib (plots)", False, module("matplotlib"))
     check("pytest (correctness section)", False, module("pytest"))

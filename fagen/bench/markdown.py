@@ -1,6 +1,32 @@
-"""Markdown pieces results.md shares between its sections (report, decode_report)."""
+"""Text pieces the report's sections share (report, decode_report, models_report): Markdown
+cells and tables, and the short table's skip and sanity notes."""
 
 from __future__ import annotations
+
+import math
+
+
+def finite(value) -> float | None:
+    """A measured number, or None for a missing, non-numeric or non-finite one."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def skip_text(cell: dict, limit: int) -> str:
+    """A skipped cell's reason for the short table, at most `limit` characters."""
+    reason = str(cell.get("skipped", "did not run"))
+    for prefix in ("skipped: ", "NotAvailable: "):
+        reason = reason[len(prefix):] if reason.startswith(prefix) else reason
+    text = f"skipped: {reason}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def sanity_text(section: dict, labels: dict | None = None) -> str:
+    """The section's sanity check in a few words: ok, not run, or which checks failed."""
+    sanity = section.get("sanity") or {}
+    if not sanity:
+        return "sanity not run"
+    bad = [(labels or {}).get(name, name) for name, r in sanity.items() if not r.get("ok")]
+    return "SANITY FAILED: " + ", ".join(bad) if bad else "sanity ok"
 
 
 def md(text) -> str:

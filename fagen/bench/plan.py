@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .flops import PASSES, attention_flops
+from .models_report import plan_lines as models_plan_lines
 
 # Every system the speed sweep knows, in table order. fagen first, then the
 # peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
@@ -52,10 +53,11 @@ SYSTEM_SHORT["fagen_v2_nomod"] = "v2nm"
 # every second they leave over; memory last, since it pushes the allocator
 # to out-of-memory on purpose.
 SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode",
-            "memory", "report")
+            "models", "memory", "report")
 # Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
 GPU_TEST_VARIANTS = 16
-OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "memory")
+OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "models",
+                     "memory")
 
 # The decode section: one decoding step against a KV cache (memory-bound, so judged by its
 # bandwidth), and causal training over packed documents of mixed lengths (varlen).
@@ -283,6 +285,85 @@ class DecodeConfig:
         others = self.timed_runs() - (1 if flex else 0)
         return min(self.cap_s, 0.3 * others + 2.0 + flex)
 
+# The models section: attn_implementation names in transformers, in the order they run (Flex,
+# which compiles, last).
+MODEL_SYSTEMS = ("fagen", "sdpa", "flex_attention")
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """The models section: a Llama (random weights) in Hugging Face transformers, bf16, with its
+    attention run by each attn_implementation in turn (one model, switched between systems).
+
+    train: one step (forward, loss, backward; no optimizer step) on B x N random tokens.
+    decode: greedy `generate` of `new_tokens` on `decode_batch` prompts of seeded random lengths
+    up to `prompt_len`, left-padded (so the padding mask's path runs).
+    sanity: the same architecture with `sanity_layers` layers, logits of fagen against fp32 eager,
+    next to bf16 SDPA (the 2x rule), on `sanity_seqlen` tokens, plain and left-padded."""
+
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    layers: int = 16
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 32000
+    dtype: str = "bf16"
+    train_batch: int = 1
+    train_seqlen: int = 4096
+    train_systems: tuple = MODEL_SYSTEMS
+    decode_batch: int = 32
+    prompt_len: int = 128
+    min_prompt_len: int = 64
+    new_tokens: int = 32
+    decode_systems: tuple = ("fagen", "sdpa")   # Flex's generate recompiles as the cache grows
+    sanity_layers: int = 2
+    sanity_seqlen: int = 256
+    seed: int = 0
+    # Timed calls after one warm-up call and the timer's sizing call (not in the median).
+    train_repeats: int = 3
+    decode_repeats: int = 2
+    # The section's cap; FlexAttention (torch.compile of its forward and backward, about 20 s)
+    # runs last and only starts with at least `flex_start_s` of it left.
+    cap_s: float = 45.0
+    flex_start_s: float = 20.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.train_systems or self.decode_systems)
+
+    def parameter_count(self, layers: int | None = None) -> int:
+        """Llama's parameters (no biases, untied embeddings): embedding and LM head, per layer
+        q/k/v/o, gate/up/down and two RMSNorms, and the final norm."""
+        h, inner = self.hidden_size, self.heads * self.head_dim
+        attention = h * inner * 2 + h * self.kv_heads * self.head_dim * 2
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        return 2 * self.vocab_size * h + (self.layers if layers is None else layers) * layer + h
+
+    @property
+    def train_tokens(self) -> int:
+        return self.train_batch * self.train_seqlen
+
+    def prompt_lengths(self) -> list[int]:
+        """Prompt lengths (seeded), the first the longest (`prompt_len`, the padded width), the
+        others random between `min_prompt_len` and it."""
+        import random
+
+        rng = random.Random(self.seed)
+        rest = [rng.randint(self.min_prompt_len, self.prompt_len) for _ in range(self.decode_batch - 1)]
+        return [self.prompt_len] + rest if self.decode_batch else []
+
+    def estimate_seconds(self) -> float:
+        """About 9 s to import transformers, check the small model and build this one; 2 s per
+        training system (5 steps of 0.1-0.3 s), 4.5 s per decode system (4 generate calls of
+        about 1 s, host-bound), and Flex's compile (about 20 s), within the cap."""
+        if not self.enabled:
+            return 0.0
+        flex = sum(1 for names in (self.train_systems, self.decode_systems) if "flex_attention" in names)
+        train = sum(1 for s in self.train_systems if s != "flex_attention")
+        decode = sum(1 for s in self.decode_systems if s != "flex_attention")
+        return min(self.cap_s, 9.0 + 2.0 * train + 4.5 * decode + 21.0 * flex)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -298,6 +379,7 @@ class Plan:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     variants: VariantsConfig = field(default_factory=VariantsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
     # The whole run's budget. The shell wrapper kills at 460 s; this leaves
     # time to write the report after the last section stops.
     budget_s: float = 420.0
@@ -358,9 +440,19 @@ class Plan:
         batch's plain causal kernel where the sweep compiles it already."""
         c = self.decode
         fagen = [s for s in c.decode_systems + c.varlen_systems if s.startswith("fagen")]
-        shared = ("fagen_v2" in self.systems and c.dtype in self.dtypes and c.head_dim in self.head_dims
-                  and True in self.causal)
-        return len(fagen) - (1 if shared and "fagen_padded" in fagen else 0)
+        return len(fagen) - (1 if self.sweep_compiles_causal(c.dtype, c.head_dim) and "fagen_padded" in fagen else 0)
+
+    def sweep_compiles_causal(self, dtype: str, head_dim: int) -> bool:
+        """Whether the sweep's kernels include fagen v2's plain causal one at this dtype and d."""
+        return ("fagen_v2" in self.systems and dtype in self.dtypes and head_dim in self.head_dims
+                and True in self.causal)
+
+    def models_kernels(self) -> int:
+        """Distinct fagen kernels the models section adds: plain causal (training, unless the sweep
+        compiles it) and varlen causal (generate's padded batch)."""
+        c = self.models
+        train = "fagen" in c.train_systems and not self.sweep_compiles_causal(c.dtype, c.head_dim)
+        return int(train) + int("fagen" in c.decode_systems)
 
     def estimate_seconds(self, *, sanitizers: bool = True) -> dict[str, float]:
         """A rough forecast per section (the guard, not this, enforces the budget).
@@ -376,13 +468,15 @@ class Plan:
             "setup": 15.0,
             "precompile": min(self.precompile_cap_s,
                               3.0 + 1.5 * (self.fagen_variants() + self.variant_kernels()
-                                           + self.decode_kernels() + GPU_TEST_VARIANTS) / 8),
+                                           + self.decode_kernels() + self.models_kernels()
+                                           + GPU_TEST_VARIANTS) / 8),
             "peak": 5.0,
             "correctness": 60.0,
             "sanitizers": 2 * self.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
             "speed": speed,
             "variants": self.variants.estimate_seconds(),
             "decode": self.decode.estimate_seconds(),
+            "models": self.models.estimate_seconds(),
             "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
             "report": 5.0,
         }
@@ -420,6 +514,7 @@ class Plan:
                      "matmul peak: 8192^3 bf16 torch.matmul")
         lines += self.variants_lines()
         lines += self.decode_lines()
+        lines += models_plan_lines(self.models, self.models_kernels())
         mem = self.memory
         lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
                      f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
@@ -529,15 +624,18 @@ def full_plan() -> Plan:
 
 
 def quick_plan() -> Plan:
-    """A ~2-3 minute subset: bf16, d=128, three sequence lengths, small memory sweep."""
+    """A ~3-5 minute subset: bf16, d=128, three sequence lengths, small memory sweep."""
     return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
-                memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=270.0,
+                # 270 s before the models section, plus its cap.
+                memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=285.0,
                 correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
                 flex_allowance_s=45.0,
                 # One score mod and one mask mod.
                 variants=VariantsConfig(cases=("softcap", "document"), cap_s=50.0, flex_allowance_s=40.0),
                 # No Flex compile, and of SDPA only its flash backend (the fastest peer).
-                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=20.0))
+                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=20.0),
+                # The training row against SDPA only: no Flex compile, no generate.
+                models=ModelsConfig(train_systems=("fagen", "sdpa"), decode_systems=(), cap_s=15.0))
 
 
 def plan_named(name: str) -> Plan:

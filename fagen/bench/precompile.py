@@ -16,7 +16,10 @@ kernels (window, softcap, ALiBi, a document mask_mod) are compiled too; their
 Spec fields come from fagen's own argument checking (`variants.case_spec_fields`). So are
 the decode section's: the decode step's kernels (contiguous and paged cache) as
 `fagen.decode.kvcache.decode_spec` builds them (fixed tiles, no tuning lookup), and the
-varlen and padded training kernels as `fagen.ops` builds them (then the fallback tiles).
+varlen and padded training kernels as `fagen.ops` builds them (then the fallback tiles). And
+the models section's (a Llama through fagen.integrations.transformers): plain causal for its
+training step (flash_attn_func), varlen causal for `generate` on a padded batch
+(flash_attn_varlen_func), as `fagen.ops` builds them.
 """
 
 from __future__ import annotations
@@ -77,6 +80,21 @@ def decode_kernel_kwargs(plan: Plan) -> list[dict]:
         kwargs.append({**base, "varlen": True})
     if "fagen_padded" in config.varlen_systems:   # plain causal (decode.FagenPadded)
         kwargs.append(base)
+    return kwargs
+
+
+def models_kernel_kwargs(plan: Plan) -> list[dict]:
+    """Spec arguments of the models section's fagen kernels. The transformers integration calls
+    flash_attn_func(causal=True) when nothing is padded (the training step; GQA needs no field of
+    its own) and flash_attn_varlen_func(causal=True) on the unpadded rows of a padded batch
+    (generate's prefill and every decoding step: bottom-right causal, the same kernel)."""
+    config = plan.models
+    base = {"head_dim": config.head_dim, "dtype": config.dtype, "version": 2, "mask": "causal"}
+    kwargs = []
+    if "fagen" in config.train_systems:
+        kwargs.append(base)
+    if "fagen" in config.decode_systems:
+        kwargs.append({**base, "varlen": True})
     return kwargs
 
 
@@ -155,7 +173,7 @@ def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = No
     except Exception as exc:  # noqa: BLE001 - the decode section will meet (and report) it again
         decode, decode_error = [], f"the decode section's kernels: {type(exc).__name__}: {_first_lines(exc, 2)}"
     jobs = []
-    for kw in variant_kwargs(plan) + cases + decode:
+    for kw in variant_kwargs(plan) + cases + decode + models_kernel_kwargs(plan):
         if kw not in [job for job, _ in jobs]:
             jobs.append((kw, arch))
     jobs += [(kw, None) for kw in (test_variant_kwargs() if include_tests else [])]

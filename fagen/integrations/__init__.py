@@ -1,0 +1,7 @@
+"""fagen.integrations: glue for other libraries. Import a submodule to use it:
+
+  transformers   `import fagen.integrations.transformers` registers attn_implementation="fagen"
+                 with Hugging Face transformers (needs the `transformers` extra)
+
+Nothing in fagen imports this package (tests/test_layering.py).
+"""
