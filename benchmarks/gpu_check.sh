@@ -9,7 +9,7 @@
 # Runs from the working tree (no install step). Writes results.json,
 # results.md, four PNGs and gpu_check.log into $OUT when set (the device tool
 # brings back what is there: at most 8 files), else ./gpu-check-results.
-# The Python side keeps its own budget (420 s full, 285 s quick) and writes
+# The Python side keeps its own budget (420 s full, 290 s quick) and writes
 # results.json after every section; the hard `timeout` here is the backstop:
 # on it, Python gets SIGTERM, writes the report from what it has, and exits 124.
 set -uo pipefail

@@ -12,6 +12,7 @@
 
 __version__ = "0.1.0"
 
+from . import distributed  # noqa: E402  (fagen.distributed.ring_attention: context parallelism)
 from .decode import flash_attn_with_kvcache, merge_attention  # noqa: E402
 from .ops import attention, flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from .sdpa import sdpa  # noqa: E402
@@ -19,6 +20,6 @@ from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
 from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402
 
-__all__ = ["ModError", "Spec", "attention", "autotune", "exp", "flash_attn_func", "flash_attn_varlen_func",
-           "flash_attn_with_kvcache", "log",
-           "maximum", "merge_attention", "minimum", "sdpa", "sigmoid", "sqrt", "tanh", "where", "__version__"]
+__all__ = ["ModError", "Spec", "attention", "autotune", "distributed", "exp", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache", "log", "maximum", "merge_attention", "minimum",
+           "sdpa", "sigmoid", "sqrt", "tanh", "where", "__version__"]

@@ -76,7 +76,8 @@ def dropout_args(dropout_p: float, seed: int, philox_offset: int) -> dict:
 # a warm call of a seen shape only allocates its outputs and passes the tensors.
 _plans: dict[tuple, list[launch.BoundLaunch]] = {}
 MAX_PLANS = 1024
-PER_CALL_SCALARS = frozenset({"seed", "philox_offset"})  # drawn anew for every dropout call
+# Drawn anew for every dropout call; and a shard's dropout coordinates (Spec.coord_offsets).
+PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
 
 
 def _run(plan_key, build, tensors: dict, debug, after_first=None) -> None:
@@ -131,7 +132,7 @@ def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None, variant=None, varlen=None):
+            seed=0, philox_offset=0, debug=None, variant=None, varlen=None, coord_offsets=(0, 0)):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
     (lse,) for version 2 and (m, l) for version 1. `variant` holds a variant's run-time
     arguments by kernel parameter name (`variant_arguments`). With `varlen` = (cu_seqlens_q,
@@ -145,7 +146,8 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
     variant_tensors, variant_scalars = _split_variant(variant)
     tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
-               "philox_offset": philox_offset, **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
+               "philox_offset": philox_offset, "row_offset": coord_offsets[0], "col_offset": coord_offsets[1],
+               **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
     if spec.version == 1:
         tensors["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
 
@@ -168,7 +170,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
 
 
 def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
-             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None):
+             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None, coord_offsets=(0, 0)):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
     dK and dV are computed per query head; with GQA/MQA the query heads that
@@ -194,7 +196,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
                "delta": _empty(batch, heads, padded_rows, **f32),
                "lse_log2": _empty(batch, heads, padded_rows, **f32), "seqlens_k": seqlens_k,
-               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0), **variant_tensors,
+               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0),
+               "row_offset": coord_offsets[0], "col_offset": coord_offsets[1], **variant_tensors,
                **(debug or {})}
     grads = {}
     if variant:

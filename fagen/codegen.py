@@ -138,8 +138,9 @@ def _sizes(spec: Spec) -> list[Param]:
 def _dropout(spec: Spec) -> list[Param]:
     if not spec.dropout:
         return []
+    offsets = [Param("row_offset", "int", "int32"), Param("col_offset", "int", "int32")] if spec.coord_offsets else []
     return [Param("seed", "unsigned long long", "uint64"), Param("philox_offset", "unsigned int", "uint32"),
-            Param("keep_threshold", "unsigned int", "uint32"), Param("keep_scale", "float", "float32")]
+            Param("keep_threshold", "unsigned int", "uint32"), Param("keep_scale", "float", "float32")] + offsets
 
 
 def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:

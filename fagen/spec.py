@@ -275,6 +275,8 @@ class Spec:
                  (B_cache, N_cache, Hk, d), rows from cache_batch_idx / cache_leftpad, or "paged"
                  (num_pages, page_size, Hk, d) through a block table; the keys split into
                  num_splits ranges whose fp32 partials a combine kernel merges by L
+    coord_offsets  dropout keys on (row + row_offset, col + col_offset), run-time multiples of 16:
+                 a shard of a longer sequence draws the whole sequence's mask (context parallelism)
     """
 
     head_dim: int
@@ -298,6 +300,7 @@ class Spec:
     mask_mod: CustomMod | None = None
     varlen: bool = False
     kv_cache: str | None = None
+    coord_offsets: bool = False
 
     def __post_init__(self):
         self._check_head_dim()
@@ -307,13 +310,15 @@ class Spec:
             raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
-        for flag in ("key_padding", "dropout", "deterministic", "varlen", *BUILTIN_MODS):
+        for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         self._check_mods()
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         self._check_kv_cache()
+        if self.coord_offsets and not self.dropout:
+            raise ValueError("coord_offsets shift the dropout mask's coordinates: it needs dropout=True")
         # Unset tile fields take the fallback table's values.
         for key, value in default_tiles(self.head_dim, self.version).items():
             if getattr(self, key) is None:
@@ -548,6 +553,8 @@ class Spec:
             parts.append("varlen")
         if self.kv_cache:
             parts.append({"contiguous": "cache", "paged": "paged"}[self.kv_cache])
+        if self.coord_offsets:
+            parts.append("coords")
         return "_".join(parts)
 
     @property
@@ -568,7 +575,7 @@ class Spec:
         """The fields; the variant fields only where set, so that a spec without them reads
         (and its generated header renders) exactly as before they existed."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for flag in (*BUILTIN_MODS, "varlen"):
+        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets"):
             if not data[flag]:
                 del data[flag]
         for field in ("score_mod", "mask_mod", "kv_cache"):
@@ -602,6 +609,7 @@ class Spec:
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
+                 "coords": ("coord_offsets", True),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

@@ -188,7 +188,8 @@ MUTANTS += [
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",
-          "documents: tiles whose id ranges touch skipped as empty", "combine: splits weighed by the largest L, not by L")
+          "documents: tiles whose id ranges touch skipped as empty",
+          "combine: splits weighed by the largest L, not by L")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

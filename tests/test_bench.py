@@ -54,7 +54,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
     out = run.stdout
     assert f"timed runs: {full_plan().timed_runs()}" in out
     for needle in ("sections, in order: setup, precompile, peak, correctness, sanitizers, speed, "
-                   "variants, decode, models, memory, report",
+                   "variants, decode, models, ring, memory, report",
                    "fagen v2, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
                    "[     ok] compile one fagen variant: fa2_d128_causal_bf16 for sm_90",
                    "[     ok] fagen flash_attn_func", "dry run: ok"):
@@ -106,6 +106,16 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
         assert needle in out, needle
     assert "1,104,218,112 parameters (as counted)" in out
     assert " models 43," in out.split("estimated seconds:")[1].splitlines()[0]
+    # The ring section: its rows in the plan, its estimate, and step_blocks' pair counts checked.
+    for needle in ("  ring: cap 20 s; fagen.distributed.ring_attention in a world-1 process group (NCCL, else gloo) "
+                   "on this GPU, bf16 B=1 N=16k H=16 Hk=16 d=128 causal, layouts zigzag, contiguous",
+                   "the step's pair kernels summed (zigzag 3, contiguous 1)",
+                   "    overlap MODEL, not measured: zigzag at W = 2, 4, 8;",
+                   "over NVLink 4 450 GB/s, IB NDR 50 GB/s (assumed: vendor specs, per direction)",
+                   "[     ok] fagen.distributed and the ring section's chunk pairs (step_blocks): world 1 pairs: "
+                   "zigzag 3, contiguous 1; zigzag pairs per step at W = 2: 2, 4: 2, 8: 2"):
+        assert needle in out, needle
+    assert " models 43, ring 5, memory 45," in out.split("estimated seconds:")[1].splitlines()[0]
 
 
 def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
@@ -141,8 +151,8 @@ def test_the_variants_section_is_reserved_time_by_the_sections_before_it(tmp_pat
     run = _Run(plan, tmp_path, set(), log=lambda line: None)
     assert run.needs()["variants"] == plan.variants.cap_s
     later = run.budget.remaining() - run.deadline("speed").remaining()
-    assert later == pytest.approx(plan.variants.cap_s + plan.decode.cap_s + plan.models.cap_s + plan.memory_cap_s
-                                  + plan.report_reserve_s)
+    assert later == pytest.approx(plan.variants.cap_s + plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s
+                                  + plan.memory_cap_s + plan.report_reserve_s)
     skipped = _Run(plan, tmp_path, {"variants"}, log=lambda line: None)
     assert skipped.needs()["variants"] == 0.0
     assert skipped.deadline("speed").remaining() > run.deadline("speed").remaining() + plan.variants.cap_s - 1
@@ -838,7 +848,8 @@ def test_the_decode_section_is_reserved_time_by_the_sections_before_it(tmp_path)
     run = _Run(plan, tmp_path, set(), log=lambda line: None)
     assert run.needs()["decode"] == plan.decode.cap_s == 40.0
     later = run.budget.remaining() - run.deadline("variants").remaining()
-    assert later == pytest.approx(plan.decode.cap_s + plan.models.cap_s + plan.memory_cap_s + plan.report_reserve_s)
+    assert later == pytest.approx(plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s + plan.memory_cap_s
+                                  + plan.report_reserve_s)
     skipped = _Run(plan, tmp_path, {"decode"}, log=lambda line: None)
     assert skipped.needs()["decode"] == 0.0
     assert skipped.deadline("variants").remaining() > run.deadline("variants").remaining() + plan.decode.cap_s - 1
@@ -1192,7 +1203,7 @@ def test_the_models_section_is_reserved_time_by_the_sections_before_it(tmp_path)
     run = _Run(plan, tmp_path, set(), log=lambda line: None)
     assert run.needs()["models"] == plan.models.cap_s == 45.0
     later = run.budget.remaining() - run.deadline("decode").remaining()
-    assert later == pytest.approx(plan.models.cap_s + plan.memory_cap_s + plan.report_reserve_s)
+    assert later == pytest.approx(plan.models.cap_s + plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
     skipped = _Run(plan, tmp_path, {"models"}, log=lambda line: None)
     assert skipped.needs()["models"] == 0.0
     assert skipped.deadline("decode").remaining() > run.deadline("decode").remaining() + plan.models.cap_s - 1
@@ -1414,3 +1425,156 @@ def test_the_precompile_section_builds_the_kernels_the_model_calls_look_up(monke
                                                  {"head_dim": 64, "dtype": "bf16", "version": 2, "mask": "causal",
                                                   "varlen": True}]
     assert models_kernel_kwargs(Plan(models=ModelsConfig(train_systems=("sdpa",), decode_systems=()))) == []
+
+
+# -- the ring section (context parallelism) ----------------------------------------------------
+
+def test_the_plan_has_a_ring_section_after_models():
+    plan, quick = full_plan(), quick_plan()
+    r = plan.ring
+    assert SECTIONS.index("models") < SECTIONS.index("ring") < SECTIONS.index("memory")
+    assert "ring" in OPTIONAL_SECTIONS
+    # The issue's shape: bf16, B=1, N=16k, H=Hk=16, d=128, causal, both layouts; the model at W = 2, 4, 8.
+    assert (r.dtype, r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim, r.causal) == (
+        "bf16", 1, 16384, 16, 16, 128, True)
+    assert r.layouts == ("zigzag", "contiguous") and r.model_worlds == (2, 4, 8)
+    # The plain op, per layout the ring and its pairs (3 + 1), one full pair per world: 10 measurements.
+    assert r.timed_runs() == 1 + (1 + 3) + (1 + 1) + 3
+    estimate = plan.estimate_seconds()
+    assert estimate["ring"] == r.estimate_seconds() == 5.0 and r.cap_s == 20.0
+    # The whole check still fits with the sweep at its minimum, and --quick inside its budget.
+    assert sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
+    assert quick.estimate_seconds()["total"] < quick.budget_s
+    off = Plan(ring=dataclasses.replace(r, layouts=()))
+    assert off.ring.estimate_seconds() == 0.0 and "  ring: none in this plan" in off.describe()
+
+
+def test_the_ring_section_is_reserved_time_by_the_sections_before_it(tmp_path):
+    from fagen.bench.gpu_check import _Run
+
+    plan = full_plan()
+    run = _Run(plan, tmp_path, set(), log=lambda line: None)
+    assert run.needs()["ring"] == plan.ring.cap_s == 20.0
+    later = run.budget.remaining() - run.deadline("models").remaining()
+    assert later == pytest.approx(plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
+    skipped = _Run(plan, tmp_path, {"ring"}, log=lambda line: None)
+    assert skipped.needs()["ring"] == 0.0
+    assert skipped.deadline("models").remaining() > run.deadline("models").remaining() + plan.ring.cap_s - 1
+    assert skipped.section("ring", lambda: pytest.fail("a skipped section ran")) is None
+
+
+def test_the_ring_steps_pairs_come_from_step_blocks():
+    from fagen.bench.ring import pair_equivalents, ring_pairs
+
+    # World 1: zigzag's two causal halves and one full block; contiguous's causal whole.
+    assert [(b.q_chunk, b.k_chunk, b.causal) for b in ring_pairs("zigzag")] == [(0, 0, True), (1, 0, False),
+                                                                                 (1, 1, True)]
+    assert [(b.q_chunk, b.k_chunk, b.causal) for b in ring_pairs("contiguous")] == [(0, 0, True)]
+    assert pair_equivalents("zigzag", 1) == 2.0 and pair_equivalents("contiguous", 1) == 0.5
+    # Zigzag balances: every step with a transfer in flight holds 2 full blocks on every rank.
+    assert [pair_equivalents("zigzag", w) for w in (2, 4, 8)] == [2.0, 2.0, 2.0]
+    # Contiguous does not: from step 1 rank 0 holds only later keys and idles while the block moves.
+    assert pair_equivalents("contiguous", 4) == 0
+
+
+def test_the_overlap_model_computes_compute_transfer_and_overlap():
+    from fagen.bench.ring_report import RingConfig, overlap_row
+
+    c = RingConfig()
+    # W = 2: chunks of 4096; the K/V block is 2 x 1 x 8192 x 16 x 128 x 2 bytes = 67.1 MB.
+    assert c.chunk(2) == 4096 and c.chunk(8) == 1024
+    assert c.kv_bytes(2) == 2 * 8192 * 16 * 128 * 2 == 67_108_864
+    row = overlap_row(2, 2.0, 0.4, c.kv_bytes(2), c.links)
+    assert row["compute_ms"] == pytest.approx(0.8)
+    nvlink, ib = row["links"]["NVLink 4"], row["links"]["IB NDR"]
+    assert nvlink["transfer_ms"] == pytest.approx(67_108_864 / 450e9 * 1e3) == pytest.approx(0.14913, rel=1e-4)
+    assert nvlink["overlap"] == 1.0   # 0.149 ms under 0.8 ms of kernels: hidden
+    assert ib["transfer_ms"] == pytest.approx(1.34218, rel=1e-5)
+    assert ib["overlap"] == pytest.approx(0.8 / 1.34218, rel=1e-5)   # 60 % hidden, the rest exposed
+
+
+def synthetic_ring():
+    from fagen.bench.ring_report import RingConfig, overlap_row
+
+    c = RingConfig()
+    rows = [{"world": 2, "chunk": 4096, **overlap_row(2, 2.0, 0.4, c.kv_bytes(2), c.links)},
+            {"world": 4, "chunk": 2048, **overlap_row(4, 2.0, 0.12, c.kv_bytes(4), c.links)},
+            {"world": 8, "chunk": 1024, "skipped": "time guard (the section's deadline was reached)"}]
+    return {"status": "failed", "note": "", "backend": "nccl", "plain": {"ms": 3.2},
+            "config": {"label": c.label, "cap_s": 20.0},
+            "layouts": {"zigzag": {"equal": {"ok": True, "max_err": 0.0039, "tol": 0.0625}, "ring": {"ms": 3.36},
+                                   "pairs": {"ms": 3.28, "count": 3}},
+                        "contiguous": {"equal": {"ok": False, "max_err": 0.5, "tol": 0.0625},
+                                       "ring": {"skipped": "RuntimeError: launch failed"},
+                                       "pairs": {"ms": 3.2, "count": 1}}},
+            "model": {"label": "model, not measured", "links": dict(c.links), "rows": rows}}
+
+
+SYNTHETIC_RING_TABLE = """\
+-- ring, world 1 (nccl): bf16 B=1 N=16k H=16 Hk=16 d=128 causal; plain 3.200 ms
+zigzag     ok     err 3.9e-03 tol 6.2e-02; ring 3.360 ms 1.05x; 3 pairs 3.280 ms 1.02x
+contiguous FAILED err 5.0e-01 tol 6.2e-02; ring -; 1 pairs 3.200 ms 1.00x; skipped: RuntimeError: launch failed
+MODEL, not measured (zigzag step): compute ms | transfer ms (overlap) over NVLink 4 450, IB NDR 50 GB/s (assumed)
+  W=2 0.800 | 0.149 (1.00), 1.342 (0.60); W=4 0.240 | 0.075 (1.00), 0.671 (0.36); W=8 skipped: time guard (the..."""
+
+
+def test_report_has_the_ring_rows_and_the_labelled_model(tmp_path):
+    results = synthetic_results()
+    results["ring"] = synthetic_ring()
+    table = report.short_table(results)
+    assert table.endswith(SYNTHETIC_RING_TABLE)
+    report.write_report(results, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["ring"]["layouts"]["zigzag"]["ring/plain"] == pytest.approx(1.05)
+    md = (tmp_path / "results.md").read_text()
+    assert md.index("## Ring attention (context parallelism)") < md.index("## Peak GPU")
+    for needle in ("`fagen.distributed.ring_attention` in a single-rank process group (nccl), bf16 B=1 N=16k",
+                   "| zigzag | True | 3.90e-03 | 6.25e-02 | 3.360 | 3 | 3.280 | 1.05 | 1.02 |  |",
+                   "| contiguous | False | 5.00e-01 | 6.25e-02 | - | 1 | 3.200 | - | 1.00 | skipped: RuntimeError: "
+                   "launch failed |",
+                   "### Overlap at W ranks (model, not measured)",
+                   "assumed per direction: NVLink 4 450 GB/s, IB NDR 50 GB/s (vendor specs, not measured)",
+                   "| 2 | 4096 | 2.0 | 0.400 | 0.800 | 67.1 | 0.149 | 1.00 | 1.342 | 0.60 |",
+                   "Not modelled: W=8: skipped: time guard"):
+        assert needle in md, needle
+
+
+def test_the_short_table_with_the_ring_rows_still_fits_the_returned_output():
+    plan = full_plan()
+    points = [{"pass": p, "dtype": c.dtype, "head_dim": c.head_dim, "causal": c.causal, "seqlen": n,
+               "batch": plan.batch(n), "heads": plan.heads(c.head_dim), "flops": 1.0,
+               "results": {s: {"tflops": 555.5} for s in plan.systems}}
+              for c in plan.configs() for n in plan.seqlens for p in plan.passes]
+    results = {"speed": {"points": points}, "variants": synthetic_variants(), "decode": synthetic_decode(),
+               "models": synthetic_models(), "ring": synthetic_ring(), "meta": {"device": "NVIDIA H200"}}
+    table = report.short_table(results)
+    assert table.endswith(SYNTHETIC_RING_TABLE)
+    # The whole table still comes back in the device tool's last 12,000 characters (the summary
+    # printed before it is cut first; results.md holds it whole).
+    assert len(table) < 11_750
+
+
+def test_the_ring_section_end_to_end_on_the_emulator():
+    """A gloo world-1 group on the CPU, fagen on its emulator, the stand-in timer: both layouts
+    equal the plain op, every cell measured, the model filled in, and the group shut down."""
+    import torch.distributed as dist
+
+    from fagen.bench.ring import run_ring_section
+    from fagen.bench.ring_report import RingConfig
+
+    plan = Plan(ring=RingConfig(seqlen=64, heads=2, kv_heads=2, head_dim=16, model_worlds=(2, 4)))
+    section = run_ring_section(plan, Deadline(float("inf")), device="cpu", timer=fake_timer, log=lambda line: None)
+    assert not dist.is_initialized()
+    assert section["status"] == "ok" and section["backend"] == "gloo", section
+    for layout, pairs in (("zigzag", 3), ("contiguous", 1)):
+        cell = section["layouts"][layout]
+        assert cell["equal"]["ok"] and cell["equal"]["max_err"] <= cell["equal"]["tol"]
+        assert cell["pairs"] == {"ms": 2.0 * pairs, "each_ms": [2.0] * pairs, "count": pairs}
+        assert cell["ring/plain"] == 1.0
+    rows = section["model"]["rows"]
+    assert [(r["world"], r["chunk"], r["compute_ms"]) for r in rows] == [(2, 16, 4.0), (4, 8, 4.0)]
+    # Out of time: every measurement is a recorded skip, not a crash.
+    late = run_ring_section(plan, Deadline(0.0, clock=lambda: 1.0), device="cpu", timer=fake_timer,
+                            log=lambda line: None)
+    assert late["layouts"]["zigzag"]["ring"] == {"skipped": "time guard (the section's deadline was reached)"}
+    assert late["status"] == "ok" and not dist.is_initialized()

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a ~3 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
                             "document-mask variants)")
     check.add_argument("--budget", type=float, default=None,
-                       help="total seconds for the run (default: the plan's, 420 full / 285 quick)")
+                       help="total seconds for the run (default: the plan's, 420 full / 290 quick)")
     check.add_argument("--skip", default="",
                        help=f"comma-separated sections to skip: {', '.join(OPTIONAL_SECTIONS)}")
     return parser

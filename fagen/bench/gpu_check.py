@@ -133,9 +133,10 @@ class _Run:
         variants = self.plan.variants.cap_s if self.plan.variants.cases else 0.0
         decode = self.plan.decode.cap_s if self.plan.decode.enabled else 0.0
         models = self.plan.models.cap_s if self.plan.models.enabled else 0.0
+        ring = self.plan.ring.cap_s if self.plan.ring.enabled else 0.0
         needs = {"precompile": 0.0, "peak": 5.0, "correctness": self.plan.correctness_cap_s,
                  "sanitizers": sanitizers, "speed": self.plan.min_speed_s, "variants": variants,
-                 "decode": decode, "models": models, "memory": self.plan.memory_cap_s,
+                 "decode": decode, "models": models, "ring": ring, "memory": self.plan.memory_cap_s,
                  "report": self.plan.report_reserve_s}
         return {name: (0.0 if name in self.skip else need) for name, need in needs.items()}
 
@@ -296,6 +297,13 @@ def _run_sections(run: "_Run") -> int:
 
     results["models"] = run.section("models", models_section)
 
+    def ring_section():
+        from .ring import run_ring_section
+
+        return run_ring_section(plan, run.deadline("ring", cap_s=plan.ring.cap_s), log=log)
+
+    results["ring"] = run.section("ring", ring_section)
+
     def memory_section():
         from .memory import run_memory_sweep
 
@@ -307,7 +315,8 @@ def _run_sections(run: "_Run") -> int:
                                      "note": f"written to {run.out_dir} at {budget.elapsed():.0f} s"}
     _finish(run)
     correctness = results.get("correctness") or {}
-    failed = correctness.get("status") in ("failed", "timed out")
+    failed = correctness.get("status") in ("failed", "timed out") or results["sections"].get("ring", {}).get(
+        "status") == "failed"   # the world-1 ring differs from the plain op
     broken = any(info["status"] == "error" for info in results["sections"].values())
     return 1 if failed or broken else 0
 
@@ -317,7 +326,8 @@ def _run_sections(run: "_Run") -> int:
 def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bool = True) -> int:
     """Print the plan and check, on any machine, that everything the GPU run
     needs imports, that NVRTC compiles a fagen variant for sm_90, that the variants
-    section's mods trace into the kernels the precompile section will build, that one
+    section's mods trace into the kernels the precompile section will build, that fagen.distributed
+    gives the ring section's chunk pairs, that one
     of the decode section's kernels renders and compiles, and that transformers builds the
     models section's Llama (on the meta device) with the parameters the plan counts."""
     log(plan.describe())
@@ -415,6 +425,12 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
         return f"transformers {version}, attn_implementation 'fagen' registered; {model_label(plan.models)}: " \
                f"{count:,} parameters (as counted)"
 
+    def ring_pieces():
+        from .ring import check_pair_counts
+
+        module("fagen.distributed")()
+        return check_pair_counts(plan.ring) if plan.ring.enabled else "no ring section in this plan"
+
     def python_version():
         if sys.version_info < (3, 10):
             raise RuntimeError(f"{platform.python_version()} is too old")
@@ -440,6 +456,7 @@ def dry_run(plan: Plan, *, log: Callable[[str], None] = print, collect_tests: bo
     check("decode section's fagen kernels (decode step, paged, varlen, padded)", True, decode_kernels)
     check("fagen flash_attn_with_kvcache and flash_attn_varlen_func", True, decode_functions)
     check("models section's fagen kernels (training step, generate's padded batch)", True, models_kernels)
+    check("fagen.distributed and the ring section's chunk pairs (step_blocks)", True, ring_pieces)
     # The models section skips itself without transformers (the `test` extra installs it).
     check("transformers and the models section's Llama (models section)", False, models_section_pieces)
     check("cupy (launches fagen on the GPU)", False, module("cupy"))

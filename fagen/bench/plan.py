@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from .flops import PASSES, attention_flops
 from .models_report import plan_lines as models_plan_lines
+from .ring_report import RingConfig
+from .ring_report import plan_lines as ring_plan_lines
 
 # Every system the speed sweep knows, in table order. fagen first, then the
 # peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
@@ -53,11 +55,11 @@ SYSTEM_SHORT["fagen_v2_nomod"] = "v2nm"
 # every second they leave over; memory last, since it pushes the allocator
 # to out-of-memory on purpose.
 SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode",
-            "models", "memory", "report")
+            "models", "ring", "memory", "report")
 # Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
 GPU_TEST_VARIANTS = 16
 OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "models",
-                     "memory")
+                     "ring", "memory")
 
 # The decode section: one decoding step against a KV cache (memory-bound, so judged by its
 # bandwidth), and causal training over packed documents of mixed lengths (varlen).
@@ -380,13 +382,14 @@ class Plan:
     variants: VariantsConfig = field(default_factory=VariantsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
+    ring: RingConfig = field(default_factory=RingConfig)
     # The whole run's budget. The shell wrapper kills at 460 s; this leaves
     # time to write the report after the last section stops.
     budget_s: float = 420.0
     # Section caps (the speed sweep has none: it takes what the others leave,
     # at least min_speed_s) and the time kept back to write the report.
     precompile_cap_s: float = 90.0
-    min_speed_s: float = 60.0
+    min_speed_s: float = 55.0
     correctness_cap_s: float = 150.0
     memory_cap_s: float = 45.0
     sanitizer_cap_s: float = 45.0  # each of memcheck and racecheck
@@ -477,6 +480,7 @@ class Plan:
             "variants": self.variants.estimate_seconds(),
             "decode": self.decode.estimate_seconds(),
             "models": self.models.estimate_seconds(),
+            "ring": self.ring.estimate_seconds(),
             "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
             "report": 5.0,
         }
@@ -515,6 +519,7 @@ class Plan:
         lines += self.variants_lines()
         lines += self.decode_lines()
         lines += models_plan_lines(self.models, self.models_kernels())
+        lines += ring_plan_lines(self.ring)
         mem = self.memory
         lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
                      f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
@@ -626,8 +631,8 @@ def full_plan() -> Plan:
 def quick_plan() -> Plan:
     """A ~3-5 minute subset: bf16, d=128, three sequence lengths, small memory sweep."""
     return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
-                # 270 s before the models section, plus its cap.
-                memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=285.0,
+                # 270 s before the models section, plus its cap and the ring section's forecast.
+                memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=290.0,
                 correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
                 flex_allowance_s=45.0,
                 # One score mod and one mask mod.

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from . import decode_report, models_report
+from . import decode_report, models_report, ring_report
 from .markdown import md as _md
 from .markdown import sanity_table
 from .plan import (FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS,
@@ -111,10 +111,11 @@ def skip_reasons(speed: dict) -> dict[str, dict[str, int]]:
 
 def short_table(results: dict) -> str:
     """Compact TFLOP/s table: one block per configuration, one row per (pass, N); then
-    the variants' rows, then the decode section's (decode_report) and the models section's
-    tokens/s (models_report)."""
+    the variants' rows, then the decode section's (decode_report), the models section's
+    tokens/s (models_report) and the ring section's (ring_report)."""
     return "\n".join([_short_speed_table(results)] + _short_variants_table(results)
-                     + decode_report.short_lines(results) + models_report.short_lines(results))
+                     + decode_report.short_lines(results) + models_report.short_lines(results)
+                     + ring_report.short_lines(results))
 
 
 def _short_variants_table(results: dict) -> list[str]:
@@ -236,6 +237,7 @@ def markdown(results: dict) -> str:
     out += _markdown_variants(results)
     out += decode_report.markdown_lines(results)
     out += models_report.markdown_lines(results)
+    out += ring_report.markdown_lines(results)
     out += _markdown_memory(results)
     out += _markdown_sanitizers(results)
     return "\n".join(out) + "\n"
@@ -529,6 +531,8 @@ def write_report(results: dict, out_dir: Path) -> dict:
         decode_report.add_varlen_ratios(decode_report.add_bandwidth(results["decode"]))
     if results.get("models"):
         models_report.add_rates(results["models"])
+    if results.get("ring"):
+        ring_report.add_ratios(results["ring"])
     files = {"json": None, "markdown": None, "plots": []}
     notes = results.setdefault("report_notes", [])
     try:
