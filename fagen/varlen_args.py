@@ -68,14 +68,22 @@ def _paged_rows(k, v):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims (num_pages, page_size, kv_heads, head_dim) with a "
                              f"block_table, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
-            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
-                             f"(the kernels read 16-byte rows), got strides {t.stride()}")
-    page_size = k.shape[1]
-    if page_size == 0 or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"a paged cache's page_size (k.shape[1]) must be a multiple of {PAGE_MULTIPLE}, "
-                         f"got {page_size}")
+        check_cache_rows(name, t)
+    check_page_size(k.shape[1], "k.shape[1]")
     return k[:, 0], v[:, 0]
+
+
+def check_cache_rows(name: str, t: torch.Tensor) -> None:
+    """A K/V cache is read in place, 16 bytes at a time: it cannot be copied into alignment."""
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+        raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+                         f"(the kernels read 16-byte rows), got strides {t.stride()}")
+
+
+def check_page_size(page_size: int, where: str) -> None:
+    if page_size == 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"a paged cache's page_size ({where}) must be a multiple of {PAGE_MULTIPLE}, "
+                         f"got {page_size}")
 
 
 def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tensor:

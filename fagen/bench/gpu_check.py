@@ -246,54 +246,43 @@ def _run_sections(run: "_Run") -> int:
 
     systems = {name: make_system(name) for name in dict.fromkeys(plan.systems + plan.memory.systems)}
 
+    def checkpointed(name: str):
+        """A section's checkpoint: its partial results saved to results.json as they grow."""
+        def checkpoint(partial):
+            results[name] = partial
+            run.save()
+        return checkpoint
+
     def speed_section():
         from .sweep import run_speed_sweep
 
-        deadline = run.deadline("speed")
-
-        def checkpoint(partial):
-            results["speed"] = partial
-            run.save()
-
-        return run_speed_sweep(plan, [systems[n] for n in plan.systems], deadline, log=log,
-                               checkpoint=checkpoint)
+        return run_speed_sweep(plan, [systems[n] for n in plan.systems], run.deadline("speed"), log=log,
+                               checkpoint=checkpointed("speed"))
 
     results["speed"] = run.section("speed", speed_section)
 
     def variants_section():
         from .variants import run_variant_sweep
 
-        def checkpoint(partial):
-            results["variants"] = partial
-            run.save()
-
         return run_variant_sweep(plan, run.deadline("variants", cap_s=plan.variants.cap_s), log=log,
-                                 checkpoint=checkpoint)
+                                 checkpoint=checkpointed("variants"))
 
     results["variants"] = run.section("variants", variants_section)
 
     def decode_section():
         from .decode import run_decode_section
 
-        def checkpoint(partial):
-            results["decode"] = partial
-            run.save()
-
         copy = ((results.get("peak") or {}).get("copy") or {}).get("tb_per_s")
         return run_decode_section(plan, run.deadline("decode", cap_s=plan.decode.cap_s), log=log,
-                                  checkpoint=checkpoint, copy_tb_per_s=copy)
+                                  checkpoint=checkpointed("decode"), copy_tb_per_s=copy)
 
     results["decode"] = run.section("decode", decode_section)
 
     def models_section():
         from .models import run_models_section
 
-        def checkpoint(partial):
-            results["models"] = partial
-            run.save()
-
         return run_models_section(plan, run.deadline("models", cap_s=plan.models.cap_s), log=log,
-                                  checkpoint=checkpoint)
+                                  checkpoint=checkpointed("models"))
 
     results["models"] = run.section("models", models_section)
 

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import MAX_HEAD_DIM
-from ..varlen_args import TORCH_DTYPES, values_checkable
-
-PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
+from ..varlen_args import TORCH_DTYPES, check_cache_rows, check_page_size, values_checkable
 
 
 @dataclass
@@ -99,9 +97,7 @@ def _check_cache(q, k_cache, v_cache, block_table):
     if kv_heads == 0 or q.shape[2] % kv_heads:
         raise ValueError(f"q's number of heads ({q.shape[2]}) must be a multiple of k_cache's ({kv_heads})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
-            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
-                             f"(the kernels read 16-byte rows), got strides {t.stride()}")
+        check_cache_rows(name, t)
 
 
 def _check_new(q, k_cache, k, v):
@@ -161,9 +157,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         block_table = _check_index("block_table", block_table, (batch, block_table.shape[1]), device,
                                    "(batch, max_pages)")
         page_size = k_cache.shape[1]
-        if page_size == 0 or page_size % PAGE_MULTIPLE:
-            raise ValueError(f"a paged cache's page_size (k_cache.shape[1]) must be a multiple of {PAGE_MULTIPLE}, "
-                             f"got {page_size}")
+        check_page_size(page_size, "k_cache.shape[1]")
         capacity = block_table.shape[1] * page_size
         checks.add("block_table", block_table, 0, k_cache.shape[0] - 1, f"pages are 0..{k_cache.shape[0] - 1}")
         cache_batch = torch.arange(batch, dtype=torch.int32, device=device)   # unused by paged kernels

@@ -20,6 +20,7 @@ broadcast, so every rank uses the same one.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,9 +109,16 @@ class RingCall:
 
 
 def _source(q, call: RingCall, causal: bool):
-    return source_for(Spec(head_dim=q.shape[-1], dtype=TORCH_DTYPES[q.dtype], mask="causal" if causal else "none",
-                           dropout=call.dropout_p > 0, deterministic=call.deterministic,
-                           coord_offsets=call.dropout_p > 0, window=call.window is not None))
+    return _pair_source(q.shape[-1], TORCH_DTYPES[q.dtype], causal, call.dropout_p > 0, call.deterministic,
+                        call.window is not None)
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_source(head_dim: int, dtype: str, causal: bool, dropout: bool, deterministic: bool, window: bool):
+    """A pair's kernels, built once: every pair of every step asks for one of a few sources, and
+    a Spec validates itself on construction."""
+    return source_for(Spec(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", dropout=dropout,
+                           deterministic=deterministic, coord_offsets=dropout, window=window))
 
 
 def _offsets(call: RingCall, block: Block) -> tuple[int, int]:
