@@ -3,14 +3,16 @@
 # attention backends, peak memory, and compute-sanitizer, in under 8 minutes.
 #
 #   benchmarks/gpu_check.sh            # the full run (about 7 minutes)
-#   benchmarks/gpu_check.sh --quick    # a subset (about 5 minutes)
-#   benchmarks/gpu_check.sh --dry-run  # on any machine: the plan and the import/NVRTC checks
+#   benchmarks/gpu_check.sh --quick    # a subset (about 4 minutes)
+#   benchmarks/gpu_check.sh --dry-run  # on any machine: versions, the plan, its time estimate, the checks
 #
 # Runs from the working tree (no install step). Writes results.json,
 # results.md, four PNGs and gpu_check.log into $OUT when set (the device tool
 # brings back what is there: at most 8 files), else ./gpu-check-results.
-# The Python side keeps its own budget (420 s full, 290 s quick) and writes
-# results.json after every section; the hard `timeout` here is the backstop:
+# The Python side keeps its own budget (420 s full, 290 s quick: every section's
+# reserve fits it, compute-sanitizer's runs included; `--dry-run` prints the
+# estimate) and writes results.json after every section; the hard `timeout` here
+# (460 s, inside the device tool's 540 s) is the backstop:
 # on it, Python gets SIGTERM, writes the report from what it has, and exits 124.
 set -uo pipefail
 cd "$(dirname "$0")/.."

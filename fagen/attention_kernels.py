@@ -246,7 +246,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
 
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
-                     block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None):
+                     block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
+                     pack_group: int | None = None):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
     q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
@@ -255,6 +256,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     (pages, page_size, Hk, d) takes block_table (B, max_pages) int32. Returns (out, lse (B, H, Nq)).
     With `varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) q is packed (total_q,
     H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
+    A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
     """
     batch, seqlen_q, heads, head_dim = _geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -277,6 +279,8 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
                   "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale,
                   "softmax_scale_log2": scale * LOG2E, "num_splits": num_splits,
                   "k_cache_stride_b": k_cache.stride(0), "v_cache_stride_b": v_cache.stride(0)}
+        if pack_group is not None:
+            values["pack_group"] = pack_group
         values.update(varlen_scalars)
         _strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
         values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
@@ -291,7 +295,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
 
     key = ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
            k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
-           None if block_table is None else block_table.shape, None if varlen is None else varlen[2:])
+           None if block_table is None else block_table.shape, None if varlen is None else varlen[2:], pack_group)
     varlen_scalars = _packed(tensors, varlen)
     _run(key, build, tensors, None)
     return out, lse
@@ -331,4 +335,7 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
            k_new.stride(), v_new.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), rotary_dim,
            interleaved, q_positions_step, None if block_table is None else block_table.shape)
     _run(key, build, tensors, None)
+    # The kernel wrote the caches through raw pointers: bump their version counters as torch's
+    # own in-place ops do, so that autograd refuses a backward that saved their old values.
+    torch.autograd.graph.increment_version((k_cache, v_cache))
     return q_rot

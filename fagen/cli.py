@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import __version__
 from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
-from .variant_flags import add_variant_flags, build_command, variant_fields, variant_flags_given
+from .variant_flags import add_variant_flags, build_command, variant_fields, variant_flags_given, window_sizes
 
 DEFAULT_OUT = "generated"
 TILE_OPTIONS = (("block_m", "--block-m"), ("block_n", "--block-n"), ("num_warps", "--num-warps"),
@@ -207,8 +207,8 @@ def cmd_verify(args) -> int:
             raise CommandError(f"--spec {args.spec} names the whole variant; it takes no {', '.join(given)}")
         spec = Spec.from_name(args.spec)
     elif given and args.head_dim is None:
-        raise CommandError(f"{', '.join(given)} describe a variant, which also needs --d "
-                           f"(or name one with --spec)")
+        verb = "describes" if len(given) == 1 else "describe"
+        raise CommandError(f"{', '.join(given)} {verb} a variant, which also needs --d (or name one with --spec)")
     else:
         spec = _specs_from_args(args)[0] if args.head_dim is not None else None
     results = identities.run(spec=spec)
@@ -216,9 +216,10 @@ def cmd_verify(args) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def _one_spec(args) -> Spec:
-    """The variant a command names, by NAME or by --d and its flags (not both)."""
-    given = _spec_options_given(args)
+def _one_spec(args, run_time: tuple[str, ...] = ()) -> Spec:
+    """The variant a command names, by NAME or by --d and its flags (not both). Options in
+    `run_time` give run-time values, not the variant, so a NAME takes them too."""
+    given = [flag for flag in _spec_options_given(args) if not (args.name and flag in run_time)]
     if args.name and given:
         raise CommandError(f"{args.name} names the whole variant; it takes no {', '.join(given)}")
     if not args.name and args.head_dim is None:
@@ -228,14 +229,37 @@ def _one_spec(args) -> Spec:
 
 # -- profile ---------------------------------------------------------------
 
+def _profile_values(args, spec: Spec) -> dict:
+    """`profiling.profile`'s run-time values of `spec`'s variants: the window's sizes from --window,
+    fixed values for the others (they change no count)."""
+    from . import profiling
+
+    sizes = window_sizes(args)
+    if sizes is not None and not spec.window:   # only with a NAME: without one, --window makes a window spec
+        raise CommandError(f"--window gives a sliding window's sizes, but {spec.name} has no window")
+    if spec.window and not sizes:
+        raise CommandError(f"{spec.name} has a sliding window, and fagen profile runs it: give its sizes, "
+                           f"--window LEFT RIGHT (e.g. --window 16 0; -1 is unbounded)")
+    values = profiling.default_variant_values(spec, heads=args.heads)
+    if sizes:
+        left, right = sizes
+        if left == -1 and (right == -1 or spec.causal):   # flash-attn: no window at all
+            why = "-1 leaves the left unbounded and causal already bounds the right" if spec.causal \
+                else "-1 is unbounded on both sides"
+            raise CommandError(f"--window {left} {right} is no window ({why}): give a LEFT size >= 0")
+        values["window_size"] = (left, right)
+    return values
+
+
 def cmd_profile(args) -> int:
     from . import profiling
 
-    spec = _one_spec(args)
+    spec = _one_spec(args, run_time=("--window",))
+    values = _profile_values(args, spec)
     print(f"profiling {spec.name} on the CPU emulator's instrumented build (the first run compiles it)...",
           file=sys.stderr, flush=True)
     result = profiling.profile(spec, seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, batch=args.batch,
-                               heads=args.heads, kv_heads=args.kv_heads, backward=args.backward)
+                               heads=args.heads, kv_heads=args.kv_heads, backward=args.backward, **values)
     print(profiling.format_table(result))
     if args.json:
         profiling.write_json(result, Path(args.json))
@@ -324,7 +348,10 @@ def make_parser() -> argparse.ArgumentParser:
                           description="Run a variant in the emulator's instrumented build and count, per kernel: "
                                       "HBM bytes, 32-byte sectors per request, shared-memory bank conflicts, mma, "
                                       "barriers, Philox calls; beside each pass, the FlashAttention IO model's "
-                                      "bytes. Counts of a model machine, not GPU timings.")
+                                      "bytes. Counts of a model machine, not GPU timings. Variants run with "
+                                      "their run-time values: the window's sizes from --window LEFT RIGHT; fixed "
+                                      "ones for softcap, ALiBi and sinks, which change no count "
+                                      "(fagen.profiling.default_variant_values).")
     prof.add_argument("name", nargs="?", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 "
                                                               "(or give --d and its flags)")
     _add_spec_args(prof, many=False)

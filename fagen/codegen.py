@@ -167,8 +167,10 @@ def _kv_cache(spec: Spec) -> list[Param]:
                 Param("page_size", "int", "int32")]
     else:                          # entry b reads cache entry cache_batch[b] from row cache_start[b] on
         rows = [_tensor("cache_batch", "int", const=True), _tensor("cache_start", "int", const=True)]
+    group = [Param("pack_group", "int", "int32")] if spec.pack_gqa else []   # query heads per K/V head
     return rows + [Param("k_cache_stride_b", "long long", "int64"), Param("v_cache_stride_b", "long long", "int64"),
-                   Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float")]
+                   Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float"),
+                   *group]
 
 
 def cache_update_params(spec: Spec) -> tuple[Param, ...]:

@@ -28,7 +28,9 @@ import math
 import torch
 
 from . import attention_kernels, generated_sources, tuning, variant_attention
+from .argument_checks import check_dense_tensor, check_flag
 from .codegen import Source, source_for
+from .errors import InputError, InputTypeError, run_forward_only
 from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
 from .variant_args import VariantCall, variant_call
 from .varlen_args import check_varlen, packed_lse, values_checkable
@@ -41,41 +43,51 @@ MAX_INT32 = 2**31 - 1  # sequence lengths, heads and batch reach the kernels as 
 
 # -- input checking --------------------------------------------------------------------------
 
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+FLASH_LAYOUT = ("batch", "seqlen", "heads", "head_dim")
+TORCH_LAYOUT = ("batch", "heads", "seqlen", "head_dim")   # PyTorch's (SDPA's) order
+
+
+def _check_tensor(name: str, t, dims=FLASH_LAYOUT) -> None:
+    check_dense_tensor(name, t)
     if t.dim() != 4:
-        raise ValueError(f"{name} must have 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        raise InputError(f"{name} must have 4 dims ({', '.join(dims)}), got shape {tuple(t.shape)}")
     if t.dtype not in TORCH_DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
 
 
-def check_inputs(q, k, v, seqlens_k=None) -> None:
-    """Validate flash-attn-layout inputs; raises TypeError/ValueError naming the argument."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYOUT) -> None:
+    """Validate q, k, v; raises TypeError/ValueError naming the argument. `names` are the
+    caller's own argument names and `dims` its layout (fagen.sdpa: query, key, value in
+    TORCH_LAYOUT), so every message speaks of what the user passed, in its shape."""
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v)):
+        _check_tensor(name, t, dims)
     q_shape, k_shape = q.shape, k.shape
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise InputTypeError(f"{nq}, {nk} and {nv} must share a dtype, got {nq} {q.dtype}, {nk} {k.dtype}, "
+                             f"{nv} {v.dtype}")
     if not q.device == k.device == v.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+        raise InputError(f"{nq}, {nk} and {nv} must be on one device, got {nq} {q.device}, {nk} {k.device}, "
+                         f"{nv} {v.device}")
     if k_shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k_shape)} and v {tuple(v.shape)}")
-    batch, seqlen_q, heads, head_dim = q_shape
+        raise InputError(f"{nk} and {nv} must have the same shape, got {nk} {tuple(k_shape)} and {nv} {tuple(v.shape)}")
+    heads_axis, seq_axis = dims.index("heads"), dims.index("seqlen")
+    batch, heads, head_dim = q_shape[0], q_shape[heads_axis], q_shape[3]
     if batch != k_shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k_shape[0]}")
+        raise InputError(f"{nq} and {nk} must have the same batch size, got {batch} and {k_shape[0]}")
     if head_dim != k_shape[3]:
-        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {k_shape[3]}")
+        raise InputError(f"{nq} and {nk} must have the same head_dim, got {head_dim} and {k_shape[3]}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
-    if k_shape[2] == 0 or heads % k_shape[2]:
-        raise ValueError(f"q's number of heads ({heads}) must be a multiple of k's ({k_shape[2]})")
-    if max(batch, seqlen_q, heads, k_shape[1]) > MAX_INT32:
-        for name, size in (("batch", batch), ("seqlen_q", seqlen_q), ("heads", heads), ("seqlen_k", k_shape[1])):
+        raise InputError(f"head_dim ({nq}.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if k_shape[heads_axis] == 0 or heads % k_shape[heads_axis]:
+        raise InputError(f"{nq}'s number of heads ({heads}) must be a multiple of {nk}'s ({k_shape[heads_axis]})")
+    if max(batch, q_shape[seq_axis], heads, k_shape[seq_axis]) > MAX_INT32:
+        for name, size in (("batch", batch), ("seqlen_q", q_shape[seq_axis]), ("heads", heads),
+                           ("seqlen_k", k_shape[seq_axis])):
             if size > MAX_INT32:
-                raise ValueError(f"{name} = {size} is above {MAX_INT32}, the largest size the kernels' "
+                raise InputError(f"{name} = {size} is above {MAX_INT32}, the largest size the kernels' "
                                  f"int arguments hold")
     if seqlens_k is not None:
         _check_seqlens_k(seqlens_k, q, k)
@@ -84,44 +96,43 @@ def check_inputs(q, k, v, seqlens_k=None) -> None:
 def _check_seqlens_k(seqlens_k, q, k) -> None:
     if not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype != torch.int32:
         got = seqlens_k.dtype if isinstance(seqlens_k, torch.Tensor) else type(seqlens_k).__name__
-        raise TypeError(f"seqlens_k must be an int32 tensor of shape (batch,), got {got}")
+        raise InputTypeError(f"seqlens_k must be an int32 tensor of shape (batch,), got {got}")
     if tuple(seqlens_k.shape) != (q.shape[0],):
-        raise ValueError(f"seqlens_k must have shape ({q.shape[0]},), got {tuple(seqlens_k.shape)}")
+        raise InputError(f"seqlens_k must have shape ({q.shape[0]},), got {tuple(seqlens_k.shape)}")
     if seqlens_k.device != q.device:
-        raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
+        raise InputError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
     # Unchecked (traced or captured), a value above Nk counts as Nk and one below 0 as 0:
     # the kernels clamp each length to [0, Nk].
     if seqlens_k.numel() == 0 or not values_checkable(seqlens_k):
         return
     low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
     if low < 0 or high > k.shape[1]:
-        raise ValueError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
+        raise InputError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
                          f"got values from {low} to {high}")
 
 
-def _check_flag(name: str, value) -> bool:
-    """A flag must be a bool: `causal="no"` must not quietly mean causal=True."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
+def check_scale(name: str, scale, head_dim: int) -> float:
+    """A softmax scale (None: 1/sqrt(head_dim)) as a float; `name` is the caller's argument."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise InputTypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        # The kernels take each row's max of the raw scores S and fold the scale into the
+        # exponent: max(tau S) = tau max(S) holds for tau > 0 only.
+        raise InputError(f"{name} must be a positive finite float, got {scale}")
+    return float(scale)
 
 
 def _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version, head_dim):
-    """The non-tensor arguments, checked; returns (dropout_p, softmax_scale) as floats."""
-    for name, value in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
-        _check_flag(name, value)
+    """The non-tensor arguments, checked; returns (dropout_p, softmax_scale, causal, return_lse,
+    deterministic) as floats and Python bools: a NumPy bool must not reach the custom op."""
+    causal, return_lse, deterministic = (check_flag(name, value) for name, value in (
+        ("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)))
     if isinstance(version, bool) or version not in (1, 2):
-        raise ValueError(f"version must be 1 or 2, got {version!r}")
-    dropout_p = check_dropout_p(dropout_p)
-    if softmax_scale is None:
-        return dropout_p, 1.0 / math.sqrt(head_dim)
-    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        # The kernels take each row's max of the raw scores S and fold the scale into the
-        # exponent: max(tau S) = tau max(S) holds for tau > 0 only.
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
-    return dropout_p, float(softmax_scale)
+        raise InputError(f"version must be 1 or 2, got {version!r}")
+    return check_dropout_p(dropout_p), check_scale("softmax_scale", softmax_scale, head_dim), causal, return_lse, \
+        deterministic
 
 
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
@@ -188,9 +199,12 @@ def _forward_kernels(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, 
     return (out, stats[0], stats[1] if version == 1 else None), source, (q, k, v)
 
 
-def _forward_impl(q, *args):
-    """The custom op's implementation: its row_sum output is an empty tensor for version 2."""
-    out, stat, row_sum = _forward_kernels(q, *args)[0]
+def _forward_impl(q, k, v, seqlens_k, rng, *args):
+    """The custom op's implementation: its row_sum output is an empty tensor for version 2.
+    Never traced, so it makes a compiled call's CUDA-graph check (see _philox_state)."""
+    if rng is not None:
+        _refuse_graph_capture(q.device)
+    out, stat, row_sum = _forward_kernels(q, k, v, seqlens_k, rng, *args)[0]
     return out, stat, q.new_empty(0, dtype=torch.float32) if row_sum is None else row_sum
 
 
@@ -314,18 +328,24 @@ def _run(*args):
 
 # -- public API --------------------------------------------------------------------------------
 
-def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
-    """(seed, offset) for Philox, drawn from torch's default CPU generator whatever the device:
-    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed.
-
-    The pair reaches the kernels as launch arguments, so a CUDA graph would replay the
-    captured pair, one dropout mask on every replay: capturing is refused instead."""
-    if dropout_p == 0:
-        return None
+def _refuse_graph_capture(device: torch.device) -> None:
+    """Dropout's (seed, offset) reach the kernels as launch arguments, so a CUDA graph would
+    replay the captured pair, one dropout mask on every replay: capturing is refused instead."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "fagen: dropout_p > 0 inside CUDA graph capture is not supported: the graph would replay "
             "one dropout mask on every replay. Capture with dropout_p=0, or run this call eagerly.")
+
+
+def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
+    """(seed, offset) for Philox, drawn from torch's default CPU generator whatever the device:
+    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed."""
+    if dropout_p == 0:
+        return None
+    # Dynamo cannot trace the capture query (a torch function returning a bool): a compiled
+    # call is checked at run time instead, by the custom op's implementation (_forward_impl).
+    if not torch.compiler.is_compiling():
+        _refuse_graph_capture(device)
     state = torch.randint(0, 2**62, (2,), dtype=torch.int64)
     return torch.stack([state[0], state[1] % 2**32])
 
@@ -344,8 +364,8 @@ def _padded_head_dim(q, k, v):
 def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
                module_source, variant=None):
     check_inputs(q, k, v, seqlens_k)
-    dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic,
-                                              version, q.shape[-1])  # the scale uses the true d
+    dropout_p, softmax_scale, causal, return_lse, deterministic = _check_options(
+        dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])  # the true d's scale
     call = variant_call(q, k, causal=causal, **variant) if variant else None
     q, k, v, head_dim = _padded_head_dim(q, k, v)
     if seqlens_k is not None:
@@ -369,7 +389,7 @@ def _variant_run(call: VariantCall, q, k, v, seqlens_k, dropout_p, softmax_scale
                     mask="causal" if causal else "none", key_padding=seqlens_k is not None, dropout=dropout_p > 0,
                     deterministic=deterministic, **call.spec_fields)
     except ValueError as exc:   # e.g. deterministic=True with a captured tensor's gradient
-        raise ValueError(f"fagen: {exc}") from None
+        raise InputError(f"fagen: {exc}") from None
     spec = tuning.lookup(spec, seqlen_q=max(1, q.shape[1]), seqlen_k=max(1, k.shape[1]), batch=max(1, q.shape[0]),
                          heads=q.shape[2], device=q.device)
     return variant_attention.run(source_for(spec), call, q, k, v, seqlens_k, _philox_state(dropout_p, q.device),
@@ -400,12 +420,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     generator, also with every variant; deterministic=True makes the backward pass
     bit-reproducible (no atomics); version=1 runs FlashAttention-1.
     """
-    _check_flag("return_attn_probs", return_attn_probs)
-    plain = window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None \
-        and score_mod is None and mask_mod is None   # the common call: no variant to check
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
+    # The common call: no variant to check (a window given as an array or a tensor is checked as one).
+    plain = isinstance(window_size, tuple) and window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None \
+        and sinks is None and score_mod is None and mask_mod is None
     variant = None if plain else dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                       sinks=sinks, score_mod=score_mod, mask_mod=mask_mod)
-    result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse or return_attn_probs,
+    result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k,
+                        check_flag("return_lse", return_lse) or return_attn_probs,
                         deterministic, version, "", variant)
     return (*result, None) if return_attn_probs else result
 
@@ -425,10 +447,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     col). Returns out (total_q, H, d); with return_lse also L (H, total_q), differentiable;
     return_attn_probs=True returns (out, L, None).
     """
-    _check_flag("return_attn_probs", return_attn_probs)
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    dropout_p, softmax_scale = _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version,
-                                              q.shape[-1])
+    dropout_p, softmax_scale, causal, return_lse, deterministic = _check_options(
+        dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])
     batch, heads = cu_q.numel() - 1, q.shape[1]
     call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                         sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
@@ -455,24 +477,24 @@ def _varlen_result(out, slots, cu_q, total_q: int, head_dim: int, return_lse: bo
 @torch.compiler.disable
 def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version):
     """Packed queries over a paged K/V cache: forward only, as in flash-attn (its backward does not
-    take a block table), so a call that would need gradients is refused."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("flash_attn_varlen_func with a block_table (a paged K/V cache) is forward only: "
-                         "run it under torch.no_grad() or pass tensors that do not require grad")
+    take a block table). Inputs that require grad still run, as in flash-attn: only a backward
+    raises. A head_dim that is not a multiple of 8 reads a zero-padded copy of the cache, as
+    flash-attn does (softmax_scale comes from the true d: _check_options)."""
     if dropout_p > 0 or version != 2:
-        raise ValueError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
+        raise InputError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
                          f"dropout_p={dropout_p}, version={version}")
-    if q.shape[-1] % HEAD_DIM_MULTIPLE:
-        raise ValueError(f"a paged K/V cache needs head_dim to be a multiple of {HEAD_DIM_MULTIPLE} (its rows cannot "
-                         f"be padded in place), got {q.shape[-1]}")
     try:
-        spec = Spec.for_kv_cache(q.shape[2], TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1],
-                                 varlen=True, **(call.spec_fields if call else {}))
-    except ValueError as exc:   # sinks, score_mod, mask_mod
-        raise ValueError(f"fagen: with a block_table, {exc}") from None
-    return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q), k, v, None, seqlen_k=varlen[3],
-                                              block_table=table, softmax_scale=softmax_scale,
-                                              variant=call.values if call else None, varlen=varlen)
+        spec = Spec.for_kv_cache(q.shape[2] + -q.shape[2] % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], causal=causal,
+                                 page_size=k.shape[1], varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as exc:   # sinks (the decoding kernels take no sinks)
+        raise InputError(f"fagen: with a block_table, {exc}") from None
+
+    def run():
+        q_kernel, k_cache, v_cache, _ = _padded_head_dim(q, k, v)
+        return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
+                                                  seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
+                                                  variant=call.values if call else None, varlen=varlen)
+    return run_forward_only("flash_attn_varlen_func with a block_table", run, (q, k, v))
 
 
 @torch.compiler.disable
@@ -482,7 +504,7 @@ def _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version
                     mask="causal" if causal else "none", dropout=dropout_p > 0, deterministic=deterministic,
                     varlen=True, **(call.spec_fields if call else {}))
     except ValueError as exc:
-        raise ValueError(f"fagen: {exc}") from None
+        raise InputError(f"fagen: {exc}") from None
     spec = tuning.lookup(spec, seqlen_q=max(1, varlen[2]), seqlen_k=max(1, varlen[3]),
                          batch=max(1, varlen[0].numel() - 1), heads=q.shape[1], device=q.device)
     return variant_attention.run(source_for(spec), call, q, k, v, None, _philox_state(dropout_p, q.device),
@@ -501,7 +523,7 @@ def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, windo
     """Like `flash_attn_func`, in PyTorch's layout: q (B, H, Nq, d), k and v (B, Hk, Nk, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape "
+            raise InputError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape "
                              f"{tuple(t.shape)}")
     result = flash_attn_func(*(t.transpose(1, 2) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
                              dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -517,15 +539,15 @@ def run_generated(spec: Spec, source_path, sha256: str, q, k, v, *, softmax_scal
                   seqlens_k=None, dropout_p=0.0, return_lse=False):
     """Entry point of the op modules `fagen build` writes: a fixed spec and its own .cu file."""
     if spec.has_mods:
-        raise ValueError(f"{spec.name} is a variant: its op module cannot pass the variant's arguments yet; "
+        raise InputError(f"{spec.name} is a variant: its op module cannot pass the variant's arguments yet; "
                          f"call fagen.flash_attn_func with window_size/softcap/alibi_slopes/sinks instead")
     if TORCH_DTYPES.get(getattr(q, "dtype", None)) != spec.dtype or getattr(q, "shape", (0,))[-1] != spec.head_dim:
-        raise ValueError(f"{spec.name} takes {spec.dtype} inputs with head_dim {spec.head_dim}, got "
+        raise InputError(f"{spec.name} takes {spec.dtype} inputs with head_dim {spec.head_dim}, got "
                          f"{getattr(q, 'dtype', type(q).__name__)} with shape {tuple(getattr(q, 'shape', ()))}")
     if (seqlens_k is not None) != spec.key_padding:
-        raise ValueError(f"{spec.name} {'needs' if spec.key_padding else 'takes no'} seqlens_k")
+        raise InputError(f"{spec.name} {'needs' if spec.key_padding else 'takes no'} seqlens_k")
     if (check_dropout_p(dropout_p) > 0) != spec.dropout:
-        raise ValueError(f"{spec.name} was built {'with' if spec.dropout else 'without'} dropout; "
+        raise InputError(f"{spec.name} was built {'with' if spec.dropout else 'without'} dropout; "
                          f"dropout_p must be {'> 0' if spec.dropout else '0'}, got {dropout_p}")
     return _attention(q, k, v, dropout_p, softmax_scale, spec.causal, seqlens_k, return_lse, spec.deterministic,
                       spec.version, generated_sources.module_source(spec, source_path, sha256))

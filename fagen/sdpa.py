@@ -20,32 +20,30 @@ from __future__ import annotations
 
 import torch
 
-from .ops import flash_attn_func
+from .argument_checks import check_flag
+from .errors import InputError, InputTypeError
+from .ops import TORCH_LAYOUT, check_inputs, check_scale, flash_attn_func
 
 
 def _check_layout(query, key, value, enable_gqa) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+    """query, key and value checked in SDPA's layout and names (flash_attn_func, which checks
+    them again as transposed views, would speak of q, k and v)."""
+    check_inputs(query, key, value, names=("query", "key", "value"), dims=TORCH_LAYOUT)
     heads, kv_heads = query.shape[1], key.shape[1]
-    if not enable_gqa and heads != kv_heads:
-        raise ValueError(f"query has {heads} heads and key {kv_heads}: pass enable_gqa=True for grouped-query "
+    if not check_flag("enable_gqa", enable_gqa) and heads != kv_heads:
+        raise InputError(f"query has {heads} heads and key {kv_heads}: pass enable_gqa=True for grouped-query "
                          "attention (SDPA's rule)")
 
 
 def _broadcast_dims(mask: torch.Tensor, shape: tuple) -> list[int]:
     """The dims of (B, H, Nq, Nk) that `mask` varies along; raises if it does not broadcast."""
     if mask.dim() > 4:
-        raise ValueError(f"attn_mask must broadcast to (batch, heads, seqlen_q, seqlen_k) = {shape}, got "
+        raise InputError(f"attn_mask must broadcast to (batch, heads, seqlen_q, seqlen_k) = {shape}, got "
                          f"shape {tuple(mask.shape)}")
     padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
     for size, full in zip(padded, shape):
         if size not in (1, full):
-            raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, "
+            raise InputError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, "
                              f"seqlen_q, seqlen_k) = {shape}")
     return [axis for axis, size in enumerate(padded) if size != 1]
 
@@ -65,9 +63,12 @@ def _key_lengths(mask: torch.Tensor, keep: list[int], shape: tuple) -> torch.Ten
 def _mask_mods(attn_mask, shape: tuple, device) -> dict:
     """flash_attn_func arguments that apply `attn_mask`: seqlens_k, a mask_mod or a score_mod."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        raise InputTypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.layout != torch.strided:
+        raise InputTypeError(f"attn_mask must be a dense (torch.strided) tensor, got layout {attn_mask.layout}: pass "
+                             "attn_mask.to_dense()")
     if attn_mask.device != device:
-        raise ValueError(f"attn_mask must be on query's device {device}, got {attn_mask.device}")
+        raise InputError(f"attn_mask must be on query's device {device}, got {attn_mask.device}")
     keep = _broadcast_dims(attn_mask, shape)
     padded = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
     compact = padded.reshape([shape[axis] for axis in keep])   # broadcast dims dropped, no copy
@@ -81,8 +82,8 @@ def _mask_mods(attn_mask, shape: tuple, device) -> dict:
 
         return {"mask_mod": mask_mod}
     if not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask must be boolean (True keeps) or floating (added to the scores), got "
-                        f"{attn_mask.dtype}")
+        raise InputTypeError(f"attn_mask must be boolean (True keeps) or floating (added to the scores), got "
+                             f"{attn_mask.dtype}")
     bias = compact.float() if attn_mask.dtype != torch.float32 else compact
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -106,12 +107,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     Returns (B, H, Nq, d) in query's dtype, with autograd. fp16 or bf16 inputs."""
     _check_layout(query, key, value, enable_gqa)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
+    is_causal = check_flag("is_causal", is_causal)
+    scale = check_scale("scale", scale, query.shape[-1])
     batch, heads, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if is_causal and attn_mask is not None:
-        raise ValueError("pass attn_mask or is_causal, not both (SDPA refuses the pair too)")
+        raise InputError("pass attn_mask or is_causal, not both (SDPA refuses the pair too)")
     mods = {} if attn_mask is None else _mask_mods(attn_mask, (batch, heads, seqlen_q, seqlen_k), query.device)
     causal = is_causal and seqlen_q == seqlen_k   # top-left = bottom-right when the lengths are equal
     if is_causal and not causal:

@@ -277,6 +277,9 @@ class Spec:
                  num_splits ranges whose fp32 partials a combine kernel merges by L
     coord_offsets  dropout keys on (row + row_offset, col + col_offset), run-time multiples of 16:
                  a shard of a longer sequence draws the whole sequence's mask (context parallelism)
+    pack_gqa     kv_cache only: the query heads that share a K/V head fill one tile's rows (row
+                 i * group + g holds query i of head kv_head * group + g); masks and mods see
+                 each row's own query and head (the group size is a run-time argument)
     """
 
     head_dim: int
@@ -301,6 +304,7 @@ class Spec:
     varlen: bool = False
     kv_cache: str | None = None
     coord_offsets: bool = False
+    pack_gqa: bool = False
 
     def __post_init__(self):
         self._check_head_dim()
@@ -310,7 +314,8 @@ class Spec:
             raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
-        for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", *BUILTIN_MODS):
+        for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", "pack_gqa",
+                     *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         self._check_mods()
@@ -358,6 +363,8 @@ class Spec:
                    num_warps=4, block_n=block_n, num_stages=2, **fields)
 
     def _check_kv_cache(self):
+        if self.pack_gqa and (self.kv_cache is None or self.varlen):
+            raise ValueError("pack_gqa packs the query heads of a decoding step: it needs kv_cache and no varlen")
         if self.kv_cache is None:
             return
         if self.kv_cache not in KV_CACHES:
@@ -367,8 +374,8 @@ class Spec:
                              "or varlen=True (each sequence's keys: cu_seqlens_k)")
         if self.varlen and self.kv_cache != "paged":
             raise ValueError("packed sequences (varlen) read a KV cache only through a block table: kv_cache='paged'")
-        if self.dropout or self.sinks or self.score_mod or self.mask_mod:
-            raise ValueError("kv_cache kernels take no dropout, sinks, score_mod or mask_mod "
+        if self.dropout or self.sinks:
+            raise ValueError("kv_cache kernels take no dropout or sinks "
                              "(flash-attn's paged and decoding kernels take window, softcap and ALiBi)")
 
     @property
@@ -555,6 +562,8 @@ class Spec:
             parts.append({"contiguous": "cache", "paged": "paged"}[self.kv_cache])
         if self.coord_offsets:
             parts.append("coords")
+        if self.pack_gqa:
+            parts.append("packgqa")
         return "_".join(parts)
 
     @property
@@ -575,7 +584,7 @@ class Spec:
         """The fields; the variant fields only where set, so that a spec without them reads
         (and its generated header renders) exactly as before they existed."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets"):
+        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa"):
             if not data[flag]:
                 del data[flag]
         for field in ("score_mod", "mask_mod", "kv_cache"):
@@ -609,7 +618,7 @@ class Spec:
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
-                 "coords": ("coord_offsets", True),
+                 "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

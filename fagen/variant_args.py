@@ -10,10 +10,13 @@ require grad). Every error names the argument and what was expected.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from .errors import InputError, InputTypeError
 from .variants.compose import custom_mod, mod_expression
 from .variants.language import trace_mask_mod, trace_score_mod
 from .variants.tiles import SUMMARY_ROWS, summaries
@@ -27,13 +30,31 @@ class VariantCall:
     grad_names: list = field(default_factory=list)     # where backward's extras hold their gradients
 
 
+def _window_int(w) -> int | None:
+    """An integer-valued scalar as an int: a Python int (the plain path, no graph break under
+    torch.compile), a NumPy integer or a one-element integer tensor, as flash-attn's tests pass
+    them; None for anything else (bools, floats)."""
+    if isinstance(w, int):
+        return None if isinstance(w, bool) else w
+    if isinstance(w, torch.Tensor) and (w.dtype == torch.bool or w.is_floating_point() or w.is_complex()):
+        return None
+    try:
+        return operator.index(w)   # NumPy integers, integer tensors; NumPy bools and floats refuse
+    except (TypeError, RuntimeError):
+        return None
+
+
 def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int):
-    """flash-attn's (left, right), -1 unbounded; causal means right = 0. None: no window."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or \
-            any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
+    """flash-attn's (left, right), -1 unbounded; causal means right = 0. None: no window. The
+    pair may be a tuple, a list, or a 2-element tensor or array (flash-attn's tests draw it
+    with torch.randint)."""
+    pair = window_size if isinstance(window_size, (tuple, list)) else \
+        tuple(window_size) if isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 else ()
+    ints = [_window_int(w) for w in pair]
+    if len(ints) != 2 or any(w is None or w < -1 for w in ints):
+        raise InputError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
                          f"got {window_size!r}")
-    left, right = window_size
+    left, right = ints
     if causal:
         right = 0
     if left == -1 and right == -1 or (left == -1 and causal):
@@ -44,13 +65,13 @@ def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int):
 
 def _check_float(name: str, t, q, shapes: tuple) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
+        raise InputTypeError(f"{name} must be float32, got {t.dtype}")
     if tuple(t.shape) not in shapes:
-        raise ValueError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
+        raise InputError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
     if t.device != q.device:
-        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        raise InputError(f"{name} must be on q's device {q.device}, got {t.device}")
     return t.contiguous()
 
 
@@ -58,7 +79,7 @@ def _captures(prefix: str, traced, q, call: VariantCall) -> None:
     for i, tensor in enumerate(traced.tensors):
         name = f"{prefix}_cap{i}"
         if tensor.device != q.device:
-            raise ValueError(f"{prefix}_mod captures a tensor on {tensor.device}; captured tensors must be on "
+            raise InputError(f"{prefix}_mod captures a tensor on {tensor.device}; captured tensors must be on "
                              f"q's device {q.device}")
         kernel_view = tensor.detach().contiguous()
         call.values[name] = kernel_view
@@ -76,7 +97,7 @@ def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi
     batch, seqlen_q, heads, seqlen_k = sizes or (*q.shape[:3], k.shape[1])
     window = _window(window_size, causal, seqlen_q, seqlen_k)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
-        raise ValueError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
+        raise InputError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
     if window is None and not softcap and alibi_slopes is None and sinks is None and score_mod is None \
             and mask_mod is None:
         return None

@@ -28,8 +28,8 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
     # The variants' values are run-time arguments: a flag builds the kernels that take them.
     parser.add_argument("--window", nargs="*", type=int, metavar="L R", default=None,
-                        help="flash-attn's sliding window (the sizes are run-time arguments; given, they "
-                             "are checked: two ints >= -1)")
+                        help="flash-attn's sliding window; its sizes LEFT RIGHT (-1: unbounded) are run-time "
+                             "arguments, checked when given (`fagen profile` needs them: it runs the kernel)")
     parser.add_argument("--softcap", action="store_true", help="logit softcapping c tanh(s / c), c at run time")
     parser.add_argument("--alibi", action="store_true", help="ALiBi biases, slopes at run time")
     parser.add_argument("--sinks", action="store_true", help="a learnable sink logit per head")
@@ -37,11 +37,17 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"1 = FlashAttention-1, 2 = FlashAttention-2 (default {DEFAULT_VERSION})")
 
 
-def variant_fields(args: argparse.Namespace) -> dict:
-    """The Spec fields the variant options give (unset ones take the Spec's defaults)."""
+def window_sizes(args: argparse.Namespace) -> list[int] | None:
+    """--window's sizes as given: None (no --window), [] (the flag alone) or [left, right]."""
     window = getattr(args, "window", None)
     if window is not None and (len(window) not in (0, 2) or any(w < -1 for w in window)):
-        raise ValueError(f"--window takes two ints >= -1 (left right) or none, got {window}")
+        raise ValueError(f"--window takes two ints >= -1 (left right) or none, got {' '.join(map(str, window))}")
+    return window
+
+
+def variant_fields(args: argparse.Namespace) -> dict:
+    """The Spec fields the variant options give (unset ones take the Spec's defaults)."""
+    window = window_sizes(args)
     return {"version": DEFAULT_VERSION if args.version is None else args.version,
             "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
             "dropout": args.dropout, "deterministic": args.deterministic, "window": window is not None,

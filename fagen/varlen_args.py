@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from .argument_checks import check_dense_tensor
+from .errors import InputError, InputTypeError
+
 TORCH_DTYPES = (torch.float16, torch.bfloat16)
 PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
+ROW_CHUNK = 8        # elements in the kernels' 16-byte loads (fp16 / bf16)
 
 
 def values_checkable(t: torch.Tensor) -> bool:
@@ -26,38 +30,37 @@ def values_checkable(t: torch.Tensor) -> bool:
 
 
 def _check_packed(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense_tensor(name, t)
     if t.dim() != 3:
-        raise ValueError(f"{name} must have 3 dims (total tokens, heads, head_dim) for packed sequences, "
+        raise InputError(f"{name} must have 3 dims (total tokens, heads, head_dim) for packed sequences, "
                          f"got shape {tuple(t.shape)}")
     if t.dtype not in TORCH_DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
 
 
 def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
         got = cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__
-        raise TypeError(f"{name} must be an int32 tensor of shape (batch + 1,), got {got}")
+        raise InputTypeError(f"{name} must be an int32 tensor of shape (batch + 1,), got {got}")
     if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
+        raise InputError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+        raise InputError(f"{name} must be on q's device {device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
+        raise InputError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
     if values_checkable(cu):
         values = cu.tolist()   # one device sync
         if values[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {values[0]}")
+            raise InputError(f"{name} must start at 0, got {values[0]}")
         lengths = [b - a for a, b in zip(values, values[1:])]
         if any(n < 0 for n in lengths):
-            raise ValueError(f"{name} must be non-decreasing, got {values}")
+            raise InputError(f"{name} must be non-decreasing, got {values}")
         if total is not None and values[-1] != total:
-            raise ValueError(f"{name}[-1] must equal the {total} tokens packed, got {values[-1]}")
+            raise InputError(f"{name}[-1] must equal the {total} tokens packed, got {values[-1]}")
         if lengths and max(lengths) > max_seqlen:
-            raise ValueError(f"{max_name} = {max_seqlen} is smaller than a sequence of {max(lengths)} tokens")
+            raise InputError(f"{max_name} = {max_seqlen} is smaller than a sequence of {max(lengths)} tokens")
     return cu.contiguous()
 
 
@@ -66,7 +69,7 @@ def _paged_rows(k, v):
     for the checks every K/V gets."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (num_pages, page_size, kv_heads, head_dim) with a "
+            raise InputError(f"{name} must have 4 dims (num_pages, page_size, kv_heads, head_dim) with a "
                              f"block_table, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         check_cache_rows(name, t)
     check_page_size(k.shape[1], "k.shape[1]")
@@ -74,15 +77,19 @@ def _paged_rows(k, v):
 
 
 def check_cache_rows(name: str, t: torch.Tensor) -> None:
-    """A K/V cache is read in place, 16 bytes at a time: it cannot be copied into alignment."""
-    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
-        raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+    """A K/V cache is read in place, 16 bytes at a time: it cannot be copied into alignment. (A
+    head_dim that is not a multiple of 8 is zero-padded into a copy first, as flash-attn does:
+    the copy is aligned whatever the cache's strides.)"""
+    if t.shape[-1] % ROW_CHUNK:
+        return
+    if t.data_ptr() % 16 or any(s % ROW_CHUNK for s in t.stride()[:3]):
+        raise InputError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
                          f"(the kernels read 16-byte rows), got strides {t.stride()}")
 
 
 def check_page_size(page_size: int, where: str) -> None:
     if page_size == 0 or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"a paged cache's page_size ({where}) must be a multiple of {PAGE_MULTIPLE}, "
+        raise InputError(f"a paged cache's page_size ({where}) must be a multiple of {PAGE_MULTIPLE}, "
                          f"got {page_size}")
 
 
@@ -91,18 +98,18 @@ def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tens
     block_table[b][j / page_size]."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
         got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
-        raise TypeError(f"block_table must be a 2-D int32 tensor (batch, max_pages), got {got}")
+        raise InputTypeError(f"block_table must be a 2-D int32 tensor (batch, max_pages), got {got}")
     if block_table.shape[0] != batch or block_table.device != q.device:
-        raise ValueError(f"block_table must be ({batch}, max_pages) on q's device {q.device}, got "
+        raise InputError(f"block_table must be ({batch}, max_pages) on q's device {q.device}, got "
                          f"{tuple(block_table.shape)} on {block_table.device}")
     page_size = k.shape[1]
     if max_seqlen_k > block_table.shape[1] * page_size:
-        raise ValueError(f"max_seqlen_k = {max_seqlen_k} is more than the block table's {block_table.shape[1]} pages "
+        raise InputError(f"max_seqlen_k = {max_seqlen_k} is more than the block table's {block_table.shape[1]} pages "
                          f"of {page_size} rows hold")
     if values_checkable(block_table) and block_table.numel():
         low, high = int(block_table.min()), int(block_table.max())
         if low < 0 or high >= k.shape[0]:
-            raise ValueError(f"block_table names page {low if low < 0 else high}; k has pages 0..{k.shape[0] - 1}")
+            raise InputError(f"block_table names page {low if low < 0 else high}; k has pages 0..{k.shape[0] - 1}")
     return block_table.contiguous()
 
 
@@ -116,20 +123,20 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, t in (("k", k_rows), ("v", v_rows)):
         _check_packed(name, t)
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise InputTypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not q.device == k.device == v.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+        raise InputError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise InputError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if q.shape[2] != k_rows.shape[2]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k_rows.shape[2]}")
+        raise InputError(f"q and k must have the same head_dim, got {q.shape[2]} and {k_rows.shape[2]}")
     if k_rows.shape[1] == 0 or q.shape[1] % k_rows.shape[1]:
-        raise ValueError(f"q's number of heads ({q.shape[1]}) must be a multiple of k's ({k_rows.shape[1]})")
+        raise InputError(f"q's number of heads ({q.shape[1]}) must be a multiple of k's ({k_rows.shape[1]})")
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
     cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], "max_seqlen_k", max_seqlen_k,
                      q.device)
     if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {cu_q.numel() - 1} "
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences, got {cu_q.numel() - 1} "
                          f"and {cu_k.numel() - 1}")
     table = _check_table(block_table, q, k, cu_q.numel() - 1, max_seqlen_k) if paged else None
     return cu_q, cu_k, table

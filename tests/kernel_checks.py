@@ -168,3 +168,19 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12), (32, True)
     with mock.patch.object(kvcache, "source_for", step_source):
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
+
+
+def packed_window_check(spec: Spec, source: Source | None = None) -> None:
+    """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
+    head of an entry sees the same last six keys, whatever row of the tile it was packed into."""
+    from fagen.decode import kvcache
+    from kvcache_cases import Case, check_call
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    with mock.patch.object(kvcache, "source_for", step_source):
+        check_call(Case(nq=1, seed=14), num_splits=2, window_size=(5, 0))

@@ -167,8 +167,10 @@ MUTANTS += [
                  (checks.variant_check,)),
 ]
 # Decoding (Spec.kv_cache): the cache views, the page lookup, the splits, the combine, the update.
-DECODE_PAGED = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48)   # 16-key tiles, 3 per page
-DECODE_CACHE = Spec.for_kv_cache(64, "fp16", causal=True, page_size=None)
+# The cases have two query heads per K/V head, so their steps pack them (Spec.pack_gqa).
+DECODE_PAGED = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48, pack_gqa=True)   # 16-key tiles, 3 per page
+DECODE_CACHE = Spec.for_kv_cache(64, "fp16", causal=True, page_size=None, pack_gqa=True)
+DECODE_WINDOW = Spec.for_kv_cache(64, "fp16", causal=False, page_size=None, window=True, pack_gqa=True)
 MUTANTS += [
     KernelMutant("paged: every K tile read from its page's first rows", DECODE_PAGED,
                  (Edit("(long long)page_row * k_stride_n", "0LL"),), (checks.kv_cache_check,)),
@@ -184,12 +186,16 @@ MUTANTS += [
                  (checks.kv_cache_check,)),
     KernelMutant("rotary: the pair's second member turned the wrong way", DECODE_CACHE,
                  (Edit(": value * c + other * s;", ": value * c - other * s;"),), (checks.kv_cache_check,)),
+    KernelMutant("GQA packing: the window evaluated at the packed row", DECODE_WINDOW,
+                 (Edit("packed_query[rt][half] = r / pack_group,", "packed_query[rt][half] = r,"),
+                  Edit("const fagen_variant::Context ctx = {query_len,", "const fagen_variant::Context ctx = {seqlen_q,")),
+                 (checks.packed_window_check,)),
 ]
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",
           "documents: tiles whose id ranges touch skipped as empty",
-          "combine: splits weighed by the largest L, not by L")
+          "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

@@ -19,8 +19,11 @@ from fagen.bench.gpu_check import run_gpu_check
 from fagen.bench.peers import System, failure_reason
 from fagen.bench.plan import (OPTIONAL_SECTIONS, SECTIONS, DecodeConfig, ModelsConfig, Plan, VariantsConfig,
                               full_plan, quick_plan)
+from fagen.bench.plan_text import describe
+from fagen.bench.schedule import estimate_line, replay
 from fagen.bench.sweep import GUARD_REASON, run_speed_sweep, torch_attention
 from fagen.bench.timing import Budget, Deadline, Timing, repeats_for
+from fagen.bench.versions import found_versions, versions_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,9 +44,46 @@ def test_full_plan_is_the_papers_setup():
 
 
 def sum_without_the_sweep(plan):
-    estimate = plan.estimate_seconds()
-    assert estimate["total"] == pytest.approx(sum(v for k, v in estimate.items() if k != "total"))
+    estimate = replay(plan, sanitizers=True)
+    assert estimate["total"] == pytest.approx(sum(v for k, v in estimate.items() if k in SECTIONS))
     return estimate["total"] - estimate["speed"]
+
+
+class FakeClock:
+    """A clock that moves only when told to: no budget or deadline test reads the wall clock."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_deadline():
+    return Deadline(float("inf"), clock=FakeClock())
+
+
+def passed_deadline():
+    return Deadline(0.0, clock=FakeClock(1.0))
+
+
+def reserving_run(plan, tmp_path, skip=(), clock=None):
+    """The run's time guard on a frozen clock."""
+    from fagen.bench.gpu_check import _Run
+
+    return _Run(plan, tmp_path, set(skip), log=lambda line: None, clock=clock or FakeClock())
+
+
+def assert_reserved(plan, tmp_path, section: str, before: str, reserve: float) -> None:
+    """While `before` runs, `reserve` seconds are kept for `section` and the sections after it:
+    one second short of that, `before` has one second left. Skipping `section` gives its cap to the
+    speed sweep (the one section without a cap of its own). The clock is frozen: exact."""
+    clock = FakeClock()
+    run, skipped = reserving_run(plan, tmp_path, clock=clock), reserving_run(plan, tmp_path, {section}, clock=clock)
+    clock.now += plan.budget_s - reserve - 1.0
+    assert run.deadline(before).remaining() == 1.0
+    assert skipped.needs()[section] == 0.0
+    assert skipped.deadline("speed").remaining() == run.deadline("speed").remaining() + run.needs()[section]
 
 
 def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
@@ -56,9 +96,12 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
     for needle in ("sections, in order: setup, precompile, peak, correctness, sanitizers, speed, "
                    "variants, decode, models, ring, memory, report",
                    "fagen v2, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
-                   "[     ok] compile one fagen variant: fa2_d128_causal_bf16 for sm_90",
+                   "[     ok] precompile's kernels for sm_90 (recorded from the calls): ",
+                   "[     ok] the sections' reserves fit the budget (with compute-sanitizer's runs): 420 s of 420 s",
                    "[     ok] fagen flash_attn_func", "dry run: ok"):
-        assert needle in out
+        assert needle in out, needle
+    assert out.startswith("versions found: " + versions_line(found_versions()))
+    assert out.rstrip().endswith(estimate_line(full_plan(), sanitizer_found=False) + ")")
     # The variants section: its rows in the plan, and its kernels traced and one compiled.
     for needle in ("  variants: passes forward, forward + backward; bf16 d=128 causal N=16k B=1 H=16",
                    "    variant window: sliding window 4096, window_size=(W, 0)",
@@ -68,15 +111,15 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "    systems: fagen v2 (same mod), FlexAttention (same mod), SDPA flash (plain causal, "
                    "measured once), fagen v2 (no mod) (plain causal, measured once)",
                    f"    timed runs: {full_plan().variants.timed_runs()}; fagen variant kernels to compile: 4",
-                   "[     ok] variants section's fagen kernels (traced as the calls trace them): "
-                   "fa2_d128_causal_window_bf16, fa2_d128_causal_softcap_bf16, fa2_d128_causal_alibi_bf16, "
-                   "fa2_d128_causal_mmod"):
+                   "[     ok] the variants section's fagen kernels compile for sm_90: "
+                   "fa2_d128_causal_window_bf16_m128n128w8s2, fa2_d128_causal_softcap_bf16_m128n128w8s2, "
+                   "fa2_d128_causal_alibi_bf16_m128n128w8s2, fa2_d128_causal_mmod"):
         assert needle in out, needle
-    assert " compiles for sm_90 in " in out.split("variants section's fagen kernels")[1].splitlines()[0]
+    assert " compiles in " in out.split("the variants section's fagen kernels")[1].splitlines()[0]
     assert "variants " in out.split("estimated seconds:")[1].splitlines()[0]
     # The decode section: its rows in the plan, its estimate, and its kernels rendered and one compiled.
     decode = full_plan().decode
-    for needle in ("  decode: cap 40 s;",
+    for needle in ("  decode: cap 30 s;",
                    "    decode step: bf16 B=64 cache 8k Hq=32 Hk=8 d=128 Nq=1 non-causal, full caches",
                    "    systems: fagen (flash_attn_with_kvcache, contiguous cache), fagen paged (the same keys in "
                    "pages of 256, seeded random block table), SDPA math, SDPA efficient, SDPA flash, FlexAttention",
@@ -85,13 +128,14 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    f"    document lengths (seed 0): {', '.join(map(str, decode.document_lengths()))}",
                    "    timed runs: 12; fagen kernels to compile: 3",
                    "[     ok] fagen flash_attn_with_kvcache and flash_attn_varlen_func",
-                   "[     ok] decode section's fagen kernels (decode step, paged, varlen, padded): "):
+                   "[     ok] the decode section's fagen kernels compile for sm_90: "):
         assert needle in out, needle
-    kernels = out.split("decode section's fagen kernels")[1].splitlines()[0]
-    assert "paged" in kernels and "varlen" in kernels and " compiles for sm_90 in " in kernels
+    kernels = out.split("the decode section's fagen kernels")[1].splitlines()[0]
+    assert "_paged_packgqa_" in kernels and "_cache_packgqa_" in kernels and "varlen" in kernels
+    assert " compiles in " in kernels
     assert " decode 25," in out.split("estimated seconds:")[1].splitlines()[0]
     # The models section: its rows in the plan, its estimate, its kernels, and the model counted.
-    for needle in ("  models: cap 45 s; Hugging Face transformers, Llama 1.10B (16 layers, hidden 2048, Hq=32 Hk=8 "
+    for needle in ("  models: cap 40 s; Hugging Face transformers, Llama 1.10B (16 layers, hidden 2048, Hq=32 Hk=8 "
                    "d=64), random weights, bf16;",
                    "    parameters: 1,104,218,112 = 2 V h",
                    "    train B=1 x N=4096: forward + loss + backward on random tokens",
@@ -100,14 +144,14 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "    generate: 32 prompts of 64-128 tokens, left-padded, + 32 new tokens each, greedy; new tokens/s "
                    "= 32 x 32 / call time",
                    f"    prompt lengths (seed 0): {', '.join(map(str, full_plan().models.prompt_lengths()))}",
-                   "[     ok] models section's fagen kernels (training step, generate's padded batch): "
-                   "fa2_d64_causal_bf16, fa2_d64_causal_bf16_varlen; fa2_d64_causal_bf16_varlen compiles for sm_90",
+                   "[     ok] the models section's fagen kernels compile for sm_90: fa2_d64_causal_bf16_m128n64w4s3, "
+                   "fa2_d64_causal_bf16_varlen_m128n64w4s3; fa2_d64_causal_bf16_varlen_m128n64w4s3 compiles in ",
                    "[     ok] transformers and the models section's Llama (models section): transformers "):
         assert needle in out, needle
     assert "1,104,218,112 parameters (as counted)" in out
-    assert " models 43," in out.split("estimated seconds:")[1].splitlines()[0]
+    assert " models 40," in out.split("estimated seconds:")[1].splitlines()[0]
     # The ring section: its rows in the plan, its estimate, and step_blocks' pair counts checked.
-    for needle in ("  ring: cap 20 s; fagen.distributed.ring_attention in a world-1 process group (NCCL, else gloo) "
+    for needle in ("  ring: cap 10 s; fagen.distributed.ring_attention in a world-1 process group (NCCL, else gloo) "
                    "on this GPU, bf16 B=1 N=16k H=16 Hk=16 d=128 causal, layouts zigzag, contiguous",
                    "the step's pair kernels summed (zigzag 3, contiguous 1)",
                    "    overlap MODEL, not measured: zigzag at W = 2, 4, 8;",
@@ -115,7 +159,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "[     ok] fagen.distributed and the ring section's chunk pairs (step_blocks): world 1 pairs: "
                    "zigzag 3, contiguous 1; zigzag pairs per step at W = 2: 2, 4: 2, 8: 2"):
         assert needle in out, needle
-    assert " models 43, ring 5, memory 45," in out.split("estimated seconds:")[1].splitlines()[0]
+    assert " models 40, ring 5, memory 20," in out.split("estimated seconds:")[1].splitlines()[0]
 
 
 def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
@@ -131,12 +175,12 @@ def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
     assert v.systems == ("fagen_v2", "flex", "sdpa_flash", "fagen_v2_nomod")
     # Each variant in fagen and Flex, the two plain-causal peers once.
     assert v.timed_runs() == 2 * (4 * 2 + 2) == 20
-    estimate = plan.estimate_seconds()
+    estimate = replay(plan, sanitizers=True)
     assert 0 < estimate["variants"] <= v.cap_s and sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
     assert plan.variant_kernels() == 4
     # --quick shrinks it: fewer variants, a smaller cap, and the whole quick plan in its budget.
     assert 0 < len(quick.variants.cases) < len(v.cases) and quick.variants.cap_s < v.cap_s
-    assert quick.estimate_seconds()["total"] < quick.budget_s
+    assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     # Document lengths: seeded, about `documents` of them, covering the sequence exactly.
     lengths = v.document_lengths()
     assert len(lengths) == 8 and sum(lengths) == 16384 and min(lengths) > 16384 // 8 // 4 - 1
@@ -145,17 +189,10 @@ def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
 
 
 def test_the_variants_section_is_reserved_time_by_the_sections_before_it(tmp_path):
-    from fagen.bench.gpu_check import _Run
-
     plan = full_plan()
-    run = _Run(plan, tmp_path, set(), log=lambda line: None)
-    assert run.needs()["variants"] == plan.variants.cap_s
-    later = run.budget.remaining() - run.deadline("speed").remaining()
-    assert later == pytest.approx(plan.variants.cap_s + plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s
-                                  + plan.memory_cap_s + plan.report_reserve_s)
-    skipped = _Run(plan, tmp_path, {"variants"}, log=lambda line: None)
-    assert skipped.needs()["variants"] == 0.0
-    assert skipped.deadline("speed").remaining() > run.deadline("speed").remaining() + plan.variants.cap_s - 1
+    assert reserving_run(plan, tmp_path).needs()["variants"] == plan.variants.cap_s
+    assert_reserved(plan, tmp_path, "variants", "speed", plan.variants.cap_s + plan.decode.cap_s + plan.models.cap_s
+                    + plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
 
 
 def test_main_runs_by_path_from_elsewhere(tmp_path):
@@ -256,7 +293,7 @@ TINY = Plan(name="tiny", dtypes=("bf16",), head_dims=(16,), causal=(False,), seq
 
 
 def sweep(systems, deadline=None):
-    return run_speed_sweep(TINY, systems, deadline or Deadline(float("inf")), device="cpu",
+    return run_speed_sweep(TINY, systems, deadline or open_deadline(), device="cpu",
                            timer=fake_timer, log=lambda line: None)
 
 
@@ -298,7 +335,7 @@ def test_sanity_flags_a_fast_but_wrong_fagen_kernel():
 
 def test_time_guard_stops_the_sweep_and_says_so():
     good = Exact()
-    section = sweep([good], deadline=Deadline(0.0))
+    section = sweep([good], deadline=passed_deadline())
     assert good.calls == 0
     assert section["status"] == "partial" and "time guard" in section["note"]
     assert section["not_run"] == len(TINY.seqlens) * 3
@@ -317,7 +354,7 @@ def test_a_system_too_slow_for_the_next_point_is_skipped():
     original = slow.forward, fast.forward
     slow.forward = lambda *a: (fn_owner.__setitem__(0, slow), original[0](*a))[1]
     fast.forward = lambda *a: (fn_owner.__setitem__(0, fast), original[1](*a))[1]
-    section = run_speed_sweep(TINY, [slow, fast], Deadline(float("inf")), device="cpu", timer=timer,
+    section = run_speed_sweep(TINY, [slow, fast], open_deadline(), device="cpu", timer=timer,
                               log=lambda line: None)
     assert "tflops" in cell(section, "fagen_v1", "fwd", 32)
     # Twice the flops at N=64: 6 s a call, times every warm-up and repeat of 3 passes > 20 s.
@@ -432,7 +469,7 @@ def test_sigterm_stops_the_run_and_still_writes_the_report(tmp_path):
         "import sys, time\n"
         "from fagen.bench import gpu_check\n"
         "from fagen.bench.plan import quick_plan\n"
-        "gpu_check._versions = lambda: time.sleep(60) or {}\n"
+        "gpu_check.found_versions = lambda: time.sleep(60) or {}\n"
         f"sys.exit(gpu_check.run_gpu_check(quick_plan(), {str(tmp_path)!r}))\n")
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -572,7 +609,7 @@ def variant_sweep(plan, factories, deadline=None, clock=None):
     kwargs = {"clock": clock} if clock else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_variant_sweep(plan, deadline or Deadline(float("inf")), device="cpu", timer=fake_timer,
+        return run_variant_sweep(plan, deadline or open_deadline(), device="cpu", timer=fake_timer,
                                  log=lambda line: None, factories=factories, **kwargs)
 
 
@@ -659,7 +696,7 @@ def dense_factories(calls):
 def test_the_variants_section_keeps_to_its_deadline_and_flex_allowance():
     plan = variants_plan()
     # No time at all: nothing runs, every cell says why, and the count is the plan's.
-    section = variant_sweep(plan, dense_factories([]), deadline=Deadline(0.0))
+    section = variant_sweep(plan, dense_factories([]), deadline=passed_deadline())
     assert section["status"] == "partial" and "time guard" in section["note"]
     assert section["not_run"] == plan.variants.timed_runs()
     assert all(cell["skipped"].startswith(GUARD_REASON) for p in section["points"] for cell in p["results"].values())
@@ -743,54 +780,6 @@ def test_report_has_the_variant_rows_with_their_ratios(tmp_path):
     assert len(list(tmp_path.iterdir())) <= 8
 
 
-def test_the_precompile_section_builds_the_kernels_the_calls_will_look_up(tmp_path, monkeypatch):
-    """What the precompile section compiles is what a call on an H200 with no tuning cache
-    runs: the sweep's kernels with the sm_90 fallback tiles (not the Spec defaults, which
-    differ there), and the variants' kernels as flash_attn_func's own checks build them."""
-    from fagen.bench.precompile import (compile_variant, precompile, resolved_spec, test_variant_kwargs,
-                                        variant_case_kwargs, variant_kwargs)
-    from fagen.spec import Spec
-    from fagen.tuning import DeviceIdentity, lookup
-    from fagen.variant_args import variant_call
-
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))   # an empty tuning cache
-    h200 = DeviceIdentity(name="NVIDIA H200", arch="sm_90", driver="test", nvrtc="12.9")
-    plan = full_plan()
-    v = plan.variants
-
-    def looked_up(spec):
-        return lookup(spec, seqlen_q=16384, seqlen_k=16384, batch=1, heads=16, identity=h200)
-
-    plain = {"head_dim": 128, "dtype": "bf16", "version": 2, "mask": "causal"}
-    assert plain in variant_kwargs(plan)
-    assert resolved_spec(plain, "sm_90") == looked_up(Spec(**plain)) != Spec(**plain)
-    cases = variant_case_kwargs(plan)
-    assert [Spec(**kw).family for kw in cases[:3]] == ["fa2_d128_causal_window_bf16", "fa2_d128_causal_softcap_bf16",
-                                                       "fa2_d128_causal_alibi_bf16"]
-    # The document mask's kernel: the Spec that the timed call (full size) builds.
-    doc = torch.zeros(1, v.seqlen, dtype=torch.int32)
-    q = torch.empty(1, v.seqlen, v.heads, v.head_dim, dtype=torch.bfloat16)
-    call = variant_call(q, q, causal=True, mask_mod=lambda b, h, q_idx, kv_idx: doc[b, q_idx] == doc[b, kv_idx])
-    ops_spec = Spec(**plain, key_padding=False, dropout=False, deterministic=False, **call.spec_fields)
-    assert Spec(**cases[3]) == ops_spec and ops_spec.mask_mod is not None
-    assert resolved_spec(cases[3], "sm_90") == looked_up(ops_spec)
-    # Explicit tiles (the gpu tests' one-stage backward) are compiled as given.
-    single = next(kw for kw in test_variant_kwargs() if kw.get("block_n") == 32)
-    assert resolved_spec(single, "sm_90") == Spec(**single)
-    info = compile_variant(cases[3], "sm_90", use_cache=False, device_arch="sm_90")
-    assert info["name"] == looked_up(ops_spec).name and len(info["resources"]) == 4
-    # The section itself (spawned workers), on a plan of one sweep kernel and one variant.
-    small = Plan(systems=("fagen_v2",), dtypes=("bf16",), head_dims=(128,), causal=(True,),
-                 variants=VariantsConfig(cases=("document",)),
-                 decode=DecodeConfig(decode_systems=(), varlen_systems=()),
-                 models=ModelsConfig(train_systems=(), decode_systems=()))
-    section = precompile(small, "sm_90", timeout_s=170, workers=2, include_tests=False)
-    assert section["status"] == "ok" and section["target"] == "sm_90", section
-    names = {key: info["name"] for key, info in section["variants"].items()}
-    assert names == {"v2 bf16 d128 causal": looked_up(Spec(**plain)).name,
-                     f"v2 bf16 d128 causal mmod{ops_spec.mask_mod.digest}": looked_up(ops_spec).name}
-
-
 # -- the decode section ------------------------------------------------------------------------
 
 def test_the_plan_has_a_decode_section_after_the_variants():
@@ -807,17 +796,17 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert (d.varlen_tokens, d.varlen_heads, d.varlen_passes) == (16384, 16, ("fwd", "fwd_bwd"))
     assert d.timed_runs() == 6 + 2 * 3 and d.pages_per_entry == 32 and d.group == 4
     # The section's cap is in the forecast, and --quick keeps it (without Flex's compile, smaller).
-    estimate = plan.estimate_seconds()
-    assert 0 < estimate["decode"] <= d.cap_s == 40.0 and estimate["decode"] == d.estimate_seconds()
+    estimate = replay(plan, sanitizers=True)
+    assert 0 < estimate["decode"] <= d.cap_s == 30.0 and estimate["decode"] == d.estimate_seconds()
     assert "flex" not in quick.decode.decode_systems and quick.decode.cap_s < d.cap_s
-    assert 0 < quick.estimate_seconds()["decode"] < estimate["decode"]
-    assert quick.estimate_seconds()["total"] < quick.budget_s
+    assert 0 < replay(quick, sanitizers=True)["decode"] < estimate["decode"]
+    assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     assert DecodeConfig(decode_systems=(), varlen_systems=()).estimate_seconds() == 0.0
     # fagen's kernels: decode step, paged, varlen; the padded batch's is the sweep's causal kernel.
     assert plan.decode_kernels() == 3
     assert Plan(systems=("sdpa_flash",)).decode_kernels() == 4
-    text = plan.describe()
-    assert "\n  decode: cap 40 s" in text and "decode 25" in text.split("estimated seconds:")[1]
+    text = describe(plan)
+    assert "\n  decode: cap 30 s" in text and "decode 25" in text.split("estimated seconds:")[1]
     # Documents: seeded, between about 1/4 and 7/4 of the mean, covering the 16k tokens exactly.
     lengths = d.document_lengths()
     mean = 16384 / len(lengths)
@@ -842,17 +831,12 @@ def test_decode_bytes_count_k_and_v_read_and_q_and_out():
 
 
 def test_the_decode_section_is_reserved_time_by_the_sections_before_it(tmp_path):
-    from fagen.bench.gpu_check import _Run
-
     plan = full_plan()
-    run = _Run(plan, tmp_path, set(), log=lambda line: None)
-    assert run.needs()["decode"] == plan.decode.cap_s == 40.0
-    later = run.budget.remaining() - run.deadline("variants").remaining()
-    assert later == pytest.approx(plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s + plan.memory_cap_s
-                                  + plan.report_reserve_s)
-    skipped = _Run(plan, tmp_path, {"decode"}, log=lambda line: None)
-    assert skipped.needs()["decode"] == 0.0
-    assert skipped.deadline("variants").remaining() > run.deadline("variants").remaining() + plan.decode.cap_s - 1
+    run = reserving_run(plan, tmp_path)
+    assert run.needs()["decode"] == plan.decode.cap_s == 30.0
+    assert_reserved(plan, tmp_path, "decode", "variants", plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s
+                    + plan.memory_cap_s + plan.report_reserve_s)
+    skipped = reserving_run(plan, tmp_path, {"decode"})
     assert skipped.section("decode", lambda: pytest.fail("a skipped section ran")) is None
     assert skipped.results["sections"]["decode"]["status"] == "skipped"
 
@@ -976,7 +960,7 @@ def decode_section(factories=None, deadline=None, plan=_Tiny.plan, **kwargs):
     kwargs.setdefault("measure_copy", lambda: {"tb_per_s": 0.02, "what": "a stand-in copy"})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_decode_section(plan, deadline or Deadline(float("inf")), device="cpu", timer=fake_timer,
+        return run_decode_section(plan, deadline or open_deadline(), device="cpu", timer=fake_timer,
                                   log=lambda line: None, factories=factories, **kwargs)
 
 
@@ -1050,7 +1034,7 @@ def test_an_sdpa_backend_without_gqa_runs_on_expanded_kv_and_is_counted_so():
 def test_the_decode_section_keeps_to_its_deadline():
     from fagen.bench.decode import FLEX_GUARD_REASON
 
-    section = decode_section(deadline=Deadline(0.0))
+    section = decode_section(deadline=passed_deadline())
     assert section["status"] == "partial" and section["not_run"] == _Tiny.config.timed_runs()
     assert all(cell["skipped"].startswith(GUARD_REASON) for p in section["points"] for cell in p["results"].values())
     assert section["sanity"] == {} and "sanity not run" in section["note"]
@@ -1089,32 +1073,6 @@ def test_the_decode_section_uses_the_peak_sections_copy_bandwidth():
     assert len(section["points"]) == 1 and section["points"][0]["results"]["sdpa_math"]["copy_fraction"] > 0
 
 
-def test_the_precompile_section_builds_the_decode_sections_kernels(tmp_path, monkeypatch):
-    """The decode step's kernels as flash_attn_with_kvcache builds them (its own tiles), and
-    the varlen one as flash_attn_varlen_func does (the fallback tiles, through tuning.lookup)."""
-    from fagen.bench.precompile import _key, compile_variant, decode_kernel_kwargs, resolved_spec, spec_name
-    from fagen.decode.kvcache import decode_spec
-    from fagen.spec import Spec
-    from fagen.tuning import DeviceIdentity, lookup
-
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    contiguous, paged, varlen, padded = decode_kernel_kwargs(full_plan())
-    assert Spec(**contiguous) == decode_spec(128, torch.bfloat16, False, None, {})
-    assert Spec(**paged) == decode_spec(128, torch.bfloat16, False, 256, {}) and paged["kv_cache"] == "paged"
-    h200 = DeviceIdentity(name="NVIDIA H200", arch="sm_90", driver="test", nvrtc="12.9")
-    ops_varlen = Spec(head_dim=128, dtype="bf16", version=2, mask="causal", dropout=False, deterministic=False,
-                      varlen=True)
-    assert resolved_spec(varlen, "sm_90") == lookup(ops_varlen, seqlen_q=2362, seqlen_k=2362, batch=10, heads=16,
-                                                    identity=h200)
-    assert resolved_spec(paged, "sm_90") == Spec(**paged)   # explicit tiles: compiled as given
-    assert padded == {"head_dim": 128, "dtype": "bf16", "version": 2, "mask": "causal"}
-    assert len({_key(kw) for kw in (contiguous, paged, varlen, padded)}) == 4
-    assert spec_name(varlen) == ops_varlen.name
-    info = compile_variant(contiguous, "sm_90", use_cache=False)
-    assert info["name"] == spec_name(contiguous) and info["resources"]
-    assert decode_kernel_kwargs(Plan(decode=DecodeConfig(decode_systems=("sdpa_flash",), varlen_systems=()))) == []
-
-
 # -- the models section ------------------------------------------------------------------------
 
 def test_the_plan_has_a_models_section_after_decode():
@@ -1129,16 +1087,16 @@ def test_the_plan_has_a_models_section_after_decode():
     assert m.train_systems == ("fagen", "sdpa", "flex_attention") and m.decode_systems == ("fagen", "sdpa")
     assert (m.decode_batch, m.new_tokens) == (32, 32)
     # Its cap is in the forecast, and the whole check still fits with the sweep at its minimum.
-    estimate = plan.estimate_seconds()
-    assert 0 < estimate["models"] == m.estimate_seconds() <= m.cap_s == 45.0
+    estimate = replay(plan, sanitizers=True)
+    assert 0 < estimate["models"] == m.estimate_seconds() <= m.cap_s == 40.0
     assert sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
     # --quick: the training row against SDPA only, a smaller cap, inside its budget.
     assert quick.models.train_systems == ("fagen", "sdpa") and quick.models.decode_systems == ()
-    assert 0 < quick.estimate_seconds()["models"] < estimate["models"] and quick.models.cap_s < m.cap_s
-    assert quick.estimate_seconds()["total"] < quick.budget_s
+    assert 0 < replay(quick, sanitizers=True)["models"] < estimate["models"] and quick.models.cap_s < m.cap_s
+    assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     off = ModelsConfig(train_systems=(), decode_systems=())
     assert not off.enabled and off.estimate_seconds() == 0.0
-    assert "  models: none in this plan" in Plan(models=off).describe()
+    assert "  models: none in this plan" in describe(Plan(models=off))
     # Prompts: seeded, the first the longest (the padded width), all within the plan's range.
     lengths = m.prompt_lengths()
     assert len(lengths) == 32 and lengths[0] == 128 == max(lengths) and min(lengths) >= 64
@@ -1146,9 +1104,9 @@ def test_the_plan_has_a_models_section_after_decode():
     # fagen's kernels: the training step's plain causal one is the sweep's (bf16 d=64); generate's varlen is new.
     assert plan.models_kernels() == 1 and Plan(systems=("sdpa_flash",)).models_kernels() == 2
     assert Plan(models=ModelsConfig(train_systems=("sdpa",), decode_systems=("sdpa",))).models_kernels() == 0
-    text = plan.describe()
-    assert "\n  models: cap 45 s; Hugging Face transformers, Llama 1.10B" in text
-    assert " models 43," in text.split("estimated seconds:")[1]
+    text = describe(plan)
+    assert "\n  models: cap 40 s; Hugging Face transformers, Llama 1.10B" in text
+    assert " models 40," in text.split("estimated seconds:")[1]
 
 
 def test_the_parameter_count_is_the_models():
@@ -1186,16 +1144,11 @@ def test_tokens_per_second_and_fagens_ratios():
 
 
 def test_the_models_section_is_reserved_time_by_the_sections_before_it(tmp_path):
-    from fagen.bench.gpu_check import _Run
-
     plan = full_plan()
-    run = _Run(plan, tmp_path, set(), log=lambda line: None)
-    assert run.needs()["models"] == plan.models.cap_s == 45.0
-    later = run.budget.remaining() - run.deadline("decode").remaining()
-    assert later == pytest.approx(plan.models.cap_s + plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
-    skipped = _Run(plan, tmp_path, {"models"}, log=lambda line: None)
-    assert skipped.needs()["models"] == 0.0
-    assert skipped.deadline("decode").remaining() > run.deadline("decode").remaining() + plan.models.cap_s - 1
+    assert reserving_run(plan, tmp_path).needs()["models"] == plan.models.cap_s == 40.0
+    assert_reserved(plan, tmp_path, "models", "decode",
+                    plan.models.cap_s + plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
+    skipped = reserving_run(plan, tmp_path, {"models"})
     assert skipped.section("models", lambda: pytest.fail("a skipped section ran")) is None
     assert skipped.results["sections"]["models"]["status"] == "skipped"
 
@@ -1358,51 +1311,24 @@ def test_without_transformers_the_models_section_skips_itself(monkeypatch):
         raise ModuleNotFoundError("No module named 'transformers'")
 
     monkeypatch.setattr(models, "import_transformers", missing)
-    section = models.run_models_section(full_plan(), Deadline(float("inf")), log=lambda line: None)
+    section = models.run_models_section(full_plan(), open_deadline(), log=lambda line: None)
     assert section["status"] == "skipped" and "No module named 'transformers'" in section["note"]
     cells = [cell for row in section["rows"] for cell in row["results"].values()]
     assert len(cells) == 5 and all("does not import" in cell["skipped"] for cell in cells)
     table = "\n".join(short_lines({"models": section}))
     assert "-- models (transformers missing)" in table and "  fagen          skipped: transformers" in table
     assert models.run_models_section(Plan(models=ModelsConfig(train_systems=(), decode_systems=())),
-                                     Deadline(0.0))["note"] == "no models section in this plan"
+                                     passed_deadline())["note"] == "no models section in this plan"
 
 
 def test_the_models_section_keeps_to_its_deadline():
     from fagen.bench.models_report import short_lines
 
-    section = models_section(deadline=Deadline(0.0))
+    section = models_section(deadline=passed_deadline())
     assert section["status"] == "partial" and section["not_run"] == 5 and section["sanity"] == {}
     assert all(cell == {"skipped": GUARD_REASON} for row in section["rows"] for cell in row["results"].values())
     assert "sanity not run" in section["note"] and "time guard: 5 measurements not run" in section["note"]
     assert "  SDPA           skipped: time guard" in "\n".join(short_lines({"models": section}))
-
-
-def test_the_precompile_section_builds_the_kernels_the_model_calls_look_up(monkeypatch, tmp_path):
-    """The Specs fagen looks up when transformers' Llama trains and generates through it are the
-    ones precompile builds for the models section."""
-    pytest.importorskip("transformers")
-    import fagen.ops
-    from fagen import tuning
-    from fagen.bench.models import build_model, generate_call, left_padded_prompts, random_tokens, training_step
-    from fagen.bench.precompile import models_kernel_kwargs
-    from fagen.spec import Spec
-
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    looked_up, lookup = set(), tuning.lookup
-    monkeypatch.setattr(fagen.ops, "_call_sources", {})   # no memo: every call looks its kernel up
-    monkeypatch.setattr(tuning, "lookup", lambda spec, **kw: looked_up.add(spec) or lookup(spec, **kw))
-    model = build_model(TINY_MODELS, "cpu", torch.bfloat16, implementation="fagen")
-    training_step(model, random_tokens(TINY_MODELS, (1, 64), "cpu", 0))()
-    trained = set(looked_up)
-    model.eval()
-    generate_call(model, *left_padded_prompts(TINY_MODELS, "cpu"), new_tokens=2)()
-    train_kw, generate_kw = models_kernel_kwargs(Plan(models=TINY_MODELS))
-    assert trained == {Spec(**train_kw)} and looked_up - trained == {Spec(**generate_kw)}
-    assert models_kernel_kwargs(full_plan()) == [{"head_dim": 64, "dtype": "bf16", "version": 2, "mask": "causal"},
-                                                 {"head_dim": 64, "dtype": "bf16", "version": 2, "mask": "causal",
-                                                  "varlen": True}]
-    assert models_kernel_kwargs(Plan(models=ModelsConfig(train_systems=("sdpa",), decode_systems=()))) == []
 
 
 # -- the ring section (context parallelism) ----------------------------------------------------
@@ -1418,26 +1344,20 @@ def test_the_plan_has_a_ring_section_after_models():
     assert r.layouts == ("zigzag", "contiguous") and r.model_worlds == (2, 4, 8)
     # The plain op, per layout the ring and its pairs (3 + 1), one full pair per world: 10 measurements.
     assert r.timed_runs() == 1 + (1 + 3) + (1 + 1) + 3
-    estimate = plan.estimate_seconds()
-    assert estimate["ring"] == r.estimate_seconds() == 5.0 and r.cap_s == 20.0
+    estimate = replay(plan, sanitizers=True)
+    assert estimate["ring"] == r.estimate_seconds() == 5.0 and r.cap_s == 10.0
     # The whole check still fits with the sweep at its minimum, and --quick inside its budget.
     assert sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
-    assert quick.estimate_seconds()["total"] < quick.budget_s
+    assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     off = Plan(ring=dataclasses.replace(r, layouts=()))
-    assert off.ring.estimate_seconds() == 0.0 and "  ring: none in this plan" in off.describe()
+    assert off.ring.estimate_seconds() == 0.0 and "  ring: none in this plan" in describe(off)
 
 
 def test_the_ring_section_is_reserved_time_by_the_sections_before_it(tmp_path):
-    from fagen.bench.gpu_check import _Run
-
     plan = full_plan()
-    run = _Run(plan, tmp_path, set(), log=lambda line: None)
-    assert run.needs()["ring"] == plan.ring.cap_s == 20.0
-    later = run.budget.remaining() - run.deadline("models").remaining()
-    assert later == pytest.approx(plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
-    skipped = _Run(plan, tmp_path, {"ring"}, log=lambda line: None)
-    assert skipped.needs()["ring"] == 0.0
-    assert skipped.deadline("models").remaining() > run.deadline("models").remaining() + plan.ring.cap_s - 1
+    assert reserving_run(plan, tmp_path).needs()["ring"] == plan.ring.cap_s == 10.0
+    assert_reserved(plan, tmp_path, "ring", "models", plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
+    skipped = reserving_run(plan, tmp_path, {"ring"})
     assert skipped.section("ring", lambda: pytest.fail("a skipped section ran")) is None
 
 
@@ -1541,7 +1461,7 @@ def test_the_ring_section_end_to_end_on_the_emulator():
     from fagen.bench.ring_report import RingConfig
 
     plan = Plan(ring=RingConfig(seqlen=64, heads=2, kv_heads=2, head_dim=16, model_worlds=(2, 4)))
-    section = run_ring_section(plan, Deadline(float("inf")), device="cpu", timer=fake_timer, log=lambda line: None)
+    section = run_ring_section(plan, open_deadline(), device="cpu", timer=fake_timer, log=lambda line: None)
     assert not dist.is_initialized()
     assert section["status"] == "ok" and section["backend"] == "gloo", section
     for layout, pairs in (("zigzag", 3), ("contiguous", 1)):

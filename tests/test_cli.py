@@ -1,12 +1,17 @@
 """`fagen build | list | show` end to end (NVRTC, no GPU)."""
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from fagen.cli import main
+from fagen.cli import main, make_parser
+from fagen.compiler import find_cuobjdump
+from fagen.spec import Spec
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +152,8 @@ def test_bench_help_names_the_gpu_check(capsys):
     (["build", "--default-set", "--d", "64"], "--default-set builds a fixed set of variants; it takes no --d"),
     (["build", "--default-set", "--causal", "--bwd-stages", "1"], "takes no --causal, --bwd-stages"),
     (["build", "--causal"], "--d (head dim) is required"),
-    (["verify", "--causal"], "--causal describe a variant, which also needs --d"),
+    (["verify", "--causal"], "--causal describes a variant, which also needs --d"),
+    (["verify", "--causal", "--softcap"], "--causal, --softcap describe a variant, which also needs --d"),
     (["verify", "--spec", "fa2_d64_fp16", "--d", "128"],
      "--spec fa2_d64_fp16 names the whole variant; it takes no --d"),
     (["tune", "--show", "--d", "64"], "--show and --clear take no tuning options, got --d"),
@@ -187,3 +193,132 @@ def test_build_logs_what_it_compiles(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "fagen: compiling fa2_d40_fp16 for sm_80 with NVRTC" in captured.err
     assert "NVRTC" in captured.out.splitlines()[0]   # the summary names the compiler and the archs' origin
+
+
+# -- every flag of every command ---------------------------------------------------------------
+# Each option `--help` lists either works or exits 2 with a message. The options come from the
+# parser itself, so a new one is covered (and needs a value below) the day it is added.
+
+SUITE_CACHE = os.environ.get("FAGEN_CACHE_DIR")   # before the autouse fixture's per-test one
+D = 16                                            # the smallest head dim every command takes
+TABLE = Spec(D)                                   # tile options take the table's own values: no new compile
+VALUES = {   # a cheap valid value per option that takes one, by its first spelling
+    "--d": [str(D)], "--dtype": ["fp16"], "--version": ["2"], "--window": ["8", "0"],
+    "--block-m": [str(TABLE.block_m)], "--block-n": [str(TABLE.block_n)], "--num-warps": [str(TABLE.num_warps)],
+    "--num-stages": [str(TABLE.num_stages)], "--bwd-stages": [str(TABLE.bwd_stages)],
+    "--bwd-block-n": [str(TABLE.bwd_block_n)], "--arch": ["sm_90"], "--out": ["{tmp}/out"],
+    "--dir": ["{built}"], "--json": ["{tmp}/counters.json"], "--spec": [f"fa2_d{D}_fp16"],
+    "--seqlen": ["16"], "--seqlen-k": ["24"], "--batch": ["2"], "--heads": ["2"], "--kv-heads": ["1"],
+    "--workers": ["1"],
+}
+BASE = {   # what each command runs with, besides the option under test
+    "": [], "build": ["--d", str(D), "--arch", "sm_90", "--out", "{tmp}/out"], "list": [], "bench": [],
+    "show": [f"fa2_d{D}_fp16", "--dir", "{built}"], "verify": ["--d", str(D)], "tune": ["--d", str(D)],
+    "profile": ["--d", str(D), "--seqlen", "16"], "sass": ["--d", str(D)],
+}
+ALONE = {("tune", "--show"), ("tune", "--clear"), ("verify", "--spec")}   # options that take no base
+
+
+def _commands():
+    parser = make_parser()
+    yield "", parser
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    yield from sub.choices.items()
+
+
+FLAG_CASES = [(command, action.option_strings[0], flag, action.nargs == 0) for command, parser in _commands()
+              for action in parser._actions for flag in action.option_strings]
+
+
+def _refusal(command: str, first: str) -> str | None:
+    """The message of an option that exits 2 here (None: it works)."""
+    if first in ("-h", "--version") and (command == "" or first == "-h"):
+        return None
+    if (command, first) == ("build", "--default-set"):
+        return "--default-set builds a fixed set of variants; it takes no --d"
+    if command == "tune" and first in ("--window", "--softcap", "--alibi", "--sinks"):
+        return "which tuning does not cover yet"
+    if command == "tune" and first not in ("--show", "--clear"):
+        return "tuning times kernels on a CUDA GPU, and none is visible"
+    if command == "sass" and find_cuobjdump() is None:
+        return "fagen sass reads machine code with cuobjdump"
+    return None
+
+
+@pytest.fixture(scope="module")
+def flag_cache(tmp_path_factory):
+    """One cache for the module's commands, so that cases which name the same variant compile it once."""
+    return tmp_path_factory.mktemp("flag_cache")
+
+
+@pytest.fixture(scope="module")
+def built(flag_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FAGEN_CACHE_DIR", str(flag_cache))
+        assert main(["build", "--d", str(D), "--arch", "sm_90", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def remembered():
+    """What the module's cases have proven and disassembled: most cases ask for the same again."""
+    return {"proofs": {}, "sass": {}}
+
+
+def _remember_proofs(run, proven: dict):
+    """identities.run, proving each identity once per module."""
+    def remembered_run(identities=None, spec=None):
+        from fagen import identities as package
+
+        chosen = identities if identities is not None else (
+            package.IDENTITIES if spec is None else package.for_spec(spec))
+        proven.update((result.name, result) for result in run([i for i in chosen if i.name not in proven]))
+        return [proven[i.name] for i in chosen]
+    return remembered_run
+
+
+def _remember_sass(report_for_spec, reports: dict):
+    """sass.report.report_for_spec, disassembling each (variant, arch) once per module."""
+    def remembered_report(spec, arch):
+        if (spec.name, arch) not in reports:
+            reports[spec.name, arch] = report_for_spec(spec, arch)
+        return reports[spec.name, arch]
+    return remembered_report
+
+
+def _use_cache(monkeypatch, command: str, flag_cache) -> None:
+    """The emulator's runtime takes half a minute to build once per cache, so profile shares the
+    suite's cache (test_profiling's); the other commands share the module's."""
+    if command != "profile":
+        monkeypatch.setenv("FAGEN_CACHE_DIR", str(flag_cache))
+    elif SUITE_CACHE is None:
+        monkeypatch.delenv("FAGEN_CACHE_DIR")
+    else:
+        monkeypatch.setenv("FAGEN_CACHE_DIR", SUITE_CACHE)
+
+
+@pytest.mark.parametrize("command, first, flag, takes_no_value", FLAG_CASES,
+                         ids=[f"{case[0] or 'fagen'} {case[2]}" for case in FLAG_CASES])
+def test_every_flag_of_every_command_works_or_exits_2(command, first, flag, takes_no_value, flag_cache, built,
+                                                      remembered, tmp_path, monkeypatch, capsys):
+    from fagen import identities
+    from fagen.sass import report
+
+    assert takes_no_value or first in VALUES, f"give {first} a cheap valid value in VALUES"
+    values = [] if takes_no_value else VALUES[first]
+    _use_cache(monkeypatch, command, flag_cache)
+    monkeypatch.setattr(identities, "run", _remember_proofs(identities.run, remembered["proofs"]))
+    monkeypatch.setattr(report, "report_for_spec", _remember_sass(report.report_for_spec, remembered["sass"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # tune's answer without a GPU, everywhere
+    base = [] if (command, first) in ALONE else BASE[command]
+    argv = [arg.format(tmp=tmp_path, built=built) for arg in [command, *base, flag, *values] if arg]
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:   # --help, --version
+        code = exit_info.code
+    refusal, err = _refusal(command, first), capsys.readouterr().err
+    if refusal:
+        assert code == 2 and refusal in err, (argv, code, err)
+    else:
+        assert code == 0, (argv, code, err)

@@ -39,16 +39,23 @@ def _inputs():
     return q, k, v, torch.randn(B, N, H, D, generator=gen).half()
 
 
-def _ring_case(layout, causal, dropout_p=0.0, **options):
-    """This rank's ring attention on its shards; every result gathered to the whole sequence."""
+def _ring_case(layout, causal, dropout_p=0.0, packed_kv=False, **options):
+    """This rank's ring attention on its shards; every result gathered to the whole sequence.
+    packed_kv: k and v are views of one (B, N / world, 2, Hk, d) tensor (`kv.unbind(2)`), not
+    contiguous, which gloo and NCCL refuse to send as they are."""
     from fagen.distributed import ring_attention, shard, unshard
 
     q, k, v, dout = _inputs()
     leaves = [shard(t, layout).requires_grad_() for t in (q, k, v)]
-    out, lse = ring_attention(*leaves, causal=causal, layout=layout, dropout_p=dropout_p, return_lse=True,
-                              **options)
+    if packed_kv:
+        kv = torch.stack(leaves[1:], dim=2).detach().requires_grad_()
+        inputs = [leaves[0], *kv.unbind(2)]
+        assert not inputs[1].is_contiguous()
+    out, lse = ring_attention(*(inputs if packed_kv else leaves), causal=causal, layout=layout, dropout_p=dropout_p,
+                              return_lse=True, **options)
     out.backward(shard(dout, layout))
-    return [unshard(t, layout) for t in (out.detach(), lse.transpose(1, 2), *(x.grad for x in leaves))]
+    grads = [leaves[0].grad, *kv.grad.unbind(2)] if packed_kv else [x.grad for x in leaves]
+    return [unshard(t, layout) for t in (out.detach(), lse.transpose(1, 2), *grads)]
 
 
 def _check_against_oracle(got, causal, window_size=(-1, -1)):
@@ -126,7 +133,8 @@ def _run(world: int, cases) -> None:
 
 
 def test_two_ranks_both_layouts_causal_and_not_dropout_and_errors():
-    _run(2, [("zigzag", True, {}), ("contiguous", True, {}), ("zigzag", False, {}),
+    # The non-causal case passes k and v as views of one packed tensor (not contiguous).
+    _run(2, [("zigzag", True, {}), ("contiguous", True, {}), ("zigzag", False, {"packed_kv": True}),
              ("zigzag", True, {"method": "allgather"})])
 
 

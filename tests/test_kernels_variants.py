@@ -94,6 +94,16 @@ def test_nonlinear_score_mod(version):
     run_variant_case(Spec(64, version=version, dropout=True), RAGGED, {"score_mod": score_mod})
 
 
+def test_modulo_in_a_score_mod_is_python_floor_modulo():
+    """`%` on an index beside a float factor (C binds `0.25F*kv_idx % 5` wrongly), and on a float
+    that is negative as often as not (C's fmod keeps the numerator's sign, Python's % the divisor's).
+    The float stays 0.1 from the multiples of 0.75, where fp32 and float64 could floor apart."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + 0.25 * (kv_idx % 5) - ((q_idx - kv_idx) * 0.25 + 0.1) % 0.75
+
+    run_variant_case(Spec(64), RAGGED, {"score_mod": score_mod})
+
+
 # -- tiles visited against the dense mask -----------------------------------------------------------
 
 def _dense_tiles(spec: Spec, q, k, v, variant, seqlens_k):

@@ -91,6 +91,59 @@ def test_dropout_under_cuda_graph_capture_is_refused(monkeypatch):
     assert ops._philox_state(0.1, torch.device("cpu")).shape == (2,)  # CPU tensors are never captured
 
 
+def test_dropout_compiles_fullgraph_for_cuda_tensors(monkeypatch):
+    """Dynamo refuses torch.cuda.is_current_stream_capturing() ("torch.* op returned non-Tensor"):
+    the traced draw of the Philox pair for CUDA tensors must not ask it. The binding under it is
+    stubbed as on a CUDA build, so dynamo meets the real torch function."""
+    import torch.cuda.graphs
+
+    monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
+    torch._dynamo.reset()
+    draw = torch.compile(lambda p: ops._philox_state(p, torch.device("cuda", 0)), fullgraph=True, backend="eager")
+    assert draw(0.25).shape == (2,)
+
+
+def test_a_compiled_call_with_dropout_checks_for_capture_each_time_it_runs(monkeypatch):
+    """Traced, the check moves into the custom op's implementation: it runs on every call of the
+    compiled graph (so capturing one with dropout is still refused), never at trace time."""
+    seen = []
+    monkeypatch.setattr(ops, "_refuse_graph_capture", seen.append)
+    torch._dynamo.reset()
+    q, k, v = qkv(batch=1, seqlen_q=16, seqlen_k=16, heads=2, kv_heads=2, head_dim=32)
+    compiled = torch.compile(lambda q, k, v, p: fagen.flash_attn_func(q, k, v, dropout_p=p), fullgraph=True,
+                             backend="aot_eager")
+    compiled(q, k, v, 0.2)
+    compiled(q, k, v, 0.2)
+    compiled(q, k, v, 0.0)   # no dropout: nothing to refuse
+    assert seen == [q.device, q.device]
+
+
+def test_numpy_bools_are_flags():
+    """np.True_ (what `arr.any()` gives) is a flag; the custom op is handed a Python bool."""
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv(batch=1, seqlen_q=16, seqlen_k=24, heads=2, kv_heads=2, head_dim=32)
+    want = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    got = fagen.flash_attn_func(q, k, v, causal=np.bool_(True), return_lse=np.True_, deterministic=np.False_)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ops.check_flag("causal", np.True_) is True and ops.check_flag("causal", np.False_) is False
+    for wrong in (np.array([True]), np.int64(1)):
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            ops.check_flag("causal", wrong)
+
+
+def test_a_numpy_bool_under_torch_compile_falls_back_to_eager(monkeypatch):
+    """dynamo traces np.True_ as data (a 0-d array), so a compiled call cannot read it: the check
+    says so, dynamo breaks the graph there and the call runs eagerly, where it is accepted."""
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv(batch=1, seqlen_q=16, seqlen_k=24, heads=2, kv_heads=2, head_dim=32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, c: fagen.flash_attn_func(q, k, v, causal=c), backend="eager")
+    assert torch.equal(compiled(q, k, v, np.True_), fagen.flash_attn_func(q, k, v, causal=True))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(TypeError, match="causal: under torch.compile pass a Python bool"):
+        ops.check_flag("causal", np.True_)
+
+
 def test_deterministic_backward_repeats_bit_for_bit():
     q, k, v = qkv(requires_grad=True)
     grads = []
@@ -222,6 +275,10 @@ Q, K, V = qkv(batch=2, seqlen_q=8, seqlen_k=8, heads=2, kv_heads=2, head_dim=32)
     (Q, K, V, {"deterministic": 1}, TypeError, "deterministic must be True or False"),
     (Q, K, V, {"return_lse": "yes"}, TypeError, "return_lse must be True or False"),
     (Q, K, V, {"dropout_p": True}, TypeError, "dropout_p must be a float"),
+    (Q, K, V, {"causal": torch.tensor(True)}, TypeError,
+     r"causal must be True or False, got a tensor .*bool\(causal\)"),
+    (Q, K, V, {"return_lse": ""}, TypeError, "return_lse must be True or False"),
+    (Q, K.to_sparse(), V, {}, TypeError, r"k must be a dense \(torch.strided\) tensor, got layout torch.sparse_coo"),
     ("q", K, V, {}, TypeError, "q must be a torch.Tensor"),
 ])
 def test_bad_input_is_a_clear_error(q, k, v, kwargs, error, message):

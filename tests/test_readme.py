@@ -68,3 +68,27 @@ def test_the_first_example_replays_its_dropout_mask_exactly():
         assert err <= GRAD_FACTOR * err_pt + ABS_FLOOR, (
             f"d{name}: error {err:.3g} against the oracle with the forward's own mask exceeds "
             f"{GRAD_FACTOR}x PyTorch's {err_pt:.3g}: the backward did not replay the forward's dropout")
+
+
+def _synopsis(command: str) -> str:
+    """The README's `fagen COMMAND` lines in its "Command line" block, with their continuations."""
+    block = re.search(r"## Command line\n+```\n(.*?)```", README, re.S).group(1)
+    entries = re.findall(rf"^fagen {command} .*(?:\n[ \t]+.*)*", block, re.M)
+    assert entries, f"no `fagen {command}` in the README's synopsis"
+    return "\n".join(entries)
+
+
+def test_the_build_synopsis_lists_every_flag_of_build_help():
+    """Every option `fagen build --help` lists (from the parser itself, so a new one must be added)."""
+    import argparse
+
+    from fagen.cli import make_parser
+
+    parser = make_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    synopsis = _synopsis("build")
+    missing = [action.option_strings[0] for action in subcommands.choices["build"]._actions
+               if action.option_strings and not isinstance(action, argparse._HelpAction)
+               and not any(re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", synopsis)
+                           for flag in action.option_strings)]
+    assert not missing, f"the README's `fagen build` synopsis lacks {missing}"

@@ -119,3 +119,33 @@ def test_bad_arguments(kwargs, error, message):
         fagen.sdpa(q, k, v, **kwargs)
     with pytest.raises(ValueError, match="4 dims"):
         fagen.sdpa(q[0], k[0], v[0])
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(query=lambda q: q.float()), TypeError, "query must be float16 or bfloat16"),
+    (dict(key=lambda k: k.bfloat16()), TypeError, "query, key and value must share a dtype"),
+    (dict(value=lambda v: v[..., :16]), ValueError,
+     r"key and value must have the same shape, got key \(2, 4, 56, 32\)"),
+    (dict(key=lambda k: k[:1], value=lambda v: v[:1]), ValueError, "query and key must have the same batch size"),
+    (dict(query=lambda q: q[..., ::2]), ValueError, "query must have a contiguous last dimension"),
+    (dict(key=lambda k: k.to_sparse()), TypeError, r"key must be a dense \(torch.strided\) tensor"),
+    (dict(scale=-1.0), ValueError, "scale must be a positive finite float"),
+    (dict(scale="big"), TypeError, "scale must be a float or None"),
+    (dict(enable_gqa="yes"), TypeError, "enable_gqa must be True or False"),
+    (dict(attn_mask=torch.ones(40, 56, dtype=torch.bool).to_sparse()), TypeError, "attn_mask must be a dense"),
+])
+def test_errors_name_sdpas_own_arguments(change, error, message):
+    """SDPA's names (query, key, value, scale...) and its layout's shapes, never flash_attn_func's."""
+    q, k, v = inputs()
+    args = dict(query=q, key=k, value=v)
+    for name, value in change.items():
+        args[name] = value(args[name]) if callable(value) else value
+    with pytest.raises(error, match=message) as raised:
+        fagen.sdpa(**args)
+    assert not {"q", "k", "v", "softmax_scale"} & set(str(raised.value).replace(",", " ").split())
+
+
+def test_numpy_bool_flags():
+    np = pytest.importorskip("numpy")
+    q, k, v = inputs(batch=1, heads=2, kv_heads=2, nq=16, nk=16)
+    assert torch.equal(fagen.sdpa(q, k, v, is_causal=np.True_), fagen.sdpa(q, k, v, is_causal=True))

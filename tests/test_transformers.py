@@ -201,3 +201,44 @@ def test_packed_kwargs_reach_flash_attn_varlen_func(via):
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = fagen.flash_attn_func(*(t[:, :, a:b].transpose(1, 2) for t in (q, k, v)), causal=True)
         assert max_error(out[:, a:b], alone) == 0.0, "a document sees another"
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_fp32_model_under_autocast_within_the_rule_against_eager(name):
+    """fp32 master weights under torch.autocast(bf16), the usual mixed precision: rotary
+    embeddings hand fp32 q and k to attention, which runs in bf16 as in transformers'
+    flash_attention_2. Logits and parameter gradients against eager under the same autocast."""
+    ids = tokens(2, 20, seed=6)
+    exact_model = build(name, "eager", torch.float64)
+    exact_logits, exact_grads = exact_model(ids).logits, _gradients(exact_model, ids)
+    runs = {}
+    for implementation in ("fagen", "eager"):
+        model = build(name, implementation, torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+            runs[implementation] = (logits, _gradients(model, ids))
+    assert runs["fagen"][0].dtype == runs["eager"][0].dtype
+    fagen_err, eager_err = (max_error(runs[i][0], exact_logits) for i in ("fagen", "eager"))
+    assert fagen_err <= 2 * eager_err + ABS_FLOOR, f"fagen {fagen_err:.3g} vs eager {eager_err:.3g}"
+    mine, eager = runs["fagen"][1], runs["eager"][1]
+    assert set(mine) == set(exact_grads) and all(g.dtype == torch.float32 for g in mine.values())
+    worst = max(max_error(mine[n], exact_grads[n]) / max(max_error(eager[n], exact_grads[n]), ABS_FLOOR)
+                for n in exact_grads)
+    assert worst <= 3.0, f"worst parameter gradient error {worst:.2f}x eager's"
+
+
+def test_fp32_activations_take_the_models_half_dtype_or_are_a_clear_error():
+    """Without autocast an fp32 query runs in the dtype of the model's Linear weights (fp32 layer
+    norms in a bf16 model, as PEFT leaves them); an all-fp32 model is told what to do."""
+    from fagen.integrations.transformers import attention_forward
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, h, 12, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    module = torch.nn.Module()
+    module.proj = torch.nn.Linear(HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16)
+    out, _ = attention_forward(module, q, k, v, None, is_causal=True)
+    half = (t.to(torch.bfloat16).transpose(1, 2) for t in (q, k, v))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, fagen.flash_attn_func(*half, causal=True))
+    model = build("llama", "fagen", torch.float32)
+    with pytest.raises(TypeError, match=r"float16 or bfloat16.*torch\.autocast"):
+        model(tokens(1, 6))

@@ -524,6 +524,20 @@ def test_tune_without_a_gpu_exits_2_with_a_message(cache, capsys):
     assert not cache.exists()
 
 
+@pytest.mark.parametrize("flags", [("--softcap",), ("--window", "8", "0", "--alibi")])
+def test_tune_refuses_variant_flags_before_anything_runs(cache, capsys, monkeypatch, flags):
+    """Its oracle check has no variant values: a variant is exit 2 with a message, on a GPU too
+    (where the tuner would otherwise fail on the variant's missing run-time arguments)."""
+    import fagen.tuning.tuner as tuner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "tune", lambda *a, **k: pytest.fail("tuned a variant"))
+    assert cmd_tune(tune_args("--d", "64", *flags)) == 2
+    err = capsys.readouterr().err
+    assert all(flag in err for flag in flags if flag.startswith("--")) and "fallback tile table" in err
+    assert not cache.exists()
+
+
 def test_tune_show_and_clear_work_without_a_gpu(cache, capsys):
     assert cmd_tune(tune_args()) == 2 and "--d" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of 8"):   # `fagen` turns it into exit 2

@@ -2,8 +2,8 @@
 varlen + kv_cache="paged") on the emulator: forward only, as in flash-attn. Each sequence's
 output and L against the float64 oracle on that sequence's keys gathered from its pages
 (FlashAttention-2's rule), with ragged and empty sequences, pages of 16 and 48 rows in a
-shuffled table, causal bottom-right per sequence, GQA, window / softcap / ALiBi, and the
-bad inputs."""
+shuffled table, causal bottom-right per sequence, GQA, window / softcap / ALiBi, score_mod /
+mask_mod, and the bad inputs."""
 
 import pytest
 import torch
@@ -23,14 +23,14 @@ def cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def paged(page, dtype=torch.float16, seed=0):
+def paged(page, dtype=torch.float16, seed=0, d=D):
     gen = torch.Generator().manual_seed(seed)
     per_sequence = -(-max(LENGTHS_K) // page)
     pages = len(LENGTHS_K) * per_sequence + 3
     table = torch.randperm(pages, generator=gen)[:len(LENGTHS_K) * per_sequence].view(len(LENGTHS_K), -1)
-    k = torch.randn(pages, page, HK, D, generator=gen).to(dtype)
-    v = torch.randn(pages, page, HK, D, generator=gen).to(dtype)
-    q = torch.randn(sum(LENGTHS_Q), H, D, generator=gen).to(dtype)
+    k = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
+    v = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
+    q = torch.randn(sum(LENGTHS_Q), H, d, generator=gen).to(dtype)
     return q, k, v, table.to(torch.int32)
 
 
@@ -47,6 +47,42 @@ def test_each_sequence_against_the_oracle(page, causal, variant):
     q, k, v, table = paged(page, seed=page)
     out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
                                             causal=causal, block_table=table, return_lse=True, **variant)
+    check_against_the_oracle(out, lse, q, k, v, table, causal, variant)
+
+
+HEAD_BIAS = torch.tensor([0.4, -0.3, 0.2, 0.1])
+
+
+def head_score(score, b, h, q_idx, kv_idx):
+    return score + HEAD_BIAS[h] - 0.02 * (q_idx - kv_idx)
+
+
+def head_mask(b, h, q_idx, kv_idx):
+    return kv_idx >= 3 * h + q_idx % 4
+
+
+def test_score_and_mask_mods_over_pages():
+    """A score_mod and a mask_mod that read the head and the sequence's own query index, over a
+    paged cache (the decoding kernels take mods as the training ones do)."""
+    q, k, v, table = paged(16, seed=5)
+    variant = {"score_mod": head_score, "mask_mod": head_mask}
+    out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
+                                            causal=True, block_table=table, return_lse=True, **variant)
+    check_against_the_oracle(out, lse, q, k, v, table, True, variant)
+
+
+def test_head_dim_not_a_multiple_of_8_reads_a_padded_copy():
+    """flash-attn pads d = 59 (and its default scale keeps the true d); the caller's cache is read,
+    never written."""
+    q, k, v, table = paged(16, seed=11, d=59)
+    before_k, before_v = k.clone(), v.clone()
+    out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
+                                            causal=True, block_table=table, return_lse=True)
+    check_against_the_oracle(out, lse, q, k, v, table, True, {})
+    assert torch.equal(k, before_k) and torch.equal(v, before_v)
+
+
+def check_against_the_oracle(out, lse, q, k, v, table, causal, variant):
     assert out.shape == q.shape and lse.shape == (H, q.shape[0])
     cu_q = cu(LENGTHS_Q)
     worst_kernel = worst_torch = 0.0
@@ -101,13 +137,19 @@ def test_bad_paged_inputs(change, error, message):
         fagen.flash_attn_varlen_func(**{**_args(), **change})
 
 
-def test_paged_is_forward_only():
+def test_paged_runs_the_forward_on_inputs_that_require_grad_and_refuses_a_backward():
+    """As flash-attn: its tests call it with q requiring grad and never differentiate it."""
     args = _args()
-    args["q"].requires_grad_(True)
-    with pytest.raises(ValueError, match="forward only"):
-        fagen.flash_attn_varlen_func(**args)
     with torch.no_grad():
-        fagen.flash_attn_varlen_func(**args)
+        expected, expected_lse = fagen.flash_attn_varlen_func(**args, return_lse=True)
+    args["q"].requires_grad_(True)
+    out, lse = fagen.flash_attn_varlen_func(**args, return_lse=True)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    assert out.requires_grad
+    out.mul_(2)   # an ordinary output: in-place use is fine
+    with pytest.raises(RuntimeError, match="flash_attn_varlen_func with a block_table is forward only"):
+        (out.float().sum() + lse.sum()).backward()
+    assert args["q"].grad is None
 
 
 def test_paged_varlen_kernel_is_race_free(monkeypatch):

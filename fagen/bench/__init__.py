@@ -19,7 +19,8 @@ registry. This package turns such a lease into one prepared run that:
 all under one time budget, failing soft: a peer or section that cannot run is
 recorded with its reason, never a crash. Modules, one concern each:
 
-  plan        what runs: sizes, systems, sections, the time estimate
+  plan        what runs: sizes, systems, sections, caps (plan_text: the plan as text)
+  schedule    the time guard's arithmetic: reserves, deadlines, the forecast replayed under it
   flops       the paper's FLOP count
   timing      CUDA-event timing and the time budget (the guard)
   peers       the systems compared: fagen v1/v2, SDPA backends, FlexAttention
@@ -30,5 +31,8 @@ recorded with its reason, never a crash. Modules, one concern each:
   memory      peak GPU memory against sequence length
   correctness the `gpu` pytest run and the compute-sanitizer runs
   report      JSON, Markdown, PNG plots and the short printed table
-  gpu_check   the sections in order, --dry-run, and writing as it goes
+  precompile  the kernels the calls will load, recorded (kernel_record, over kernel_calls'
+              small calls; gpu_cases: the gpu tests' tables), compiled in parallel
+  gpu_check   the sections in order, and writing as it goes (dry_run: --dry-run; versions:
+              what the run finds installed)
 """

@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--out", type=Path, default=None,
                        help="output folder (default: $OUT if set, else ./gpu-check-results)")
     check.add_argument("--dry-run", action="store_true",
-                       help="print the plan and check imports and NVRTC; needs no GPU")
+                       help="print the versions found, the plan and its time estimate, and check imports and NVRTC; "
+                            "needs no GPU")
     check.add_argument("--quick", action="store_true",
-                       help="a ~3 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
+                       help="a ~4 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
                             "document-mask variants)")
     check.add_argument("--budget", type=float, default=None,
                        help="total seconds for the run (default: the plan's, 420 full / 290 quick)")

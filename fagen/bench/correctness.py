@@ -127,27 +127,15 @@ def run_gpu_tests(repo_root: Path, timeout_s: float, *, marker: str = "gpu",
 
 # -- compute-sanitizer ----------------------------------------------------------------
 
+# The workload is kernel_calls.sanitizer_workload, whose kernels the precompile section builds.
 SANITIZER_SCRIPT = """\
 import sys
 sys.path.insert(0, {root!r})
 import torch
-from fagen.bench.peers import fagen_attention_func
+from fagen.bench.kernel_calls import sanitizer_workload
 
-attention = fagen_attention_func()
-torch.manual_seed(0)
-# A ragged length (not a multiple of any tile) is where out-of-bounds bugs live.
-shape = (1, 200, 2, 64)
-q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
-for version in (2, 1):
-    for causal in (False, True):
-        try:
-            out = attention(q, k, v, causal=causal, version=version)
-            if out.requires_grad and out.grad_fn is not None:
-                torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-            else:
-                print(f"fagen v{{version}} causal={{causal}}: forward only (no backward)")
-        except Exception as exc:  # the sanitizer's summary is the result; go on
-            print(f"fagen v{{version}} causal={{causal}}: {{type(exc).__name__}}: {{exc}}")
+for line in sanitizer_workload("cuda"):
+    print(line)
 torch.cuda.synchronize()
 print("FAGEN SANITIZER SCRIPT DONE")
 """

@@ -16,9 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .flops import PASSES, attention_flops
-from .models_report import plan_lines as models_plan_lines
 from .ring_report import RingConfig
-from .ring_report import plan_lines as ring_plan_lines
 
 # Every system the speed sweep knows, in table order. fagen first, then the
 # peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
@@ -56,8 +54,9 @@ SYSTEM_SHORT["fagen_v2_nomod"] = "v2nm"
 # to out-of-memory on purpose.
 SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode",
             "models", "ring", "memory", "report")
-# Dropout and deterministic variants the gpu tests compile (precompile.test_variant_kwargs).
-GPU_TEST_VARIANTS = 16
+# Distinct kernels the gpu tests launch on an H200 (the precompile forecast counts them;
+# tests/test_gpu_check_plan.py checks the number against the kernels recorded from the tests).
+GPU_TEST_KERNELS = 72
 OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "models",
                      "ring", "memory")
 
@@ -134,8 +133,8 @@ class VariantsConfig:
     seed: int = 0               # their lengths' seed
     # The section's cap, and the part of it FlexAttention's compiles (one per mod, forward
     # and backward) may spend; Flex cases past it are skipped with a note.
-    cap_s: float = 90.0
-    flex_allowance_s: float = 70.0
+    cap_s: float = 60.0
+    flex_allowance_s: float = 45.0
 
     @property
     def label(self) -> str:
@@ -220,7 +219,7 @@ class DecodeConfig:
     varlen_sanity_shape: tuple = (3, 512, 2)
     # The section's cap; FlexAttention (a torch.compile of its decoding kernel, tens of
     # seconds) runs last and only starts with at least `flex_start_s` of it left.
-    cap_s: float = 40.0
+    cap_s: float = 30.0
     flex_start_s: float = 20.0
 
     @property
@@ -327,7 +326,7 @@ class ModelsConfig:
     decode_repeats: int = 2
     # The section's cap; FlexAttention (torch.compile of its forward and backward, about 20 s)
     # runs last and only starts with at least `flex_start_s` of it left.
-    cap_s: float = 45.0
+    cap_s: float = 40.0
     flex_start_s: float = 20.0
 
     @property
@@ -382,17 +381,21 @@ class Plan:
     variants: VariantsConfig = field(default_factory=VariantsConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
-    ring: RingConfig = field(default_factory=RingConfig)
-    # The whole run's budget. The shell wrapper kills at 460 s; this leaves
-    # time to write the report after the last section stops.
+    ring: RingConfig = field(default_factory=lambda: RingConfig(cap_s=10.0))
+    # The whole run's budget. The shell wrapper kills at 460 s; this leaves time to start
+    # Python before the budget's clock starts and to write the report after the last section.
     budget_s: float = 420.0
-    # Section caps (the speed sweep has none: it takes what the others leave,
-    # at least min_speed_s) and the time kept back to write the report.
-    precompile_cap_s: float = 90.0
-    min_speed_s: float = 55.0
-    correctness_cap_s: float = 150.0
-    memory_cap_s: float = 45.0
-    sanitizer_cap_s: float = 45.0  # each of memcheck and racecheck
+    # What each section may take (schedule.caps), kept back for it by the sections before it;
+    # together at most the budget, compute-sanitizer's two runs included (schedule.fits). The
+    # speed sweep has a floor instead: it takes what the others leave, at least min_speed_s.
+    # Setup (torch, the CUDA context, nvidia-smi) and peak run unguarded; report writes files.
+    setup_reserve_s: float = 15.0
+    precompile_cap_s: float = 30.0
+    peak_reserve_s: float = 5.0
+    correctness_cap_s: float = 90.0
+    sanitizer_cap_s: float = 30.0  # each of memcheck and racecheck
+    min_speed_s: float = 50.0
+    memory_cap_s: float = 20.0
     report_reserve_s: float = 10.0
     # FlexAttention compiles with Inductor (tens of seconds per graph); it may
     # spend at most this much of the sweep, then its remaining points are
@@ -457,167 +460,8 @@ class Plan:
         train = "fagen" in c.train_systems and not self.sweep_compiles_causal(c.dtype, c.head_dim)
         return int(train) + int("fagen" in c.decode_systems)
 
-    def estimate_seconds(self, *, sanitizers: bool = True) -> dict[str, float]:
-        """A rough forecast per section (the guard, not this, enforces the budget).
-
-        Speed: about 0.12 s of host and GPU time per measurement (warm-up,
-        3-20 repeats of up to ~30 ms, synchronisation), plus FlexAttention's
-        compiles (about 20 s per panel, capped by its allowance) and the
-        fagen compiles (about 1.5 s each, 8 at a time on the GPU machine's 16 cores).
-        """
-        flex_panels = len(self.configs()) if "flex" in self.systems else 0
-        speed = 0.12 * self.timed_runs() + min(self.flex_allowance_s, 20.0 * flex_panels)
-        estimate = {
-            "setup": 15.0,
-            "precompile": min(self.precompile_cap_s,
-                              3.0 + 1.5 * (self.fagen_variants() + self.variant_kernels()
-                                           + self.decode_kernels() + self.models_kernels()
-                                           + GPU_TEST_VARIANTS) / 8),
-            "peak": 5.0,
-            "correctness": 60.0,
-            "sanitizers": 2 * self.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
-            "speed": speed,
-            "variants": self.variants.estimate_seconds(),
-            "decode": self.decode.estimate_seconds(),
-            "models": self.models.estimate_seconds(),
-            "ring": self.ring.estimate_seconds(),
-            "memory": min(self.memory_cap_s, 3.0 * len(self.memory.seqlens) * len(self.memory.systems)),
-            "report": 5.0,
-        }
-        estimate["total"] = sum(estimate.values())
-        return estimate
-
-    def describe(self) -> str:
-        """The plan as text: what --dry-run prints and results.json records."""
-        lines = [f"plan {self.name!r}: budget {self.budget_s:.0f} s (time guard per section)"]
-        lines.append("sections, in order: " + ", ".join(SECTIONS))
-        lines.append(f"  correctness: python -m pytest -m gpu tests/ (cap {self.correctness_cap_s:.0f} s)")
-        lines.append(f"  sanitizers: compute-sanitizer memcheck and racecheck on one small forward + "
-                     f"backward if installed (cap {self.sanitizer_cap_s:.0f} s each)")
-        lines.append("  speed: passes " + ", ".join(PASS_LABELS[p] for p in self.passes)
-                     + f" (all the time the other sections leave, at least {self.min_speed_s:.0f} s)")
-        lines.append(f"    dtypes {', '.join(self.dtypes)}; head dims {', '.join(map(str, self.head_dims))}"
-                     f"; causal {' and '.join('yes' if c else 'no' for c in self.causal)}")
-        lines.append(f"    seqlens {', '.join(short_seqlen(n) for n in self.seqlens)} at "
-                     f"{self.tokens_per_batch} tokens per batch, hidden {self.hidden_dim} "
-                     f"(heads = {self.hidden_dim}/d)")
-        shapes = ", ".join(f"N={short_seqlen(n)}: B={self.batch(n)}" for n in self.seqlens)
-        lines.append(f"    batch per seqlen: {shapes}")
-        lines.append("    systems: " + ", ".join(SYSTEM_LABELS[s] for s in self.systems))
-        lines.append(f"    panels: {len(self.configs())} ("
-                     + "; ".join(c.label for c in self.configs()) + ")")
-        lines.append(f"    timed runs: {self.timed_runs()} = {len(self.configs())} panels x "
-                     f"{len(self.seqlens)} seqlens x {len(self.passes)} passes x {len(self.systems)} systems"
-                     f"; fagen variants to compile: {self.fagen_variants()} (+{GPU_TEST_VARIANTS} "
-                     "for the gpu tests), in parallel")
-        lines.append(f"    timing: CUDA events, {self.warmup} warm-up, median of {self.min_repeats}-"
-                     f"{self.max_repeats} repeats (~{self.target_ms:.0f} ms of GPU time each), fresh "
-                     "torch.randn inputs per point; FlexAttention allowance "
-                     f"{self.flex_allowance_s:.0f} s")
-        lines.append("    TFLOP/s = 4 N^2 d H B (forward), x2.5 (backward), x3.5 (both), /2 if causal; "
-                     "matmul peak: 8192^3 bf16 torch.matmul")
-        lines += self.variants_lines()
-        lines += self.decode_lines()
-        lines += models_plan_lines(self.models, self.models_kernels())
-        lines += ring_plan_lines(self.ring)
-        mem = self.memory
-        lines.append(f"  memory: peak GPU memory, forward + backward, {mem.dtype} d={mem.head_dim} "
-                     f"H={mem.heads} B={mem.batch}, seqlens {', '.join(short_seqlen(n) for n in mem.seqlens)}; "
-                     f"systems {', '.join(SYSTEM_LABELS[s] for s in mem.systems)} (OOM recorded)")
-        lines.append("  output: results.json, results.md, speed_fwd.png, speed_bwd.png, "
-                     "speed_fwd_bwd.png, memory.png")
-        estimate = self.estimate_seconds()
-        lines.append("estimated seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in estimate.items()))
-        over = estimate["total"] - self.budget_s
-        if over > 0:
-            last = self.configs()[-1].label if self.configs() else "-"
-            lines.append(f"  over the budget by about {over:.0f} s: the speed sweep takes what the other sections "
-                         f"leave, so its time guard drops its last points (from the {last} panel back)")
-        return "\n".join(lines)
-
-    def variants_lines(self) -> list[str]:
-        v = self.variants
-        if not v.cases:
-            return ["  variants: none in this plan"]
-        lines = [f"  variants: passes {', '.join(PASS_LABELS[p] for p in v.passes)}; {v.label} "
-                 f"(cap {v.cap_s:.0f} s, FlexAttention allowance {v.flex_allowance_s:.0f} s)"]
-        causal = v.visible_pairs("softcap")
-        for case in v.cases:
-            share = v.visible_pairs(case) / causal
-            lines.append(f"    variant {case}: {v.case_label(case)}, {_CASE_CALLS[case]}; "
-                         f"keys seen {share:.0%} of causal")
-        if "document" in v.cases:
-            lines.append(f"    document lengths (seed {v.seed}): {', '.join(map(str, v.document_lengths()))}")
-        lines.append("    systems: " + ", ".join(SYSTEM_LABELS[s] + (" (plain causal, measured once)"
-                                                                      if s in NO_MOD_SYSTEMS else " (same mod)")
-                                                  for s in v.systems))
-        lines.append(f"    timed runs: {v.timed_runs()}; fagen variant kernels to compile: "
-                     f"{self.variant_kernels()}; TFLOP/s counted as for causal attention; "
-                     "ratios fagen v2 / each peer")
-        return lines
-
-    def decode_lines(self) -> list[str]:
-        c = self.decode
-        if not c.enabled:
-            return ["  decode: none in this plan"]
-        lines = [f"  decode: cap {c.cap_s:.0f} s; fagen checked first against fp32 torch (2x bf16 torch's "
-                 "error)"]
-        if c.decode_systems:
-            lines.append(f"    decode step: {c.decode_label}, full caches; sanity at B={c.sanity_shape[0]} "
-                         f"cache {short_seqlen(c.sanity_shape[1])}")
-            lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _DECODE_CALLS.get(s, "").format(c=c)
-                                                     for s in c.decode_systems))
-            peers = []
-            if any(s.startswith("sdpa") for s in c.decode_systems):
-                peers.append(f"SDPA: (B, H, N, d) caches, enable_gqa where the backend takes it, else K/V expanded "
-                             f"to {c.q_heads} heads beforehand ({c.group}x the bytes, counted)")
-            if "flex" in c.decode_systems:
-                peers.append(f"FlexAttention: torch.compile, enable_gqa, no block mask, run last, only with "
-                             f">= {c.flex_start_s:.0f} s left")
-            if peers:
-                lines.append("    " + "; ".join(peers))
-            lines.append(f"    bytes per step: K + V read (B N Hk d, 2 B each) + q + out = "
-                         f"{c.decode_bytes() / 1e9:.2f} GB (K/V expanded to Hq heads: "
-                         f"{c.decode_bytes(c.q_heads) / 1e9:.2f} GB); TB/s = bytes / median time, as a "
-                         "fraction of the copy bandwidth (which counts read + write bytes alike)")
-        if c.varlen_systems:
-            batch, longest = c.padded_shape()
-            lines.append(f"    varlen training: {c.varlen_label}; passes "
-                         f"{', '.join(PASS_LABELS[p] for p in c.varlen_passes)}")
-            lines.append(f"    document lengths (seed {c.seed}): {', '.join(map(str, c.document_lengths()))}")
-            lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _VARLEN_CALLS[s].format(b=batch, n=longest)
-                                                     for s in c.varlen_systems))
-            lines.append(f"    TFLOP/s count the documents' causal FLOPs only "
-                         f"({c.varlen_flops('fwd') / 1e9:.0f} GFLOP forward, x3.5 for both); "
-                         "ratios fagen varlen / each")
-        lines.append(f"    timed runs: {c.timed_runs()}; fagen kernels to compile: {self.decode_kernels()}")
-        return lines
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# How each variant is called in fagen (and, with the same mod, in FlexAttention).
-_CASE_CALLS = {
-    "window": "window_size=(W, 0); Flex mask_mod causal & q - k <= W",
-    "softcap": "softcap=C; Flex score_mod C tanh(score / C)",
-    "alibi": "alibi_slopes 2^(-8 i / H) fp32 (H,); Flex score_mod score - slope[h] |q - k|",
-    "document": "mask_mod doc[b, q] == doc[b, k] (int32 ids on the GPU); Flex mask_mod causal & the same",
-}
-
-
-# How the decode section's fagen systems and padded peers are called (formatted with the
-# config `c`, or the padded batch's size b x n).
-_DECODE_CALLS = {
-    "fagen": " (flash_attn_with_kvcache, contiguous cache)",
-    "fagen_paged": " (the same keys in pages of {c.page_size}, seeded random block table)",
-}
-_VARLEN_CALLS = {
-    "fagen_varlen": " (flash_attn_varlen_func, packed)",
-    "fagen_padded": " (flash_attn_func, causal, on B={b} x N={n} right-padded; no seqlens_k, which would "
-                    "align each entry's diagonal to its own length)",
-    "sdpa_padded": " (flash backend, else efficient; is_causal, B={b} x N={n})",
-}
 
 
 def short_seqlen(n: int) -> str:
@@ -629,16 +473,16 @@ def full_plan() -> Plan:
 
 
 def quick_plan() -> Plan:
-    """A ~3-5 minute subset: bf16, d=128, three sequence lengths, small memory sweep."""
+    """A ~5 minute subset: bf16, d=128, three sequence lengths, small memory sweep. Its reserves
+    fill its 290 s budget (schedule.caps), compute-sanitizer's two runs included."""
     return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
-                # 270 s before the models section, plus its cap and the ring section's forecast.
                 memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=290.0,
-                correctness_cap_s=100.0, sanitizer_cap_s=30.0, memory_cap_s=25.0,
+                correctness_cap_s=70.0, sanitizer_cap_s=25.0, min_speed_s=30.0, memory_cap_s=15.0,
                 flex_allowance_s=45.0,
-                # One score mod and one mask mod.
-                variants=VariantsConfig(cases=("softcap", "document"), cap_s=50.0, flex_allowance_s=40.0),
+                # One score mod and one mask mod; Flex compiles the first of them.
+                variants=VariantsConfig(cases=("softcap", "document"), cap_s=30.0, flex_allowance_s=20.0),
                 # No Flex compile, and of SDPA only its flash backend (the fastest peer).
-                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=20.0),
+                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=10.0),
                 # The training row against SDPA only: no Flex compile, no generate.
                 models=ModelsConfig(train_systems=("fagen", "sdpa"), decode_systems=(), cap_s=15.0))
 

@@ -180,7 +180,7 @@ def _short_speed_table(results: dict) -> str:
 def summary_lines(results: dict) -> list[str]:
     """One line per section: what to read first, after the driver and compiler used."""
     meta = results.get("meta") or {}
-    lines = []
+    lines = [f"versions: {meta['versions_line']}"] if meta.get("versions_line") else []
     if meta.get("nvrtc"):
         lines.append(f"toolchain: driver {meta.get('driver', '?')}, CUDA runtime {meta.get('cuda', '?')}, "
                      f"NVRTC {meta['nvrtc']}, target {meta.get('nvrtc_target_note', meta.get('nvrtc_target', '?'))}")

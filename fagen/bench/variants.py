@@ -191,20 +191,6 @@ def make_case(name: str, config: VariantsConfig, *, batch: int, seqlen: int, hea
     return case
 
 
-def case_spec_fields(name: str, config: VariantsConfig) -> dict:
-    """The Spec fields fagen's own argument checking gives this variant (`variant_call`),
-    so the precompile section builds exactly the kernel the timed call will use."""
-    import torch
-
-    from fagen.variant_args import variant_call
-
-    seqlen, heads = 64, config.heads   # kernels do not depend on sizes; only the presence of each mod
-    case = make_case(name, config, batch=config.batch, seqlen=seqlen, heads=heads, device="cpu")
-    q = torch.empty(config.batch, seqlen, heads, config.head_dim)
-    call = variant_call(q, q, causal=config.causal, **case.fagen_kwargs)
-    return dict(call.spec_fields)
-
-
 # -- the systems ---------------------------------------------------------------------------
 
 class FagenVariant(FagenSystem):

@@ -4,10 +4,14 @@ A step (1) rotates q and the new keys (rotary), (2) appends the new keys and val
 cache in place at cache_seqlens, and (3) attends over each entry's keys with a kv_cache spec
 (Spec.kv_cache): the kernel reads a contiguous cache through cache_batch_idx / cache_leftpad,
 or a paged one through block_table, in place. Nq = 1 leaves most of a 64-row tile empty,
-so the query heads that share a K/V head are packed into the tile's rows (GQA packing), and
-the keys are split into num_splits ranges whose fp32 partials a combine kernel merges by L
-(the identity of fagen.merge_attention), so that a small batch still fills the GPU.
-Forward only, as in flash-attn. Everything is checked before the cache is written.
+so the query heads that share a K/V head are packed into the tile's rows (GQA packing; the
+kernel maps each row back to its own query and head), and the keys are split into num_splits
+ranges whose fp32 partials a combine kernel merges by L (the identity of fagen.merge_attention),
+so that a small batch still fills the GPU.
+Forward only, as in flash-attn: inputs that require grad run, and only a backward raises
+(fagen.errors.forward_only). Everything is checked before the cache is written; the append bumps
+the caches' version counters, as torch's in-place ops do. A head_dim that is not a multiple of 8
+runs on padded copies (PaddedHeadDim).
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from .. import attention_kernels, launch
+from ..argument_checks import check_flag
 from ..codegen import source_for
-from ..ops import TORCH_DTYPES, aligned_rows
+from ..errors import InputError, forward_only
+from ..ops import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows
 from ..spec import Spec
 from ..variant_args import variant_call
 from .kvcache_args import check_kvcache, check_rotary
@@ -64,6 +71,17 @@ def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int 
     return _decode_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, tuple(sorted(fields.items())))
 
 
+def step_spec(head_dim: int, dtype: torch.dtype, *, seqlen_q: int, heads: int, kv_heads: int, causal: bool,
+              page_size: int | None, fields: dict) -> Spec:
+    """The spec flash_attn_with_kvcache builds for a step (the GPU check precompiles the same):
+    one query sees every key whether causal or not, so causal is dropped there unless ALiBi
+    measures distances from the diagonal (flash-attn drops it too); with fewer K/V heads than
+    query heads, the query heads of each K/V head share its tiles (GQA packing)."""
+    if seqlen_q == 1 and not fields.get("alibi"):
+        causal = False
+    return decode_spec(head_dim, dtype, causal, page_size, {**fields, "pack_gqa": heads > kv_heads})
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple) -> Spec:
     return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, **dict(fields))
@@ -82,16 +100,10 @@ def _load_before_writing(source, device: torch.device) -> None:
         _loaded.add(key)
 
 
-def _packable(q, kv_heads: int, causal: bool, call) -> bool:
-    """GQA packing puts query (i, g) of a K/V head's group into row i * group + g. It needs a
-    mask that does not depend on the row (one query, or neither causal nor a window) and no
-    per-head ALiBi slope."""
-    fields = call.spec_fields if call else {}
-    row_free = q.shape[1] == 1 or not (causal or fields.get("window"))
-    return q.shape[2] > kv_heads and row_free and not fields.get("alibi")
-
-
 def _pack(q, kv_heads: int):
+    """GQA packing (Spec.pack_gqa): query i of head kv_head * group + g becomes row i * group + g
+    of its K/V head; the kernel maps each row back to its own query and head for every mask,
+    window and mod."""
     b, n, h, d = q.shape
     return q.view(b, n, kv_heads, h // kv_heads, d).transpose(2, 3).reshape(b, n * (h // kv_heads), kv_heads, d)
 
@@ -105,13 +117,51 @@ def _unpack(out, lse, shape):
     return out, lse
 
 
+@dataclass
+class PaddedHeadDim:
+    """A head_dim that is not a multiple of 8 (the kernels' 16-byte rows), handled as flash-attn
+    does: the step runs on zero-padded copies of q, the caches and the new keys (zero columns add
+    nothing to q k^T; rotary turns only the first rotary_dim columns), then the appended rows are
+    copied back into the caller's caches. That copy is the call's only write to them, after
+    every kernel has run: a call that fails leaves them as they were."""
+
+    head_dim: int                # the caller's
+    k_cache: torch.Tensor        # the caller's caches
+    v_cache: torch.Tensor
+
+
+def _pad_head_dim(t):
+    return None if t is None else torch.nn.functional.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))
+
+
+def _copy_appended(padded: PaddedHeadDim, cache, k_cache, v_cache, block_table) -> None:
+    """Rows cache_seqlens[b] .. + N_new of each entry, from the padded caches into the caller's
+    (index_put_: it bumps their version counters)."""
+    rows = cache.cache_seqlens.long()[:, None] + torch.arange(cache.new_tokens, device=k_cache.device)
+    if block_table is None:
+        first, second = cache.cache_batch.long()[:, None].expand_as(rows), rows
+    else:
+        first, second = block_table.long().gather(1, rows // cache.page_size), rows % cache.page_size
+    for caller, source in ((padded.k_cache, k_cache), (padded.v_cache, v_cache)):
+        caller[first, second] = source[first, second, :, :padded.head_dim]
+
+
+def _result(out, lse, return_lse: bool, padded, cache, k_cache, v_cache, block_table):
+    if padded is not None:
+        if cache.new_tokens:
+            _copy_appended(padded, cache, k_cache, v_cache, block_table)
+        out = out[..., :padded.head_dim]
+    return (out, lse) if return_lse else out
+
+
 def _check_splits(num_splits) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in 0..{MAX_SPLITS} (0: chosen from the SM count), "
+        raise InputError(f"num_splits must be an int in 0..{MAX_SPLITS} (0: chosen from the SM count), "
                          f"got {num_splits!r}")
     return num_splits
 
 
+@forward_only("flash_attn_with_kvcache")
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -128,22 +178,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     interleaved or not. Causal is bottom-right aligned to each entry's keys; window_size,
     softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
     the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
+    Any d up to 256: one that is not a multiple of 8 is zero-padded as flash-attn does.
     """
     cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     num_splits = _check_splits(num_splits)
-    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    causal = check_flag("causal", causal)
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a float > 0 or None, got {softmax_scale!r}")
+        raise InputError(f"softmax_scale must be a float > 0 or None, got {softmax_scale!r}")
+    padded = None
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:   # the step runs on padded copies; the scale keeps the true d
+        padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache)
+        q, k_cache, v_cache, k, v = (_pad_head_dim(t) for t in (q, k_cache, v_cache, k, v))
+        softmax_scale = 1.0 / math.sqrt(padded.head_dim) if softmax_scale is None else softmax_scale
     batch, seqlen_q, heads, head_dim = q.shape
     call = variant_call(q, k_cache, causal=causal, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, sizes=(batch, seqlen_q, heads, cache.capacity))
-    if seqlen_q == 1 and alibi_slopes is None:
-        causal = False   # one query sees every key either way (flash-attn drops it too)
-    spec = decode_spec(head_dim, q.dtype, causal, cache.page_size, call.spec_fields if call else {})
+    spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=k_cache.shape[2], causal=causal,
+                     page_size=cache.page_size, fields=call.spec_fields if call else {})
+    causal, packed = spec.causal, spec.pack_gqa
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if k is not None:   # rotary and the append: one kernel, in place
@@ -157,10 +213,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if batch == 0 or seqlen_q == 0 or heads == 0:
         out = torch.zeros_like(q)
         lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
-        return (out, lse) if return_softmax_lse else out
+        return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table)
     keys = (cache.cache_seqlens + cache.new_tokens - cache.cache_start).to(torch.int32)
     shape, kv_heads = q.shape, k_cache.shape[2]
-    packed = _packable(q, kv_heads, causal, call)
     q_kernel = _pack(q, kv_heads) if packed else aligned_rows(q)
     if num_splits == 0:
         row_blocks = batch * q_kernel.shape[2] * -(-q_kernel.shape[1] // spec.block_m)
@@ -170,7 +225,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         source, q_kernel, k_cache, v_cache, keys, seqlen_k=cache.capacity,
         cache_rows=None if block_table is not None else (cache.cache_batch, cache.cache_start),
         block_table=None if block_table is None else block_table.contiguous(), num_splits=num_splits,
-        softmax_scale=softmax_scale, variant=call.values if call else None)
+        softmax_scale=softmax_scale, variant=call.values if call else None,
+        pack_group=heads // kv_heads if packed else None)
     if packed:
         out, lse = _unpack(out, lse, shape)
-    return (out, lse) if return_softmax_lse else out
+    return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..argument_checks import check_dense_tensor, check_flag
+from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM
 from ..varlen_args import TORCH_DTYPES, check_cache_rows, check_page_size, values_checkable
 
@@ -31,30 +33,29 @@ class CacheCall:
 
 
 def _check_data(name: str, t, ndim: int, layout: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense_tensor(name, t)
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
+        raise InputError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in TORCH_DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
 
 
 def _check_index(name: str, t, shape: tuple, device, dims: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be an int32 tensor of shape {dims}, got {got}")
+        raise InputTypeError(f"{name} must be an int32 tensor of shape {dims}, got {got}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(t.shape)}")
+        raise InputError(f"{name} must have shape {dims} = {shape}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        raise InputError(f"{name} must be on q's device {device}, got {t.device}")
     return t.contiguous()
 
 
 def _same_as_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
     if t.dtype != q.dtype or t.device != q.device:
-        raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype} on {t.device}")
+        raise InputError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype} on {t.device}")
 
 
 class RangeChecks:
@@ -75,7 +76,7 @@ class RangeChecks:
         for (name, t, bad, what), wrong in zip(self.pending, failed):
             if wrong:
                 index = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"{name}{list(index)} = {int(t[index])} is out of range: {what}")
+                raise InputError(f"{name}{list(index)} = {int(t[index])} is out of range: {what}")
 
 
 def _check_cache(q, k_cache, v_cache, block_table):
@@ -86,23 +87,22 @@ def _check_cache(q, k_cache, v_cache, block_table):
         _check_data(name, t, 4, layout)
         _same_as_q(name, t, q)
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+        raise InputError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     d, kv_heads = q.shape[3], k_cache.shape[2]
     if k_cache.shape[3] != d:
-        raise ValueError(f"q and k_cache must have the same head_dim, got {d} and {k_cache.shape[3]}")
-    if d % 8 or d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM} for a KV cache (its rows are "
-                         f"read in 16-byte chunks and cannot be padded in place), got {d}")
+        raise InputError(f"q and k_cache must have the same head_dim, got {d} and {k_cache.shape[3]}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise InputError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {d}")
     if kv_heads == 0 or q.shape[2] % kv_heads:
-        raise ValueError(f"q's number of heads ({q.shape[2]}) must be a multiple of k_cache's ({kv_heads})")
+        raise InputError(f"q's number of heads ({q.shape[2]}) must be a multiple of k_cache's ({kv_heads})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_cache_rows(name, t)
 
 
 def _check_new(q, k_cache, k, v):
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values to append)")
+        raise InputError("k and v must be given together (the new keys and values to append)")
     if k is None:
         return 0
     for name, t in (("k", k), ("v", v)):
@@ -110,34 +110,65 @@ def _check_new(q, k_cache, k, v):
         _same_as_q(name, t, q)
         expected = (q.shape[0], k.shape[1], k_cache.shape[2], q.shape[3])
         if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must have shape (batch, seqlen_new, kv_heads, head_dim) = {expected}, "
+            raise InputError(f"{name} must have shape (batch, seqlen_new, kv_heads, head_dim) = {expected}, "
                              f"got {tuple(t.shape)}")
     return k.shape[1]
+
+
+def _check_writable(k_cache, v_cache) -> None:
+    """The append writes both caches in place: refused where torch refuses an in-place write
+    (memory that two written elements share), and for a cache that requires grad, whose write
+    autograd cannot record (stricter than torch, which allows it under no_grad: the check runs
+    inside the forward-only Function, where grad mode is always off)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.requires_grad:
+            raise InputError(f"{name} requires grad: the append writes it in place, which autograd cannot "
+                             f"record; pass {name}.detach() (the same memory, so the append still lands in it)")
+        if torch._debug_has_internal_overlap(t) == 1:   # 1: certain overlap (a stride 0), as torch refuses
+            raise InputError(f"{name} has more than one element that refers to a single memory location "
+                             f"(stride {t.stride()}, e.g. from expand): the append would write one row over "
+                             f"another; pass a cache with memory of its own (.contiguous())")
+    if _same_memory(k_cache, v_cache):
+        raise InputError("k_cache and v_cache share memory: the appended values would overwrite the appended "
+                         "keys; pass two caches (slices of one buffer that interleave, such as kv[:, :, 0] "
+                         "and kv[:, :, 1], are fine)")
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two same-shape tensors certainly share an element, torch's rule for two written
+    tensors (at::get_overlap_status): the same first element, or dense byte ranges that meet."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0:
+        return False
+    if a.data_ptr() == b.data_ptr():
+        return True
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False   # interleaved views of one buffer: torch cannot tell cheaply either
+    size = a.numel() * a.element_size()
+    return a.data_ptr() < b.data_ptr() + size and b.data_ptr() < a.data_ptr() + size
 
 
 def check_rotary(q, rotary_cos, rotary_sin, k, capacity: int, interleaved) -> None:
     if rotary_cos is None and rotary_sin is None:
         return
     if rotary_cos is None or rotary_sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+        raise InputError("rotary_cos and rotary_sin must be given together")
     if k is None:
-        raise ValueError("rotary_cos / rotary_sin rotate the appended keys: pass k and v as well")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"rotary_interleaved must be True or False, got {interleaved!r}")
+        raise InputError("rotary_cos / rotary_sin rotate the appended keys: pass k and v as well")
+    check_flag("rotary_interleaved", interleaved)
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got "
+            raise InputError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         _same_as_q(name, t, q)
     if rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+        raise InputError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
                          f"{tuple(rotary_sin.shape)}")
     rotary_dim = 2 * rotary_cos.shape[1]
     if rotary_dim == 0 or rotary_dim > q.shape[3]:
-        raise ValueError(f"the rotary dimension (2 * rotary_cos.shape[1] = {rotary_dim}) must be in 2.."
+        raise InputError(f"the rotary dimension (2 * rotary_cos.shape[1] = {rotary_dim}) must be in 2.."
                          f"head_dim ({q.shape[3]})")
     if rotary_cos.shape[0] < capacity:
-        raise ValueError(f"rotary_cos / rotary_sin need a row per cache position: at least {capacity} rows, "
+        raise InputError(f"rotary_cos / rotary_sin need a row per cache position: at least {capacity} rows, "
                          f"got {rotary_cos.shape[0]}")
 
 
@@ -146,33 +177,37 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     """Validate everything but rotary and the variant; returns the per-entry rows as tensors."""
     _check_cache(q, k_cache, v_cache, block_table)
     new_tokens = _check_new(q, k_cache, k, v)
+    if new_tokens:
+        _check_writable(k_cache, v_cache)
     batch, device = q.shape[0], q.device
     page_size, checks = None, RangeChecks()
     if block_table is not None:
         if cache_batch_idx is not None or cache_leftpad is not None:
-            raise ValueError("a paged cache (block_table) takes no cache_batch_idx or cache_leftpad: "
+            raise InputError("a paged cache (block_table) takes no cache_batch_idx or cache_leftpad: "
                              "the block table already names each entry's pages")
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-            raise ValueError("block_table must be a 2-D int32 tensor (batch, max_pages)")
+            raise InputError("block_table must be a 2-D int32 tensor (batch, max_pages)")
         block_table = _check_index("block_table", block_table, (batch, block_table.shape[1]), device,
                                    "(batch, max_pages)")
         page_size = k_cache.shape[1]
         check_page_size(page_size, "k_cache.shape[1]")
         capacity = block_table.shape[1] * page_size
+        holds = f"block_table's {block_table.shape[1]} pages of {page_size} rows hold {capacity} rows per entry"
         checks.add("block_table", block_table, 0, k_cache.shape[0] - 1, f"pages are 0..{k_cache.shape[0] - 1}")
         cache_batch = torch.arange(batch, dtype=torch.int32, device=device)   # unused by paged kernels
     else:
         capacity = k_cache.shape[1]
+        holds = f"k_cache holds {capacity} rows per entry"
         if cache_batch_idx is None:
             if k_cache.shape[0] != batch:
-                raise ValueError(f"k_cache holds {k_cache.shape[0]} entries for a batch of {batch}: pass "
+                raise InputError(f"k_cache holds {k_cache.shape[0]} entries for a batch of {batch}: pass "
                                  f"cache_batch_idx to say which entry each batch entry uses")
             cache_batch = torch.arange(batch, dtype=torch.int32, device=device)
         else:
             cache_batch = _check_index("cache_batch_idx", cache_batch_idx, (batch,), device, "(batch,)")
             checks.add("cache_batch_idx", cache_batch, 0, k_cache.shape[0] - 1,
                          f"k_cache has entries 0..{k_cache.shape[0] - 1}")
-    seqlens = _cache_seqlens(cache_seqlens, batch, device, capacity, new_tokens, checks)
+    seqlens = _cache_seqlens(cache_seqlens, batch, device, capacity, new_tokens, holds, checks)
     if cache_leftpad is None:
         start = torch.zeros(batch, dtype=torch.int32, device=device)
     else:
@@ -182,18 +217,19 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     return CacheCall(seqlens, cache_batch, start, capacity, page_size, new_tokens)
 
 
-def _cache_seqlens(cache_seqlens, batch: int, device, capacity: int, new_tokens: int,
+def _cache_seqlens(cache_seqlens, batch: int, device, capacity: int, new_tokens: int, holds: str,
                    checks: RangeChecks) -> torch.Tensor:
+    """`holds` says what bounds the rows (with a block_table: its pages, the word flash-attn's
+    test matches)."""
     if cache_seqlens is None:
         if new_tokens:
-            raise ValueError("cache_seqlens is needed to append k and v (it says where they go)")
+            raise InputError("cache_seqlens is needed to append k and v (it says where they go)")
         return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new_tokens:
-            raise ValueError(f"cache_seqlens = {cache_seqlens} is out of range: the cache holds {capacity} rows "
-                             f"and {new_tokens} are appended")
+            raise InputError(f"cache_seqlens = {cache_seqlens} is out of range: the {holds} and {new_tokens} "
+                             f"are appended")
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     seqlens = _check_index("cache_seqlens", cache_seqlens, (batch,), device, "(batch,)")
-    checks.add("cache_seqlens", seqlens, 0, capacity - new_tokens,
-                 f"the cache holds {capacity} rows per entry and {new_tokens} are appended")
+    checks.add("cache_seqlens", seqlens, 0, capacity - new_tokens, f"the {holds} and {new_tokens} are appended")
     return seqlens

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import InputError, InputTypeError
+
 __all__ = ["EMPTY_ROW_LSE", "merge_attention"]
 
 EMPTY_ROW_LSE = float("inf")  # the L fagen stores for a row that sees no key (fagen.reference.empty_rows)
@@ -34,39 +36,39 @@ def _as_parts(name: str, value, rank: int, layout: str) -> list[torch.Tensor]:
     """A list of tensors, from a sequence of them or a tensor stacked along dim 0."""
     if isinstance(value, torch.Tensor):
         if value.dim() != rank + 1:
-            raise ValueError(f"{name} as a stacked tensor must be (P, {layout}), "
+            raise InputError(f"{name} as a stacked tensor must be (P, {layout}), "
                              f"got shape {tuple(value.shape)}")
         parts = list(value.unbind(0))
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         parts = list(value)
     else:
-        raise TypeError(f"{name} must be a list of tensors or a stacked tensor, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a list of tensors or a stacked tensor, got {type(value).__name__}")
     if not parts:
-        raise ValueError(f"{name} is empty: merge_attention needs at least one part")
+        raise InputError(f"{name} is empty: merge_attention needs at least one part")
     for i, part in enumerate(parts):
         if not isinstance(part, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a tensor, got {type(part).__name__}")
+            raise InputTypeError(f"{name}[{i}] must be a tensor, got {type(part).__name__}")
         if not part.is_floating_point():
-            raise TypeError(f"{name}[{i}] must be a floating-point tensor, got {part.dtype}")
+            raise InputTypeError(f"{name}[{i}] must be a floating-point tensor, got {part.dtype}")
         if part.dim() != rank:
-            raise ValueError(f"{name}[{i}] must be ({layout}), got shape {tuple(part.shape)}")
+            raise InputError(f"{name}[{i}] must be ({layout}), got shape {tuple(part.shape)}")
     return parts
 
 
 def _check(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> None:
     if len(outs) != len(lses):
-        raise ValueError(f"outs and lses must hold as many parts: got {len(outs)} outs and {len(lses)} lses")
+        raise InputError(f"outs and lses must hold as many parts: got {len(outs)} outs and {len(lses)} lses")
     B, N, H, _ = outs[0].shape
     device = outs[0].device
     for i, (out, lse) in enumerate(zip(outs, lses)):
         if out.shape != outs[0].shape:
-            raise ValueError(f"outs[{i}] has shape {tuple(out.shape)}, outs[0] {tuple(outs[0].shape)}: "
+            raise InputError(f"outs[{i}] has shape {tuple(out.shape)}, outs[0] {tuple(outs[0].shape)}: "
                              "every part must have the same (B, N, H, d)")
         if tuple(lse.shape) != (B, H, N):
-            raise ValueError(f"lses[{i}] must be (B, H, N) = {(B, H, N)} to match outs, got {tuple(lse.shape)}")
+            raise InputError(f"lses[{i}] must be (B, H, N) = {(B, H, N)} to match outs, got {tuple(lse.shape)}")
         for name, t in ((f"outs[{i}]", out), (f"lses[{i}]", lse)):
             if t.device != device:
-                raise ValueError(f"{name} is on {t.device}, outs[0] on {device}: every part must be on one device")
+                raise InputError(f"{name} is on {t.device}, outs[0] on {device}: every part must be on one device")
 
 
 def merge_attention(outs, lses):

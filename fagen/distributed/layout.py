@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -25,7 +27,7 @@ def chunk_count(layout: str, world: int) -> int:
 
 def check_layout(layout) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def chunks_of(layout: str, world: int, rank: int) -> tuple[int, ...]:
@@ -38,7 +40,7 @@ def check_divisible(seqlen: int, layout: str, world: int, what: str = "the seque
     """The chunk length; raises unless `seqlen` splits evenly into the layout's chunks."""
     count = chunk_count(layout, world)
     if seqlen % count:
-        raise ValueError(f"{what} of {seqlen} tokens does not split into the {count} equal chunks the "
+        raise InputError(f"{what} of {seqlen} tokens does not split into the {count} equal chunks the "
                          f"{layout} layout needs over {world} ranks ({'2 x world' if layout == 'zigzag' else 'world'});"
                          f" pad it to a multiple of {count}")
     return seqlen // count

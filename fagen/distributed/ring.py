@@ -27,10 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import attention_kernels
+from ..argument_checks import check_flag
 from ..codegen import source_for
 from ..decode import merge_attention
-from ..ops import TORCH_DTYPES, aligned_rows
-from ..spec import Spec
+from ..errors import InputError
+from ..ops import TORCH_DTYPES, aligned_rows, check_inputs, check_scale
+from ..spec import Spec, check_dropout_p
 from .layout import check_divisible, check_layout, chunks_of
 
 METHODS = ("ring", "allgather")   # K/V passed around the ring, or gathered once (short K/V)
@@ -136,6 +138,9 @@ def _exchange(call: RingCall, tensors: list[torch.Tensor]):
 
     if call.world == 1:   # the ring is this rank: what it sends is what it receives
         return [], tensors
+    # gloo and NCCL send and receive contiguous memory only, and user shards are often views
+    # (k, v = kv.unbind(2)); a copy here also makes the receive buffers contiguous.
+    tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
     after, before = (call.rank + 1) % call.world, (call.rank - 1) % call.world
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(call.group, after) if call.group else after,
@@ -291,7 +296,7 @@ def _window(window_size, causal: bool, seqlen: int) -> tuple[int, int] | None:
     None when nothing is cut."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or \
             any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got "
+        raise InputError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got "
                          f"{window_size!r}")
     left, right = (seqlen if w == -1 else min(w, seqlen) for w in window_size)
     if causal:
@@ -301,18 +306,13 @@ def _window(window_size, causal: bool, seqlen: int) -> tuple[int, int] | None:
 
 def _check_shapes(q, k, v, call: RingCall, shape_check: bool) -> None:
     """Local shapes; and, once per call, that every rank holds the same shapes (one tiny all-gather)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen / world, heads, head_dim)")
-    if k.shape != v.shape or q.shape[1] != k.shape[1] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be shards of one "
-                         "sequence: the same batch, local length and head_dim (k and v the same shape)")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k's ({k.shape[2]})")
+    if q.shape[1] != k.shape[1]:
+        raise InputError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be shards of one "
+                         "sequence: the same local length")
     per_rank = len(chunks_of(call.layout, call.world, 0))
     check_divisible(q.shape[1] * call.world, call.layout, call.world, "the global sequence")
     if call.dropout_p > 0 and (q.shape[1] // per_rank) % 16:
-        raise ValueError(f"dropout under ring attention needs chunks of a multiple of 16 tokens (the Philox "
+        raise InputError(f"dropout under ring attention needs chunks of a multiple of 16 tokens (the Philox "
                          f"groups), got {q.shape[1] // per_rank}")
     if shape_check:
         import torch.distributed as dist
@@ -321,7 +321,7 @@ def _check_shapes(q, k, v, call: RingCall, shape_check: bool) -> None:
         every = [torch.empty_like(mine) for _ in range(call.world)]
         dist.all_gather(every, mine, group=call.group)
         if any(not torch.equal(other, mine) for other in every):
-            raise ValueError(f"ring_attention: ranks hold different shapes (q and k per rank: "
+            raise InputError(f"ring_attention: ranks hold different shapes (q and k per rank: "
                              f"{[tuple(t.tolist()) for t in every]}); every rank needs an equal shard")
 
 
@@ -340,10 +340,13 @@ def ring_attention(q, k, v, group=None, *, causal=False, dropout_p=0.0, softmax_
 
     check_layout(layout)
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise InputError(f"method must be one of {METHODS}, got {method!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    call = RingCall(group, world, rank, layout, bool(causal), float(dropout_p), scale, bool(deterministic),
+    check_inputs(q, k, v)   # dtypes, devices, layout, batch, head_dim, GQA: as flash_attn_func
+    scale = check_scale("softmax_scale", softmax_scale, q.shape[-1])
+    causal, deterministic, return_lse = (check_flag(name, x) for name, x in (
+        ("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)))
+    call = RingCall(group, world, rank, layout, causal, check_dropout_p(dropout_p), scale, deterministic,
                     0, (0, 0), method, _window(window_size, causal, q.shape[1] * world))
     _check_shapes(q, k, v, call, shape_check=True)
     call.chunk = q.shape[1] // len(chunks_of(layout, world, rank))

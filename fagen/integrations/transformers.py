@@ -21,6 +21,10 @@ attention layers pass (query (B, H, N, d), key and value (B, Hk, N, d)) and runs
 - packed sequences: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` / `max_length_k`, or
   `position_ids` that restart at 0 (padding-free training), through `flash_attn_varlen_func`.
 
+fp32 activations run as transformers' flash_attention_2 runs them: cast to the autocast dtype
+(fp32 master weights under `torch.autocast(device, dtype=torch.bfloat16)`, the usual mixed
+precision), else to the model's half dtype; the output comes back in that dtype.
+
 A mask it cannot honour (a 4-D mask, a float mask) raises a `ValueError` naming what to use
 instead: it never drops a mask silently. Nothing else in fagen imports this module.
 """
@@ -112,11 +116,42 @@ def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, args):
     return out.view(*q.shape[:2], *out.shape[1:])
 
 
+def _target_dtype(query: torch.Tensor, module) -> torch.dtype | None:
+    """The dtype fp32 activations run in, as transformers' flash_attention_2 picks it
+    (`get_target_dtype`): under autocast, autocast's (fp32 master weights: rotary embeddings
+    promote q and k back to fp32); for a quantized model, its config's dtype; else the dtype
+    of the model's Linear weights (fp32 layer norms in a half model, as PEFT leaves them)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "_is_quantized"):
+        return config.dtype
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return None if linear is None else linear.weight.dtype
+
+
+def _half(query, key, value, module):
+    """query, key and value in the dtype fagen's kernels run: fp32 ones cast to _target_dtype."""
+    if query.dtype != torch.float32:
+        return query, key, value
+    target = _target_dtype(query, module)
+    if target not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"attn_implementation='fagen' runs in float16 or bfloat16; this layer's query is "
+                        f"{query.dtype} and its weights {target}, without autocast: load the model in bfloat16 or "
+                        f"float16 (dtype=...), run it under torch.autocast(device_type, dtype=torch.bfloat16), "
+                        f"or use attn_implementation='sdpa' or 'eager'")
+    return query.to(target), key.to(target), value.to(target)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function interface on fagen (see the module doc). Returns
-    (attn_output (B, N, H, d), None): fagen never forms the attention weights."""
+    (attn_output (B, N, H, d), None): fagen never forms the attention weights. fp32 inputs
+    run in the autocast (or the model's half) dtype and the output comes back in it, as with
+    transformers' flash_attention_2."""
     _check_mask(attention_mask)
+    query, key, value = _half(query, key, value, module)
     if kwargs.get("position_bias") is not None:   # T5-style additive biases: a dense mask by another name
         raise ValueError("attn_implementation='fagen' cannot add a position_bias tensor; express it as "
                          "fagen.flash_attn_func(score_mod=...) or use attn_implementation='sdpa' or 'eager'")

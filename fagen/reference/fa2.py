@@ -26,10 +26,11 @@ from .tiling import dropped, head_major_hbm, masked_scores, tiled_problem, to_he
 
 
 def fa2_forward(q, k, v, spec: Spec, *, softmax_scale=None, causal=None, seqlens_k=None,
-                dropout_p=0.0, keep_mask=None):
+                dropout_p=0.0, keep_mask=None, window_size=(-1, -1)):
     """Returns (out (B, Nq, H, d), lse (B, H, Nq), io: IOCount), float64."""
     prob = tiled_problem(q, k, v, spec, softmax_scale=softmax_scale, causal=causal,
-                         seqlens_k=seqlens_k, dropout_p=dropout_p, keep_mask=keep_mask)
+                         seqlens_k=seqlens_k, dropout_p=dropout_p, keep_mask=keep_mask,
+                         window_size=window_size)
     B, H, Nq, d = prob.q.shape
     hbm = head_major_hbm(prob)
     hbm.allocate("O", (B, H, Nq, d))
@@ -64,13 +65,14 @@ def fa2_forward(q, k, v, spec: Spec, *, softmax_scale=None, causal=None, seqlens
 
 
 def fa2_backward(q, k, v, out, dout, lse, spec: Spec, *, softmax_scale=None, causal=None,
-                 seqlens_k=None, dropout_p=0.0, keep_mask=None):
+                 seqlens_k=None, dropout_p=0.0, keep_mask=None, window_size=(-1, -1)):
     """Returns (dq (B, Nq, H, d), dk, dv (B, Nk, Hk, d), io: IOCount), float64.
 
     lse is the forward's L (B, H, Nq), +inf on rows that see no key.
     """
     prob = tiled_problem(q, k, v, spec, softmax_scale=softmax_scale, causal=causal,
-                         seqlens_k=seqlens_k, dropout_p=dropout_p, keep_mask=keep_mask)
+                         seqlens_k=seqlens_k, dropout_p=dropout_p, keep_mask=keep_mask,
+                         window_size=window_size)
     B, H, Nq, d = prob.q.shape
     Hk, Nk = prob.kv_heads, prob.nk
     hbm = head_major_hbm(prob, O=to_head_major(out), dO=to_head_major(dout), L=lse)

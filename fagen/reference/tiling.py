@@ -17,8 +17,10 @@ from .problem import Problem, make_problem
 
 
 def tiled_problem(q, k, v, spec: Spec, *, softmax_scale=None, causal=None, seqlens_k=None,
-                  dropout_p=0.0, keep_mask=None) -> Problem:
-    """Build the Problem for a tiled run; `causal=None` takes the spec's mask."""
+                  dropout_p=0.0, keep_mask=None, window_size=(-1, -1)) -> Problem:
+    """Build the Problem for a tiled run; `causal=None` takes the spec's mask. A sliding
+    window (flash-attn's window_size) is structure, like causal: the tiled loops skip the
+    blocks outside it, as the kernels do."""
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a fagen.spec.Spec, got {type(spec).__name__}")
     if causal is None:
@@ -29,8 +31,10 @@ def tiled_problem(q, k, v, spec: Spec, *, softmax_scale=None, causal=None, seqle
         raise ValueError("seqlens_k given but the spec has key_padding=False")
     if (dropout_p or keep_mask is not None) and not spec.dropout:
         raise ValueError("dropout requested but the spec has dropout=False")
+    if tuple(window_size) != (-1, -1) and not spec.window:
+        raise ValueError(f"window_size {tuple(window_size)} given but the spec has window=False")
     prob = make_problem(q, k, v, softmax_scale=softmax_scale, causal=causal, seqlens_k=seqlens_k,
-                        dropout_p=dropout_p, keep_mask=keep_mask)
+                        dropout_p=dropout_p, keep_mask=keep_mask, window_size=window_size)
     if prob.head_dim != spec.head_dim:
         raise ValueError(f"inputs have head_dim {prob.head_dim}, the spec {spec.head_dim}")
     return prob

@@ -64,6 +64,16 @@ class CudaPrinter(C99CodePrinter):
             text = f"(({self._print(condition)}) ? ({self._print(value)}) : ({text}))"
         return text
 
+    def _print_Mod(self, expr):
+        """Python's (floor) modulo, parenthesized whole: sympy prints `a % b` bare where both are
+        nonnegative, which C then binds to a neighbouring `*` (`0.5F*kv_idx % 7`); and C's fmod
+        keeps the numerator's sign where Mod takes the divisor's."""
+        num, den = expr.args
+        if num.is_integer and den.is_integer:
+            return f"({super()._print_Mod(expr)})"
+        a, b = self._print(num), self._print(den)
+        return f"(({a}) - ({b}) * floorf(({a}) / ({b})))"
+
     def _print_Abs(self, expr):
         arg = expr.args[0]
         return f"{'llabs' if arg.is_integer else 'fabsf'}({self._print(arg)})"
@@ -165,9 +175,10 @@ class VariantCode:
     capture_grads: bool         # the backward adds captured tensors' gradients
     sinks: bool
 
-    def context(self, with_grads: bool) -> str:
-        """The statement that gathers the Context (after `keys` and the block coordinates)."""
-        fields = ["seqlen_q", "keys"] + [name for name, _, _ in self.params if name != "sinks"]
+    def context(self, with_grads: bool, seqlen_q: str = "seqlen_q") -> str:
+        """The statement that gathers the Context (after `keys` and the block coordinates);
+        `seqlen_q` names the queries per head (GQA packing's rows hold several heads')."""
+        fields = [seqlen_q, "keys"] + [name for name, _, _ in self.params if name != "sinks"]
         if self.capture_grads:
             fields += [name if with_grads else "nullptr" for name, _, _ in self.grad_params]
         return f"const fagen_variant::Context ctx = {{{', '.join(fields)}}};"
@@ -313,6 +324,37 @@ def _mask_functions(printer, math: VariantMath) -> list[str]:
     ]
 
 
+def _group_functions(math: VariantMath) -> list[str]:
+    """GQA packing (Spec.pack_gqa): a tile's rows hold queries [q_lo, q_hi] of the `group` query
+    heads from h0 on. A mask that reads the head is asked for each of them; one that does not,
+    once."""
+    box = "int b, int h0, int group, int q_lo, int q_hi"
+    if H not in math.mask.free_symbols:
+        return ["// GQA packing: the mask does not read the head, so any head of the group answers for all.",
+                f"__device__ __forceinline__ IndexRange group_key_range({box}, const Context& ctx) {{",
+                "  return key_range(b, h0, q_lo, q_hi, ctx);", "}", "",
+                f"__device__ __forceinline__ int group_tile_class({box}, int kv_lo, int kv_hi, const Context& ctx) {{",
+                "  return tile_class(b, h0, q_lo, q_hi, kv_lo, kv_hi, ctx);", "}", ""]
+    return [
+        "// GQA packing: the keys any (query, head) of the tile may see: the union over the group's heads.",
+        f"__device__ __forceinline__ IndexRange group_key_range({box}, const Context& ctx) {{",
+        "  IndexRange seen = key_range(b, h0, q_lo, q_hi, ctx);",
+        "  for (int g = 1; g < group; ++g) {",
+        "    const IndexRange other = key_range(b, h0 + g, q_lo, q_hi, ctx);",
+        "    if (other.last < other.first) continue;  // this head sees nothing here",
+        "    if (seen.last < seen.first) seen = other;",
+        "    else seen.first = min(seen.first, other.first), seen.last = max(seen.last, other.last);",
+        "  }",
+        "  return seen;", "}", "",
+        "// GQA packing: a tile is empty (or full) only if it is so for every head of the group.",
+        f"__device__ __forceinline__ int group_tile_class({box}, int kv_lo, int kv_hi, const Context& ctx) {{",
+        "  const int first = tile_class(b, h0, q_lo, q_hi, kv_lo, kv_hi, ctx);",
+        "  for (int g = 1; g < group; ++g)",
+        "    if (tile_class(b, h0 + g, q_lo, q_hi, kv_lo, kv_hi, ctx) != first) return kPartialTile;",
+        "  return first;", "}", "",
+    ]
+
+
 @lru_cache(maxsize=256)
 def variant_code(spec: Spec) -> VariantCode | None:
     """The device functions of `spec`'s variant; None for plain attention (no mods)."""
@@ -334,6 +376,8 @@ def variant_code(spec: Spec) -> VariantCode | None:
     lines += _score_functions(printer, math)
     if math.masks:
         lines += _mask_functions(printer, math)
+        if spec.pack_gqa:
+            lines += _group_functions(math)
     lines += ["}  // namespace fagen_variant"]
     return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
                        score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)

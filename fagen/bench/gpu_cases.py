@@ -1,0 +1,62 @@
+"""The gpu tests' parameter tables, shared by the tests (tests/test_gpu_kernels.py,
+tests/test_gpu_decode.py, tests/test_gpu_distributed.py) and by the precompile section's calls
+(kernel_calls.gpu_test_calls), so that what precompile builds follows the tests' own cases.
+Plain data, no torch: the tests import it at collection.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+# -- tests/test_gpu_kernels.py ----------------------------------------------------------------
+
+# (batch, seqlen_q, seqlen_k, heads, kv_heads): square; ragged with GQA; more queries than keys,
+# where causal rows i < Nq - Nk see no key at all.
+SHAPES = [(2, 256, 256, 4, 4), (2, 97, 161, 4, 2), (1, 161, 97, 3, 3), (1, 300, 40, 2, 1)]
+# (version, dtype, causal, head_dim): flash_attn_func's forward, L and backward.
+MATRIX = list(itertools.product((2, 1), ("fp16", "bf16"), (False, True), (64, 128)))
+DROPOUT_P = 0.17
+# (version, dtype, head_dim): the dropout mask read off the output, forward and backward.
+DROPOUT_CASES = [(2, "fp16", 64), (2, "bf16", 128), (1, "fp16", 128), (1, "bf16", 64)]
+# (dtype, head_dim) of test_dropout_mask_is_seeded_by_torch, for versions 2 and 1.
+SEEDED_DROPOUT = ("fp16", 64)
+# (version, causal, head_dim) of the deterministic backward, bf16.
+DETERMINISTIC_CASES = list(itertools.product((2, 1), (False, True), (64, 128)))
+# tests/kernel_cases.run_and_check on CUDA tensors: (Spec flags, shape), bf16, versions 2 and 1,
+# at the head dims of KERNEL_CASE_HEAD_DIMS (d=128 is in the matrix above; keep compiles few).
+KERNEL_CASES = [({"mask": "causal"}, (1, 300, 40, 2, 1)), ({"key_padding": True}, (2, 70, 90, 2, 2)),
+                ({"key_padding": True, "mask": "causal", "dropout": True}, (2, 130, 130, 4, 1)),
+                ({"mask": "causal", "num_stages": 1, "block_m": 64, "block_n": 32}, (1, 300, 40, 2, 1)),
+                ({"mask": "causal", "num_stages": 3, "block_m": 64, "block_n": 32}, (2, 200, 17, 2, 2)),
+                ({"deterministic": True, "dropout": True}, (1, 150, 150, 2, 1))]
+KERNEL_CASE_HEAD_DIMS = (64, 256)
+KERNEL_CASE_VERSIONS = (2, 1)
+# The d=128 tiles and one-stage backward of the 99 KB parts (sm_86/89/120), on whatever GPU is
+# at hand: (Spec flags, shape), bf16 d=128, versions 2 and 1.
+SINGLE_STAGE_CASES = [({"block_n": 32, "bwd_stages": 1, "mask": "causal", "key_padding": True, "dropout": True},
+                       (2, 200, 170, 4, 2)),
+                      ({"block_n": 32, "bwd_stages": 1, "mask": "causal", "dropout": True, "deterministic": True},
+                       (1, 150, 190, 2, 2))]
+
+# -- tests/test_gpu_decode.py -----------------------------------------------------------------
+
+# name: (tests/kvcache_cases.Case arguments, check_call arguments); dtype as fagen names it
+# (fp16 when absent). The cache: B = 3 entries, H = 4 query heads over HK = 2, d = 64.
+DECODE_CASES = {
+    "contiguous, no append, split 3": (dict(), dict(num_splits=3)),
+    "append + rotary, causal, heuristic": (dict(nq=3, new=3, seed=1), dict(causal=True, rotary=(32, True))),
+    "paged 16, append + rotary, split 2": (dict(nq=2, new=2, page=16, seed=2),
+                                           dict(causal=True, rotary=(64, False), num_splits=2)),
+    "batch_idx + leftpad, bf16": (dict(dtype="bf16", nq=2, new=2, batch_idx=True, leftpad=True, seed=4),
+                                  dict(causal=True, rotary=(16, True), num_splits=3)),
+}
+DECODE_SHAPE = {"batch": 3, "heads": 4, "kv_heads": 2, "head_dim": 64, "capacity": 128}
+# The decoding step captured in a CUDA graph: one new token, pages of 16, two splits.
+DECODE_GRAPH_CASE = (dict(new=1, page=16, seed=5), dict(num_splits=2))
+
+# -- tests/test_gpu_distributed.py ------------------------------------------------------------
+
+RING_LAYOUTS = ("zigzag", "contiguous")
+RING_DROPOUT_PS = (0.0, 0.2)
+# (batch, seqlen, heads, kv_heads, head_dim), bf16, causal.
+RING_SHAPE = (2, 512, 8, 2, 128)
