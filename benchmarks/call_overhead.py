@@ -29,7 +29,7 @@ import time
 import torch
 
 import fagen
-from fagen import launch
+from fagen.kernels import launch
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:

@@ -17,9 +17,9 @@ import statistics
 import tempfile
 import time
 
-from fagen import compiler
-from fagen.build import default_specs
-from fagen.codegen import render
+from fagen.kernels import compile as compiler
+from fagen.kernels.build import default_specs
+from fagen.kernels.render import render
 
 
 def main() -> None:

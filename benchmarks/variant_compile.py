@@ -40,7 +40,7 @@ def clear_caches() -> None:
     """Everything between a Spec and its cubin that a process remembers."""
     import sympy
 
-    from fagen import codegen, compiler
+    from fagen.kernels import render as codegen, compile as compiler
     from fagen.variants import compose, cuda
 
     compiler.clear_memory_cache()
@@ -92,8 +92,8 @@ def main() -> int:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    from fagen import compiler
-    from fagen.codegen import render
+    from fagen.kernels import compile as compiler
+    from fagen.kernels.render import render
     from fagen.spec import Spec
 
     import_s = time.perf_counter() - start

@@ -13,9 +13,9 @@
 __version__ = "0.1.0"
 
 from . import distributed  # noqa: E402  (fagen.distributed.ring_attention: context parallelism)
-from .decode import flash_attn_with_kvcache, merge_attention  # noqa: E402
-from .ops import attention, flash_attn_func, flash_attn_varlen_func  # noqa: E402
-from .sdpa import sdpa  # noqa: E402
+from .ops import (attention, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,  # noqa: E402
+                  merge_attention)
+from .ops.sdpa import sdpa  # noqa: E402
 from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
 from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import __version__
 from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
-from .variant_flags import add_variant_flags, build_command, variant_fields, variant_flags_given, window_sizes
+from .spec_flags import add_spec_flags, build_command, spec_fields, spec_flags_given, window_sizes
 
 DEFAULT_OUT = "generated"
 TILE_OPTIONS = (("block_m", "--block-m"), ("block_n", "--block-n"), ("num_warps", "--num-warps"),
@@ -34,8 +34,8 @@ class CommandError(ValueError):
 def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
     nargs = "+" if many else None
     parser.add_argument("--d", "--head-dim", dest="head_dim", type=int, nargs=nargs, default=None,
-                        help="head dim (several build several variants)" if many else "head dim")
-    add_variant_flags(parser)
+                        help="head dim (several build several specs)" if many else "head dim")
+    add_spec_flags(parser)
     parser.add_argument("--dtype", choices=DTYPES, nargs=nargs, default=None,
                         help="element type (default fp16)")
     parser.add_argument("--block-m", type=int, help="query rows per tile (B_r)")
@@ -51,10 +51,10 @@ def _add_spec_args(parser: argparse.ArgumentParser, many: bool) -> None:
 
 
 def _spec_options_given(args) -> list[str]:
-    """Every option that describes a variant, as the user spelled it."""
+    """Every option that describes a spec, as the user spelled it."""
     given = ["--d"] if args.head_dim is not None else []
     given += ["--dtype"] if args.dtype is not None else []
-    given += variant_flags_given(args)
+    given += spec_flags_given(args)
     return given + [flag for field, flag in TILE_OPTIONS if getattr(args, field) is not None]
 
 
@@ -64,13 +64,13 @@ def _specs_from_args(args) -> list[Spec]:
     if head_dims == [None]:
         raise CommandError("--d (head dim) is required")
     tiles = {field: getattr(args, field) for field, _ in TILE_OPTIONS}
-    return [Spec(head_dim=d, dtype=dtype, **variant_fields(args), **tiles)
+    return [Spec(head_dim=d, dtype=dtype, **spec_fields(args), **tiles)
             for d in head_dims for dtype in dtypes]
 
 
 def _archs(args) -> tuple[list[str], str]:
     """The archs to compile for, and where they came from (for the summary)."""
-    from .compiler import ARCH_ENV, default_archs, describe_target, gpu_arch, parse_archs
+    from .kernels.compile import ARCH_ENV, default_archs, describe_target, gpu_arch, parse_archs
 
     if args.arch:
         return parse_archs(args.arch), "from --arch"
@@ -99,13 +99,13 @@ def _print_summary(results) -> None:
 
 
 def cmd_build(args) -> int:
-    from .build import build_many, default_specs
-    from .compiler import nvrtc_version
+    from .kernels.build import build_many, default_specs
+    from .kernels.compile import nvrtc_version
 
     if args.default_set:
         given = _spec_options_given(args)
         if given:
-            raise CommandError(f"--default-set builds a fixed set of variants; it takes no "
+            raise CommandError(f"--default-set builds a fixed set of specs; it takes no "
                                f"{', '.join(given)} (drop --default-set to build your own)")
     specs = default_specs() if args.default_set else _specs_from_args(args)
     archs, where = _archs(args)
@@ -114,7 +114,7 @@ def cmd_build(args) -> int:
         smallest = min(smem_limit(arch) for arch in archs)
         specs = [spec.fit_backward(smallest) for spec in specs]
     out = Path(args.out)
-    print(f"building {len(specs)} variant(s) for {', '.join(archs)} ({where}; NVRTC {nvrtc_version()}) "
+    print(f"building {len(specs)} spec(s) for {', '.join(archs)} ({where}; NVRTC {nvrtc_version()}) "
           f"into {out}/", flush=True)
     start = time.perf_counter()
 
@@ -130,14 +130,14 @@ def cmd_build(args) -> int:
 # -- list / show -----------------------------------------------------------
 
 def cmd_list(args) -> int:
-    from .build import read_manifests
+    from .kernels.build import read_manifests
 
     directory = Path(args.dir)
     if not directory.is_dir():
         raise CommandError(f"no such directory: {directory}/ (`fagen build --out {directory}` makes it)")
     manifests = read_manifests(directory)
     if not manifests:
-        print(f"no fagen variants in {directory}/")
+        print(f"no fagen specs in {directory}/")
         return 0
     for data in manifests:
         spec = data["spec"]
@@ -160,7 +160,7 @@ def _not_built(name: str, directory: Path) -> str:
     try:
         spec = Spec.from_name(name)
     except ValueError as exc:
-        return f"fagen: no variant {name!r} in {directory}/, and it is not a spec name: {exc}"
+        return f"fagen: no spec {name!r} in {directory}/, and it is not a spec name: {exc}"
     if spec.kv_cache:
         return (f"fagen: {name} is a decoding kernel: flash_attn_with_kvcache compiles it at run time and no "
                 f"op module builds it; `fagen show {name}` prints its CUDA")
@@ -176,7 +176,7 @@ def cmd_show(args) -> int:
         if decoding is not None and not args.resources:
             # Decoding kernels have no op module to build (flash_attn_with_kvcache renders them
             # at run time), so their source is shown as rendered.
-            from .codegen import render
+            from .kernels.render import render
 
             print(render(decoding).code, end="")
             return 0
@@ -204,11 +204,11 @@ def cmd_verify(args) -> int:
     given = _spec_options_given(args)
     if args.spec:
         if given:
-            raise CommandError(f"--spec {args.spec} names the whole variant; it takes no {', '.join(given)}")
+            raise CommandError(f"--spec {args.spec} names the whole spec; it takes no {', '.join(given)}")
         spec = Spec.from_name(args.spec)
     elif given and args.head_dim is None:
         verb = "describes" if len(given) == 1 else "describe"
-        raise CommandError(f"{', '.join(given)} {verb} a variant, which also needs --d (or name one with --spec)")
+        raise CommandError(f"{', '.join(given)} {verb} a spec, which also needs --d (or name one with --spec)")
     else:
         spec = _specs_from_args(args)[0] if args.head_dim is not None else None
     results = identities.run(spec=spec)
@@ -217,13 +217,13 @@ def cmd_verify(args) -> int:
 
 
 def _one_spec(args, run_time: tuple[str, ...] = ()) -> Spec:
-    """The variant a command names, by NAME or by --d and its flags (not both). Options in
-    `run_time` give run-time values, not the variant, so a NAME takes them too."""
+    """The spec a command names, by NAME or by --d and its flags (not both). Options in
+    `run_time` give run-time values, not the spec, so a NAME takes them too."""
     given = [flag for flag in _spec_options_given(args) if not (args.name and flag in run_time)]
     if args.name and given:
-        raise CommandError(f"{args.name} names the whole variant; it takes no {', '.join(given)}")
+        raise CommandError(f"{args.name} names the whole spec; it takes no {', '.join(given)}")
     if not args.name and args.head_dim is None:
-        raise CommandError("name a variant (e.g. fa2_d64_causal_fp16) or give --d and its flags")
+        raise CommandError("name a spec (e.g. fa2_d64_causal_fp16) or give --d and its flags")
     return Spec.from_name(args.name) if args.name else _specs_from_args(args)[0]
 
 
@@ -270,7 +270,8 @@ def cmd_profile(args) -> int:
 # -- sass ------------------------------------------------------------------
 
 def cmd_sass(args) -> int:
-    from .compiler import find_cuobjdump, parse_archs
+    from .kernels.compile import parse_archs
+    from .sass.listing import find_cuobjdump
     from .sass.report import format_reports, report_for_spec
 
     archs = parse_archs(args.arch)
@@ -318,21 +319,21 @@ def make_parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="render, compile and write kernels and op modules")
     _add_spec_args(build, many=True)
     build.add_argument("--default-set", action="store_true",
-                       help="the variants committed in generated/ (d 64/128, causal or not, fp16/bf16)")
+                       help="the specs committed in generated/ (d 64/128, causal or not, fp16/bf16)")
     build.add_argument("--arch", help=f"comma-separated archs (default: the GPU's, else $FAGEN_ARCH, "
                                       f"else {','.join(DEFAULT_ARCHS)})")
     build.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: generated/)")
     build.set_defaults(func=cmd_build)
 
-    listing = sub.add_parser("list", help="list the variants in a directory")
+    listing = sub.add_parser("list", help="list the specs built in a directory")
     listing.add_argument("dir", nargs="?", default=DEFAULT_OUT, metavar="DIR",
                          help="a directory `fagen build` wrote (default: generated/)")
     listing.set_defaults(func=cmd_list)
 
-    show = sub.add_parser("show", help="print a variant's CUDA source or its resource report")
-    show.add_argument("name", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 (see `fagen list`)")
+    show = sub.add_parser("show", help="print a spec's CUDA source or its resource report")
+    show.add_argument("name", metavar="NAME", help="a spec's name, e.g. fa2_d64_causal_fp16 (see `fagen list`)")
     show.add_argument("--resources", action="store_true", help="registers, spills, shared memory per kernel and arch")
-    show.add_argument("--dir", default=DEFAULT_OUT, help="where the variant was built (default: generated/)")
+    show.add_argument("--dir", default=DEFAULT_OUT, help="where the spec was built (default: generated/)")
     show.set_defaults(func=cmd_show)
 
     verify = sub.add_parser("verify", help="prove the gradient identities with sympy")
@@ -344,15 +345,15 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(sub)
 
-    prof = sub.add_parser("profile", help="count a variant's memory traffic, bank conflicts and ops on the CPU",
-                          description="Run a variant in the emulator's instrumented build and count, per kernel: "
+    prof = sub.add_parser("profile", help="count a spec's memory traffic, bank conflicts and ops on the CPU",
+                          description="Run a spec's kernels in the emulator's instrumented build and count, per kernel: "
                                       "HBM bytes, 32-byte sectors per request, shared-memory bank conflicts, mma, "
                                       "barriers, Philox calls; beside each pass, the FlashAttention IO model's "
                                       "bytes. Counts of a model machine, not GPU timings. Variants run with "
                                       "their run-time values: the window's sizes from --window LEFT RIGHT; fixed "
                                       "ones for softcap, ALiBi and sinks, which change no count "
                                       "(fagen.profiling.default_variant_values).")
-    prof.add_argument("name", nargs="?", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 "
+    prof.add_argument("name", nargs="?", metavar="NAME", help="a spec's name, e.g. fa2_d64_causal_fp16 "
                                                               "(or give --d and its flags)")
     _add_spec_args(prof, many=False)
     prof.add_argument("--seqlen", type=int, required=True, help="query length N")
@@ -365,11 +366,11 @@ def make_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profile)
 
     sass = sub.add_parser("sass", help="count the main loops' instructions per tensor-core op from SASS (no GPU)",
-                          description="Compile a variant with NVRTC, disassemble it (cuobjdump) and, for each "
+                          description="Compile a spec's kernels with NVRTC, disassemble it (cuobjdump) and, for each "
                                       "kernel, count one steady-state iteration of its main loop by instruction "
                                       "class, per useful HMMA (gemms x block_m x block_n x d / 2048 / warps), with "
                                       "registers, spills, shared memory and occupancy. See fagen/sass/.")
-    sass.add_argument("name", nargs="?", metavar="NAME", help="a variant's name, e.g. fa2_d64_causal_fp16 "
+    sass.add_argument("name", nargs="?", metavar="NAME", help="a spec's name, e.g. fa2_d64_causal_fp16 "
                                                               "(or give --d and its flags)")
     _add_spec_args(sass, many=False)
     sass.add_argument("--arch", default="sm_90", help="the one arch to compile for (default sm_90)")

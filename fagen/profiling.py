@@ -1,6 +1,6 @@
-"""`fagen profile`: how a variant's kernels use memory, counted on the CPU.
+"""`fagen profile`: how a spec's kernels use memory, counted on the CPU.
 
-The variant runs in the emulator's instrumented build on random inputs of the
+The spec's kernels run in the emulator's instrumented build on random inputs of the
 given shape; every load and store is counted (fagen/emulate/instrumentation.py):
 HBM bytes per tensor, 32-byte sectors per warp-level request, shared-memory
 bank conflicts, mma.sync, barriers, Philox calls. Beside each pass (forward,
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from . import attention_kernels
-from .codegen import source_for
+from .kernels import run as attention_kernels
+from .kernels.render import source_for
 from .emulate import LaunchReport, collect_counters
 from .reference import fa1_backward, fa1_forward, fa2_backward, fa2_forward
 from .spec import Spec
-from .variant_args import variant_call
+from .ops.variant_args import variant_call
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Bytes per element of each array the IO model counts: the inputs and outputs in the
@@ -272,7 +272,7 @@ def format_table(result: Profile) -> str:
 
 
 def write_json(result: Profile, path: Path) -> None:
-    from .compiler import write_atomic
+    from .kernels.compile import write_atomic
 
     write_atomic(Path(path), (json.dumps(result.to_json(), indent=2) + "\n").encode())
 

@@ -2,7 +2,7 @@
 
 A `Spec` is pure data. It knows which combinations are legal (and says why
 when one is not), how much shared memory its tiles need, and its own stable,
-readable name. Everything downstream (codegen, compiler, launch, ops) takes a
+readable name. Everything downstream (kernels, ops) takes a
 Spec and nothing else to decide what to build.
 """
 

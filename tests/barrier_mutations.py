@@ -19,8 +19,8 @@ from unittest import mock
 
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import Source, render
+from fagen.kernels import run as ops
+from fagen.kernels.render import Source, render
 from fagen.emulate import EmulationError
 from fagen.spec import Spec
 from kernel_cases import DROPOUT_P, OFFSET, SEED, Shape, make_inputs

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.emulate import assert_written, poison_
 from fagen.reference import (attention_backward, attention_forward, attention_same_dtype,
                              dropout_keep_mask)

@@ -11,8 +11,8 @@ from unittest import mock
 
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import Source, render
+from fagen.kernels import run as ops
+from fagen.kernels.render import Source, render
 from fagen.spec import Spec
 from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, assert_no_atomic_calls, make_inputs,
                           run_and_check, uneven_lengths)
@@ -68,7 +68,8 @@ def no_atomics_check(spec: Spec, source: Source | None = None, *, sass_arch: str
     assert spec.deterministic
     assert_no_atomic_calls(source)
     if sass_arch:
-        from fagen.compiler import compile_source, disassemble
+        from fagen.kernels.compile import compile_source
+        from fagen.sass.listing import disassemble
 
         sass = disassemble(compile_source(source, sass_arch).cubin)
         found = sorted(set(ATOMIC_SASS.findall(sass)))
@@ -153,7 +154,7 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
     kernel, and the cache left behind, against the oracle (tests/kvcache_cases.py). A paged spec
     runs a paged cache of pages of 48 rows (three 16-key tiles each: a tile past a page's first
     row is read too); a contiguous one takes cache_batch_idx and leftpad."""
-    from fagen.decode import kvcache
+    from fagen.ops import kvcache
     from kvcache_cases import Case, check_call
 
     source = render(spec) if source is None else source
@@ -173,7 +174,7 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
 def packed_window_check(spec: Spec, source: Source | None = None) -> None:
     """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
     head of an entry sees the same last six keys, whatever row of the tile it was packed into."""
-    from fagen.decode import kvcache
+    from fagen.ops import kvcache
     from kvcache_cases import Case, check_call
 
     source = render(spec) if source is None else source

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
-from fagen import attention_kernels as ops
-from fagen.codegen import Source, include_dir, render
+from fagen.kernels import run as ops
+from fagen.kernels.render import Source, include_dir, render
 from fagen.emulate import EmulationError
 from fagen.spec import Spec
 import barrier_mutations

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fagen.cli import main, make_parser
-from fagen.compiler import find_cuobjdump
+from fagen.sass.listing import find_cuobjdump
 from fagen.spec import Spec
 
 
@@ -86,7 +86,7 @@ def test_bad_spec_is_a_clear_error(tmp_path, capsys):
 def test_console_script_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "fagen.cli", "list", str(tmp_path)],
                             capture_output=True, text=True)
-    assert result.returncode == 0 and "no fagen variants" in result.stdout
+    assert result.returncode == 0 and "no fagen specs" in result.stdout
 
 
 def test_verify_proves_every_identity(capsys):
@@ -122,7 +122,7 @@ def test_version_and_python_dash_m(tmp_path, capsys):
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"fagen {__version__}"
     result = subprocess.run([sys.executable, "-m", "fagen", "list", str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 0 and "no fagen variants" in result.stdout
+    assert result.returncode == 0 and "no fagen specs" in result.stdout
 
 
 def test_every_option_and_positional_has_help():
@@ -149,13 +149,13 @@ def test_bench_help_names_the_gpu_check(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["build", "--default-set", "--d", "64"], "--default-set builds a fixed set of variants; it takes no --d"),
+    (["build", "--default-set", "--d", "64"], "--default-set builds a fixed set of specs; it takes no --d"),
     (["build", "--default-set", "--causal", "--bwd-stages", "1"], "takes no --causal, --bwd-stages"),
     (["build", "--causal"], "--d (head dim) is required"),
-    (["verify", "--causal"], "--causal describes a variant, which also needs --d"),
-    (["verify", "--causal", "--softcap"], "--causal, --softcap describe a variant, which also needs --d"),
+    (["verify", "--causal"], "--causal describes a spec, which also needs --d"),
+    (["verify", "--causal", "--softcap"], "--causal, --softcap describe a spec, which also needs --d"),
     (["verify", "--spec", "fa2_d64_fp16", "--d", "128"],
-     "--spec fa2_d64_fp16 names the whole variant; it takes no --d"),
+     "--spec fa2_d64_fp16 names the whole spec; it takes no --d"),
     (["tune", "--show", "--d", "64"], "--show and --clear take no tuning options, got --d"),
 ])
 def test_conflicting_or_ignored_options_are_errors(argv, message, capsys, tmp_path):
@@ -179,7 +179,7 @@ def test_show_of_a_spec_not_built_gives_the_build_command(tmp_path, capsys):
 
 def test_the_build_command_rebuilds_the_same_spec(tmp_path, capsys):
     from fagen.spec import Spec
-    from fagen.variant_flags import build_command
+    from fagen.spec_flags import build_command
 
     spec = Spec(96, dtype="bf16", version=1, mask="causal", key_padding=True, dropout=True, deterministic=True,
                 block_m=64, block_n=32, num_warps=4, num_stages=1, bwd_stages=1)
@@ -235,7 +235,7 @@ def _refusal(command: str, first: str) -> str | None:
     if first in ("-h", "--version") and (command == "" or first == "-h"):
         return None
     if (command, first) == ("build", "--default-set"):
-        return "--default-set builds a fixed set of variants; it takes no --d"
+        return "--default-set builds a fixed set of specs; it takes no --d"
     if command == "tune" and first in ("--window", "--softcap", "--alibi", "--sinks"):
         return "which tuning does not cover yet"
     if command == "tune" and first not in ("--show", "--clear"):

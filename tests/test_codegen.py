@@ -5,8 +5,8 @@ import re
 import jinja2
 import pytest
 
-from fagen import codegen
-from fagen.codegen import render
+from fagen.kernels import render as codegen
+from fagen.kernels.render import render
 from fagen.spec import Spec
 
 
@@ -70,7 +70,7 @@ def test_environment_is_strict():
     env = codegen.environment()
     assert env.undefined is jinja2.StrictUndefined
     with pytest.raises(jinja2.UndefinedError):
-        env.get_template("variant.cu.j2").render(spec=Spec(64))
+        env.get_template("translation_unit.cu.j2").render(spec=Spec(64))
 
 
 # A loop counter or product in 32-bit int that multiplies a sequence length by a head dim,

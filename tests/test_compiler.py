@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 
-from fagen import compiler
-from fagen.codegen import render
-from fagen.compiler import compile_source, parse_archs, parse_ptxas_log
+from fagen.kernels import compile as compiler
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source, parse_archs, parse_ptxas_log
 from fagen.spec import Spec
 
 PTXAS_LOG = """\
@@ -91,8 +91,8 @@ def _build_in_child(cache_dir, barrier, queue):
     import os
 
     os.environ["FAGEN_CACHE_DIR"] = cache_dir
-    from fagen import compiler as child_compiler
-    from fagen.codegen import render as child_render
+    from fagen.kernels import compile as child_compiler
+    from fagen.kernels.render import render as child_render
     from fagen.spec import Spec as ChildSpec
 
     source = child_render(ChildSpec(64, dtype="bf16"))

@@ -74,8 +74,8 @@ def _check_against_oracle(got, causal, window_size=(-1, -1)):
 
 def _check_dropout(layout, monkeypatch_pair):
     """Ring dropout against the single-device kernels with the same Philox pair."""
-    from fagen import attention_kernels as ops
-    from fagen.codegen import render
+    from fagen.kernels import run as ops
+    from fagen.kernels.render import render
     from fagen.distributed import ring
     from fagen.spec import Spec
 
@@ -191,8 +191,8 @@ def test_the_sharded_dropout_mask_is_the_single_device_mask(layout, world):
     """Every chunk pair a ring computes, run with its global coordinates (Spec.coord_offsets) and
     its keep mask recorded, forward and backward: put together they are the single-device mask
     (fagen.reference's NumPy Philox, which the unsharded kernels match), bit for bit."""
-    from fagen import attention_kernels as ops
-    from fagen.codegen import render
+    from fagen.kernels import run as ops
+    from fagen.kernels.render import render
     from fagen.reference import dropout_keep_mask
     from fagen.spec import Spec
 
@@ -229,8 +229,8 @@ def test_the_sharded_dropout_mask_is_the_single_device_mask(layout, world):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("head_dim, causal, window", [(64, True, False), (128, False, True)])
 def test_sharded_dropout_kernels_compile_without_spills(head_dim, causal, window, arch):
-    from fagen.codegen import render
-    from fagen.compiler import compile_source
+    from fagen.kernels.render import render
+    from fagen.kernels.compile import compile_source
     from fagen.spec import Spec
 
     spec = Spec(head_dim, mask="causal" if causal else "none", dropout=True, coord_offsets=True, window=window,

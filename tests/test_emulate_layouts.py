@@ -27,8 +27,8 @@ class GpuModule:
     def __init__(self, source: str):
         import cupy
 
-        from fagen.codegen import include_dir
-        from fagen.compiler import cuda_header_dir
+        from fagen.kernels.render import include_dir
+        from fagen.kernels.compile import cuda_header_dir
 
         self._cupy = cupy
         options = ["-std=c++17", f"-I{include_dir()}"]

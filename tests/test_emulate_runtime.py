@@ -210,15 +210,15 @@ PTX_INSTRUCTIONS = [
 
 def _nvrtc_ptx(source: str, arch: str) -> str:
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
-    from fagen.codegen import include_dir
-    from fagen.compiler import cuda_header_dir
+    from fagen.kernels.render import include_dir
+    from fagen.kernels.compile import cuda_header_dir
 
     _, program = nvrtc.nvrtcCreateProgram(source.encode(), b"layouts.cu", 0, [], [])
     options = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{include_dir()}".encode(),
                f"-I{cuda_header_dir()}".encode()]
     (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
     # Fresh buffers, never `b" " * size`: for size 1 that is CPython's shared b" " object, which
-    # NVRTC would overwrite (fagen/compiler.py's `_fetch`).
+    # NVRTC would overwrite (fagen/kernels/compile.py's `_fetch`).
     _, size = nvrtc.nvrtcGetProgramLogSize(program)
     log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(program, log)
@@ -238,7 +238,7 @@ def test_wrappers_compile_to_the_ptx_instructions_with_nvrtc(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_layout_kernels_build_cubins(arch):
-    from fagen.compiler import nvrtc_compile
+    from fagen.kernels.compile import nvrtc_compile
 
     cubin, _ = nvrtc_compile((KERNELS / "tiled_gemm.cu").read_text(), arch)
     assert len(cubin) > 1000

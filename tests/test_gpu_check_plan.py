@@ -219,17 +219,17 @@ def test_recording_leaves_fagen_as_it_found_it():
     second recording in the same process sees every kernel again), and they still exist."""
     import importlib
 
-    import fagen.launch
+    import fagen.kernels.launch
     import fagen.tuning
     from fagen.bench.kernel_calls import sanitizer_workload
     from fagen.bench.kernel_record import _CACHES, identity_for, record
 
     caches = [getattr(importlib.import_module(module), name) for module, name in _CACHES]
-    seams = (fagen.launch.load, fagen.tuning.lookup)
+    seams = (fagen.kernels.launch.load, fagen.tuning.lookup)
     calls = [("sanitizers", lambda: sanitizer_workload("cpu"))]
     first, second = record(calls, identity_for(H200)), record(calls, identity_for(H200))
     assert first.names == second.names and len(first.names) == 4 and not first.errors
-    assert (fagen.launch.load, fagen.tuning.lookup) == seams
+    assert (fagen.kernels.launch.load, fagen.tuning.lookup) == seams
     assert all(cache is getattr(importlib.import_module(module), name)
                for cache, (module, name) in zip(caches, _CACHES))
 

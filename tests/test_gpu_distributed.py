@@ -54,8 +54,8 @@ def ring_run(q, k, v, dout, layout, dropout_p):
 
 def plain_out(q, k, v, dropout_p):
     """The plain kernel's output for the same Philox pair (as the test renders it)."""
-    from fagen import attention_kernels as ops
-    from fagen.codegen import render
+    from fagen.kernels import run as ops
+    from fagen.kernels.render import render
     from fagen.spec import Spec
 
     source = render(Spec(q.shape[-1], dtype="bf16", mask="causal", dropout=dropout_p > 0))

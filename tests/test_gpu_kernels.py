@@ -58,7 +58,7 @@ def poisoned_outputs(monkeypatch):
     (fagen.emulate.poison_, where ops allocates through `_empty`), so an element the
     kernel never wrote fails the test (assert_written names it) instead of passing on
     whatever memory held."""
-    from fagen import attention_kernels as ops
+    from fagen.kernels import run as ops
     from kernel_cases import poisoned_empty
 
     monkeypatch.setattr(ops, "_empty", poisoned_empty)
@@ -192,8 +192,8 @@ def mask_from_output(out, seqlen_k):
 def test_dropout_mask_matches_numpy_philox(version, dtype, head_dim):
     """The kernel-level launch with an explicit seed and offset keeps exactly
     the elements fagen.reference.dropout_keep_mask keeps."""
-    from fagen import attention_kernels as ops
-    from fagen.codegen import render
+    from fagen.kernels import run as ops
+    from fagen.kernels.render import render
     from fagen.spec import Spec
 
     batch, nq, nk, heads = 2, 100, min(head_dim, 96), 3
@@ -272,7 +272,7 @@ def test_cuda_graph_capture_with_seqlens_k_replays():
 def test_a_batch_of_65536_single_query_sequences(monkeypatch):
     """Past gridDim.z's 65535 the batch goes out in chunks. On the emulator (slow per block)
     the same path runs with the limit lowered to 64 and a batch of 130."""
-    from fagen import launch
+    from fagen.kernels import launch
 
     batch = 65536
     if DEVICE != "cuda":

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 import kernel_mutants as km
-from fagen import attention_kernels as ops
+from fagen.kernels import run as ops
 from kernel_cases import poisoned_empty
 
 BY_NAME = {m.name: m for m in km.MUTANTS}

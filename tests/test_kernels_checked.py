@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from fagen import attention_kernels as ops
-from fagen import launch
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels import launch
+from fagen.kernels.render import render
 from fagen.emulate import EmulationError
 from fagen.spec import Spec
 from kernel_cases import Shape, poisoned_empty, run_and_check

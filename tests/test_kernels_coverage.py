@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.spec import Spec
 import kernel_checks as checks
 from kernel_cases import Shape, make_inputs, poisoned_empty

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import kernel_checks as checks
-from fagen import attention_kernels as ops
-from fagen.build import default_specs
-from fagen.codegen import Source, render
-from fagen.compiler import compile_source, disassemble, find_cuobjdump
+from fagen.kernels import run as ops
+from fagen.kernels.build import default_specs
+from fagen.kernels.render import Source, render
+from fagen.kernels.compile import compile_source
+from fagen.sass.listing import disassemble, find_cuobjdump
 from fagen.spec import SMEM_LIMIT_BYTES, Spec
 from fagen.tuning import fallback_spec
 from fagen.tuning.space import DEFAULT_GRID

@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.reference import dropout_keep_mask
 from fagen.spec import Spec
 import kernel_checks as checks

@@ -24,8 +24,8 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.emulate import EmulationError
 from fagen.reference import attention_forward, dropout_keep_mask, fa2_backward
 from fagen.reference.problem import make_problem

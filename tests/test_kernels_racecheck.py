@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fagen.build import default_specs
+from fagen.kernels.build import default_specs
 from fagen.spec import Spec
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
@@ -28,7 +28,7 @@ FAMILIES = [Spec(64, version=1, mask="causal", key_padding=True, dropout=True),
 
 @pytest.fixture(autouse=True)
 def racecheck(monkeypatch):
-    from fagen import attention_kernels
+    from fagen.kernels import run as attention_kernels
 
     monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")

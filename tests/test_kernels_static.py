@@ -7,9 +7,11 @@ import re
 
 import pytest
 
-from fagen.build import default_specs
-from fagen.codegen import render
-from fagen.compiler import compile_source, disassemble, find_cuobjdump, sass_reports
+from fagen.kernels.build import default_specs
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source
+from fagen.sass.facts import sass_reports
+from fagen.sass.listing import disassemble, find_cuobjdump
 from fagen.sass.report import report_for_spec
 from fagen.spec import SMEM_LIMIT_BYTES, Spec
 

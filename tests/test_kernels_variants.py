@@ -6,8 +6,8 @@ upstream gradient), and the tiles the kernels visit against the dense mask."""
 import pytest
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.reference.problem import make_problem
 from fagen.spec import Spec
 from kernel_cases import Shape, make_inputs

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import fagen
-from fagen import attention_kernels as ops
-from fagen.codegen import render
-from fagen.compiler import compile_source
-from fagen.decode.kvcache import choose_splits, decode_spec
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source
+from fagen.kernels.splits import choose_splits
+from fagen.ops.kvcache import decode_spec
 from kernel_cases import max_error
 from kvcache_cases import HK, B, D, H, Case, check_call
 
@@ -178,7 +179,7 @@ def test_fagen_show_prints_a_decoding_kernel(capsys, tmp_path):
 def test_value_checks_are_skipped_where_values_cannot_be_read(monkeypatch):
     """Under CUDA graph capture (or torch.compile) reading cache_seqlens would sync: the range
     checks are skipped there (the shape and dtype checks still run)."""
-    from fagen.decode import kvcache_args
+    from fagen.ops import kvcache_args
 
     case = Case(new=1, seed=13)
     bad = torch.tensor([500, 0, 0], dtype=torch.int32)

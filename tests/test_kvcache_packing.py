@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import fagen
-from fagen import attention_kernels
-from fagen.codegen import render
-from fagen.compiler import compile_source
-from fagen.decode.kvcache import decode_spec
+from fagen.kernels import run as attention_kernels
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source
+from fagen.ops.kvcache import decode_spec
 from fagen.reference import attention_forward, attention_same_dtype
 from fagen.spec import Spec
-from fagen.variant_args import variant_call
+from fagen.ops.variant_args import variant_call
 from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, max_error
 from kvcache_cases import entry_errors
 

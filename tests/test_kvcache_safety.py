@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fagen
-from fagen import attention_kernels
-from fagen.variant_args import variant_call
+from fagen.kernels import run as attention_kernels
+from fagen.ops.variant_args import variant_call
 from kvcache_cases import D, Case, check_call
 
 

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from fagen import attention_kernels, compiler, launch
-from fagen.codegen import render
+from fagen.kernels import run as attention_kernels, compile as compiler, launch
+from fagen.kernels.render import render
 from fagen.spec import SMEM_LIMIT_BYTES, Spec, base_arch, smem_limit
 from kernel_cases import DROPOUT_P, OFFSET, SEED, Shape, make_inputs, poisoned_empty
 
@@ -76,7 +76,7 @@ def test_an_empty_nvrtc_log_leaves_bytes_singletons_alone():
     """A one-byte log buffer used to be CPython's shared b" ", which NVRTC's NUL overwrote."""
     script = (
         "from cuda.bindings import nvrtc\n"
-        "from fagen import compiler\n"
+        "from fagen.kernels import compile as compiler\n"
         "_, prog = nvrtc.nvrtcCreateProgram(b'extern \"C\" __global__ void k() {}', b'k.cu', 0, [], [])\n"
         "nvrtc.nvrtcCompileProgram(prog, 1, [b'-arch=sm_80'])\n"
         "assert nvrtc.nvrtcGetProgramLogSize(prog)[1] == 1\n"

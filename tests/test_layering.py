@@ -101,8 +101,8 @@ def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
     assert imports_of("fagen.mod", source, {"fagen.mod", "fagen.other"}) == {"fagen.other"}
 
 
-@pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.codegen"), ("fagen.codegen", "fagen.ops"),
-                                       ("fagen.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
+@pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.kernels.render"), ("fagen.kernels.render", "fagen.ops"),
+                                       ("fagen.kernels.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
                                        ("fagen.tuning.command", "fagen.cli")])
 def test_lower_layers_do_not_import_higher_ones(low, high):
     graph = import_graph()
@@ -118,9 +118,12 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
 
 # Users of ops that nothing below them may import (../shared/DESIGN.md: "users of ops; ops never
 # imports them"), each with the modules allowed to: the package's front door, the package itself
-# and, for decode, distributed/ (context parallelism is built on merge_attention).
-TOP_LAYERS = {"fagen.decode": ("fagen", "fagen.decode", "fagen.distributed"),
-              "fagen.distributed": ("fagen", "fagen.distributed", "fagen.bench")}
+# and the GPU check's sections.
+TOP_LAYERS = {"fagen.distributed": ("fagen", "fagen.distributed", "fagen.bench")}
+# What distributed/ and integrations/ may import of ops: its front (the entry points it
+# re-exports) and its common layer, never a family's own module (DESIGN: "import from ops'
+# common layer, never from the user-facing modules").
+OPS_FOR_USERS = ("fagen.ops", "fagen.ops.common")
 
 
 def importers_of(graph: dict[str, set[str]], package: str) -> set[str]:
@@ -153,8 +156,28 @@ def test_nothing_in_fagen_imports_the_integrations():
 
 
 def test_the_top_layer_rule_sees_an_intruder():
-    """Positive control: a lower module importing decode, even a submodule of it, is caught."""
-    graph = {"fagen": {"fagen.decode"}, "fagen.decode": {"fagen.decode.merge"}, "fagen.decode.merge": {"fagen.ops"},
-             "fagen.ops": {"fagen.decode.merge"}, "fagen.distributed.ring": {"fagen.decode"}}
-    found = {m for m in importers_of(graph, "fagen.decode") if not _allowed(m, TOP_LAYERS["fagen.decode"])}
+    """Positive control: a lower module importing distributed, even a submodule of it, is caught."""
+    graph = {"fagen": {"fagen.distributed"}, "fagen.distributed": {"fagen.ops.merge"},
+             "fagen.ops.merge": {"fagen.ops"}, "fagen.ops": {"fagen.distributed.ring"}}
+    found = {m for m in importers_of(graph, "fagen.distributed") if not _allowed(m, TOP_LAYERS["fagen.distributed"])}
     assert found == {"fagen.ops"}
+
+
+def ops_imports_of_users(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """For each module of distributed/ and integrations/, the ops modules it imports beyond OPS_FOR_USERS."""
+    found = {}
+    for name, targets in graph.items():
+        if name.startswith(("fagen.distributed", "fagen.integrations")):
+            beyond = {t for t in targets if t.startswith("fagen.ops") and t not in OPS_FOR_USERS}
+            if beyond:
+                found[name] = beyond
+    return found
+
+
+def test_distributed_and_integrations_use_ops_through_its_front_and_common_layer():
+    graph = import_graph()
+    assert {"fagen.ops", "fagen.ops.common"} <= set().union(*(graph[m] for m in graph if m.startswith("fagen.distributed")))
+    assert ops_imports_of_users(graph) == {}
+    # Positive control: reaching into a family's module is caught.
+    assert ops_imports_of_users({"fagen.distributed.ring": {"fagen.ops.dense", "fagen.ops.common"}}) == \
+        {"fagen.distributed.ring": {"fagen.ops.dense"}}

@@ -12,7 +12,7 @@ import torch
 
 import fagen
 from fagen import identities
-from fagen.decode import merge as merge_module
+from fagen.ops import merge as merge_module
 from fagen.identities import IDENTITIES, MERGE_IDENTITIES, for_spec, run
 from fagen.reference import EMPTY_ROW_LSE, attention_forward
 from fagen.spec import Spec
@@ -301,7 +301,7 @@ def test_bad_inputs_are_named(make, error, message):
 
 
 def test_exported_from_fagen():
-    from fagen.decode import merge_attention as from_decode
+    from fagen.ops.merge import merge_attention as from_decode
     assert fagen.merge_attention is from_decode and "merge_attention" in fagen.__all__
 
 

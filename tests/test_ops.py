@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fagen
-from fagen import attention_kernels, ops
+from fagen.kernels import run as attention_kernels
+from fagen.ops import common, dense
 from fagen.reference import attention_backward, attention_forward, attention_gradients, attention_same_dtype
 from kernel_cases import poisoned_empty
 
@@ -86,9 +87,9 @@ def test_dropout_under_cuda_graph_capture_is_refused(monkeypatch):
     """The Philox pair is a launch argument: a captured graph would replay one mask forever."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        ops._philox_state(0.1, torch.device("cuda", 0))
-    assert ops._philox_state(0.0, torch.device("cuda", 0)) is None   # no dropout: nothing to replay
-    assert ops._philox_state(0.1, torch.device("cpu")).shape == (2,)  # CPU tensors are never captured
+        common.philox_state(0.1, torch.device("cuda", 0))
+    assert common.philox_state(0.0, torch.device("cuda", 0)) is None   # no dropout: nothing to replay
+    assert common.philox_state(0.1, torch.device("cpu")).shape == (2,)  # CPU tensors are never captured
 
 
 def test_dropout_compiles_fullgraph_for_cuda_tensors(monkeypatch):
@@ -99,7 +100,7 @@ def test_dropout_compiles_fullgraph_for_cuda_tensors(monkeypatch):
 
     monkeypatch.setattr(torch.cuda.graphs, "_cuda_isCurrentStreamCapturing", lambda: False)
     torch._dynamo.reset()
-    draw = torch.compile(lambda p: ops._philox_state(p, torch.device("cuda", 0)), fullgraph=True, backend="eager")
+    draw = torch.compile(lambda p: common.philox_state(p, torch.device("cuda", 0)), fullgraph=True, backend="eager")
     assert draw(0.25).shape == (2,)
 
 
@@ -107,7 +108,7 @@ def test_a_compiled_call_with_dropout_checks_for_capture_each_time_it_runs(monke
     """Traced, the check moves into the custom op's implementation: it runs on every call of the
     compiled graph (so capturing one with dropout is still refused), never at trace time."""
     seen = []
-    monkeypatch.setattr(ops, "_refuse_graph_capture", seen.append)
+    monkeypatch.setattr(dense, "refuse_graph_capture", seen.append)
     torch._dynamo.reset()
     q, k, v = qkv(batch=1, seqlen_q=16, seqlen_k=16, heads=2, kv_heads=2, head_dim=32)
     compiled = torch.compile(lambda q, k, v, p: fagen.flash_attn_func(q, k, v, dropout_p=p), fullgraph=True,
@@ -125,10 +126,10 @@ def test_numpy_bools_are_flags():
     want = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True)
     got = fagen.flash_attn_func(q, k, v, causal=np.bool_(True), return_lse=np.True_, deterministic=np.False_)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert ops.check_flag("causal", np.True_) is True and ops.check_flag("causal", np.False_) is False
+    assert common.check_flag("causal", np.True_) is True and common.check_flag("causal", np.False_) is False
     for wrong in (np.array([True]), np.int64(1)):
         with pytest.raises(TypeError, match="causal must be True or False"):
-            ops.check_flag("causal", wrong)
+            common.check_flag("causal", wrong)
 
 
 def test_a_numpy_bool_under_torch_compile_falls_back_to_eager(monkeypatch):
@@ -141,7 +142,7 @@ def test_a_numpy_bool_under_torch_compile_falls_back_to_eager(monkeypatch):
     assert torch.equal(compiled(q, k, v, np.True_), fagen.flash_attn_func(q, k, v, causal=True))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(TypeError, match="causal: under torch.compile pass a Python bool"):
-        ops.check_flag("causal", np.True_)
+        common.check_flag("causal", np.True_)
 
 
 def test_deterministic_backward_repeats_bit_for_bit():
@@ -205,7 +206,7 @@ def test_empty_problems_look_up_tiles_with_positive_sizes(monkeypatch):
         return spec
 
     monkeypatch.setattr(tuning, "lookup", strict_lookup)
-    monkeypatch.setattr(ops, "_call_sources", {})
+    monkeypatch.setattr(dense, "_call_sources", {})
     for shape in [dict(batch=0), dict(seqlen_q=0), dict(seqlen_k=0)]:
         q, k, v = qkv(**shape)
         fagen.flash_attn_func(q, k, v)
@@ -318,7 +319,7 @@ def test_torch_compile_fullgraph_without_graph_breaks():
 @pytest.mark.parametrize("version, dropout_p", [(2, 0.0), (1, 0.0), (2, 0.2)])
 def test_opcheck(version, dropout_p):
     q, k, v = qkv(batch=1, seqlen_q=24, seqlen_k=40, heads=2, kv_heads=1, head_dim=32, requires_grad=True)
-    rng = ops._philox_state(dropout_p, q.device)
+    rng = common.philox_state(dropout_p, q.device)
     args = (q, k, v, None, rng, dropout_p, 1 / math.sqrt(32), True, version, False, "")
     torch.library.opcheck(torch.ops.fagen.flash_attn_fwd.default, args)
     out, stat, row_sum = (t.detach() for t in torch.ops.fagen.flash_attn_fwd(*args))
@@ -426,7 +427,7 @@ def test_unchecked_seqlens_k_values_are_clamped_by_the_kernels(monkeypatch):
     """Under CUDA graph capture or torch.compile the values are not read: a length above Nk
     then counts as Nk and one below 0 as 0, as documented."""
     q, k, v = qkv()
-    monkeypatch.setattr(ops, "values_checkable", lambda t: False)
+    monkeypatch.setattr(common, "values_checkable", lambda t: False)
     wild = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([-3, 999], dtype=torch.int32))
     clamped = fagen.flash_attn_func(q, k, v, causal=True, seqlens_k=torch.tensor([0, 56], dtype=torch.int32))
     assert torch.equal(wild, clamped)
@@ -436,16 +437,16 @@ def test_unchecked_seqlens_k_values_are_clamped_by_the_kernels(monkeypatch):
 def test_seqlens_k_values_are_not_read_while_capturing(monkeypatch):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not ops.values_checkable(on_gpu)
-    assert ops.values_checkable(torch.zeros(2))   # CPU tensors are never captured
+    assert not common.values_checkable(on_gpu)
+    assert common.values_checkable(torch.zeros(2))   # CPU tensors are never captured
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert ops.values_checkable(on_gpu)
+    assert common.values_checkable(on_gpu)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not ops.values_checkable(torch.zeros(2))
+    assert not common.values_checkable(torch.zeros(2))
 
 
 def test_first_load_of_a_variant_is_logged(monkeypatch, caplog):
-    from fagen import launch
+    from fagen.kernels import launch
 
     monkeypatch.setattr(launch, "_loaded", {})
     monkeypatch.setattr(attention_kernels, "_plans", {})

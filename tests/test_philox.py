@@ -142,7 +142,7 @@ def test_header_compiles_as_device_code_with_nvrtc():
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
         # Fresh buffers: `b" " * 1` is CPython's one shared b" " object, which NVRTC would
         # overwrite with the log's NUL (every later b" " in the process, print's separator
-        # included, would then be b"\x00"; fagen/compiler.py's `_fetch` says the same).
+        # included, would then be b"\x00"; fagen/kernels/compile.py's `_fetch` says the same).
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log)

@@ -41,8 +41,8 @@ def test_profile_prints_a_table_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["profile", "--seqlen", "64"], "name a variant"),
-    (["profile", "fa2_d64_fp16", "--d", "64", "--seqlen", "64"], "names the whole variant"),
+    (["profile", "--seqlen", "64"], "name a spec"),
+    (["profile", "fa2_d64_fp16", "--d", "64", "--seqlen", "64"], "names the whole spec"),
     (["profile", "--d", "64", "--seqlen", "64", "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
     (["profile", "--d", "64", "--seqlen", "0"], "seqlen_q must be a positive int"),
 ])

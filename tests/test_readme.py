@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from fagen import ops
+from fagen.ops import dense
 from fagen.reference import attention_backward, attention_forward, attention_same_dtype, dropout_keep_mask
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -43,14 +43,14 @@ def test_the_first_example_replays_its_dropout_mask_exactly():
     code = EXAMPLES[0]
     p = float(re.search(r"dropout_p=([0-9.]+)", code).group(1))
     drawn = []
-    real_state = ops._philox_state
+    real_state = dense.philox_state
 
     def recording(dropout_p, device):
         state = real_state(dropout_p, device)
         drawn.append(state)
         return state
 
-    with mock.patch.object(ops, "_philox_state", recording):
+    with mock.patch.object(dense, "philox_state", recording):
         ns = run_example(code)
     (state,) = drawn
     seed, offset = (int(x) for x in state.tolist())

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fagen.cli import main
-from fagen.compiler import find_cuobjdump
+from fagen.sass.listing import find_cuobjdump
 from fagen.sass.cfg import build_graph
 from fagen.sass.classes import classify
 from fagen.sass.listing import parse_instruction, parse_listing
@@ -159,6 +159,6 @@ def test_fagen_sass_reports_every_kernel_as_json(tmp_path, capsys, monkeypatch):
 
 def test_fagen_sass_names_its_errors(capsys):
     assert main(["sass"]) == 2
-    assert "name a variant" in capsys.readouterr().err
+    assert "name a spec" in capsys.readouterr().err
     assert main(["sass", "--d", "64", "--arch", "sm_80,sm_90"]) == 2
     assert "one arch" in capsys.readouterr().err

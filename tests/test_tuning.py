@@ -20,8 +20,8 @@ from fagen.tuning import cache as tune_cache
 from fagen.tuning.fallback import ARCH_FAMILIES, FALLBACK_OVERRIDES, arch_family, head_dim_bucket
 from fagen.tuning.measure import CHECK_DROPOUT_P, rotation_sets
 from fagen.tuning.space import ProgressLine, compile_all, nvrtc_resources
-from fagen.codegen import kernel_entries
-from fagen.compiler import CompileError, ResourceReport
+from fagen.kernels.render import kernel_entries
+from fagen.kernels.compile import CompileError, ResourceReport
 from fagen.reference import attention_forward, attention_same_dtype, dropout_keep_mask
 from fagen.spec import Spec, default_tiles, smem_limit
 

@@ -8,9 +8,9 @@ import sympy as sp
 import torch
 
 import fagen
-from fagen.codegen import render
+from fagen.kernels.render import render
 from fagen.spec import Spec
-from fagen.variant_args import variant_call
+from fagen.ops.variant_args import variant_call
 from fagen.variants import ModError, custom_mod, trace_mask_mod, trace_score_mod, variant_math
 from fagen.variants.compose import KEYS, SEQLEN_Q, WINDOW_LEFT, WINDOW_RIGHT
 from fagen.variants.language import B, KV_IDX, Q_IDX, SCORE

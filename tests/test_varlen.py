@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fagen
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from fagen.spec import Spec
 from kernel_cases import ABS_FLOOR, DROPOUT_P, GRAD_FACTOR, OFFSET, OUTPUT_FACTOR, SEED, max_error

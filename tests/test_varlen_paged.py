@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fagen
-from fagen.codegen import render
-from fagen.compiler import compile_source
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source
 from fagen.reference import attention_forward, attention_same_dtype
 from fagen.spec import Spec
 from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, max_error

@@ -36,7 +36,7 @@ def test_wheel_installs_and_builds_from_another_directory(tmp_path):
     env = {**os.environ, "FAGEN_CACHE_DIR": str(tmp_path / "cache"),
            "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(nvrtc_lib),
                                                             os.environ.get("LD_LIBRARY_PATH")]))}
-    probe = subprocess.run([python, "-c", "import fagen, fagen.codegen as c; print(fagen.__file__); "
+    probe = subprocess.run([python, "-c", "import fagen, fagen.kernels.render as c; print(fagen.__file__); "
                             "print(c.template_dir())"], cwd=work, env=env, capture_output=True, text=True,
                            check=True)
     fagen_file, template_dir = probe.stdout.split()

@@ -2,7 +2,7 @@
 
 A case is flash_attn_func's variant keywords (window_size, softcap, alibi_slopes, sinks,
 score_mod, mask_mod) with a base spec's flags (version, dtype, causal, key padding,
-dropout, deterministic). The arguments go through `fagen.variant_args.variant_call`, as a
+dropout, deterministic). The arguments go through `fagen.ops.variant_args.variant_call`, as a
 call of the op does; the kernels run with a fixed Philox seed, and the oracle
 (`fagen.reference`) uses the same keep mask. Every output and gradient (O, L, dQ, dK, dV,
 and the sinks' and captured tensors' gradients) is held to FlashAttention-2's rule against
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from fagen import attention_kernels as ops
-from fagen.codegen import render
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from fagen.spec import Spec
-from fagen.variant_args import variant_call
+from fagen.ops.variant_args import variant_call
 from kernel_cases import ABS_FLOOR, DROPOUT_P, GRAD_FACTOR, OFFSET, OUTPUT_FACTOR, SEED, Shape, make_inputs, max_error
 
 

@@ -68,7 +68,7 @@ def _required_checks(check: _Checks, plan: Plan) -> None:
     check("torch", True, _torch)
     for name in ("numpy", "jinja2", "sympy"):
         check(name, True, _module(name))
-    for name in ("fagen", "fagen.spec", "fagen.codegen", "fagen.compiler", "fagen.launch", "fagen.ops",
+    for name in ("fagen", "fagen.spec", "fagen.kernels.render", "fagen.kernels.compile", "fagen.kernels.launch", "fagen.ops",
                  "fagen.reference"):
         check(name, True, _module(name))
     check("the sections' reserves fit the budget (with compute-sanitizer's runs)", True, lambda: _fits(plan))
@@ -142,7 +142,7 @@ def _decode_functions() -> str:
 
 
 def _nvrtc() -> str:
-    from fagen.compiler import cuda_header_dir, nvrtc_version
+    from fagen.kernels.compile import cuda_header_dir, nvrtc_version
 
     return f"NVRTC {nvrtc_version()}, headers {cuda_header_dir()}"
 

@@ -60,7 +60,7 @@ def _device_meta() -> dict:
 
 def _toolchain_meta(capability: str) -> dict:
     """The driver and the NVRTC the kernels are compiled with, and the arch they target."""
-    from fagen.compiler import describe_target, nvrtc_target, nvrtc_version
+    from fagen.kernels.compile import describe_target, nvrtc_target, nvrtc_version
     from fagen.tuning.device import driver_version
 
     target = nvrtc_target(capability)

@@ -9,7 +9,7 @@ two of fagen's seams replaced for the duration:
 
   - `fagen.tuning.lookup` resolves tiles for the GPU's identity (its arch) instead of the
     emulator's sm_80 fallback that CPU tensors get;
-  - `fagen.launch.load` records each Source's Spec and hands back kernels that do nothing, so no
+  - `fagen.kernels.launch.load` records each Source's Spec and hands back kernels that do nothing, so no
     kernel compiles or runs and a call goes on to its next kernel (its outputs are garbage).
 
 A Spec given explicitly (a test that renders its own) is recorded as it is: that is the kernel.
@@ -66,14 +66,14 @@ def identity_for(arch: str):
 # (which would hold the do-nothing kernels), the ops' per-shape Source memo (which would hold the
 # recorded arch's tiles for CPU calls) and the decode step's loaded set. Recording swaps in
 # empty ones, so that every call loads its kernels again and nothing recorded outlives it.
-_CACHES = (("fagen.attention_kernels", "_plans"), ("fagen.ops", "_call_sources"), ("fagen.decode.kvcache", "_loaded"))
+_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.dense", "_call_sources"), ("fagen.ops.kvcache", "_loaded"))
 
 
 @contextlib.contextmanager
 def recording(identity, recorded: Recorded):
     """Within: every kernel load is recorded into `recorded` (and runs nothing), and tiles are
     looked up for `identity` (a DeviceIdentity)."""
-    import fagen.launch as launch
+    import fagen.kernels.launch as launch
     import fagen.tuning as tuning
 
     real_load, real_lookup = launch.load, tuning.lookup

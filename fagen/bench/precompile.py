@@ -8,7 +8,7 @@ Which kernels: the ones the calls will load on this GPU, learned by making the c
 (kernel_record, over kernel_calls' small versions of the sections' and the gpu tests' calls)
 with tiles looked up for this GPU's identity, so a name here is the name the op computes, tiles
 included. Two spawned workers record (sections, gpu tests) while the others wait; each recorded
-kernel is compiled as soon as its recorder reports it, for the NVRTC target `fagen.launch` uses
+kernel is compiled as soon as its recorder reports it, for the NVRTC target `fagen.kernels.launch` uses
 (`compiler.nvrtc_target`). Workers are spawned, not forked: the parent has CUDA initialised, and
 a forked CUDA context is unusable. Workers touch no GPU.
 """
@@ -42,8 +42,8 @@ def record_test_kernels(identity):
 def compile_spec(spec, arch: str, use_cache: bool = True) -> dict:
     """Render and NVRTC-compile one kernel for `arch` (through fagen's cache unless `use_cache`
     is False); a summary."""
-    from fagen.codegen import render
-    from fagen.compiler import compile_source
+    from fagen.kernels.render import render
+    from fagen.kernels.compile import compile_source
 
     start = time.perf_counter()
     compiled = compile_source(render(spec), arch, use_cache=use_cache)
@@ -65,7 +65,7 @@ def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = No
     tests) will launch on a GPU of capability `arch`; `identity` (a DeviceIdentity) is that
     GPU's, for its tuned tiles, else any GPU of `arch`'s. Unfinished kernels compile on first use
     instead (noted, not an error)."""
-    from fagen.compiler import nvrtc_target
+    from fagen.kernels.compile import nvrtc_target
 
     target, end = nvrtc_target(arch), time.monotonic() + max(1.0, timeout_s)
     workers = workers or default_workers()

@@ -47,7 +47,7 @@ def found_versions() -> dict[str, str | None]:
     except Exception:  # noqa: BLE001
         found["torch_cuda"] = None
     try:
-        from fagen.compiler import nvrtc_version
+        from fagen.kernels.compile import nvrtc_version
 
         found["nvrtc"] = nvrtc_version()
     except Exception:  # noqa: BLE001 - the precompile section reports why

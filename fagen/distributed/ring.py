@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import attention_kernels
-from ..argument_checks import check_flag
-from ..codegen import source_for
-from ..decode import merge_attention
 from ..errors import InputError
-from ..ops import TORCH_DTYPES, aligned_rows, check_inputs, check_scale
+from ..kernels import run as attention_kernels
+from ..kernels.render import source_for
+from ..ops import merge_attention
+from ..ops.common import TORCH_DTYPES, aligned_rows, check_flag, check_inputs, check_scale
 from ..spec import Spec, check_dropout_p
 from .layout import check_divisible, check_layout, chunks_of
 

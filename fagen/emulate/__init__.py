@@ -12,7 +12,7 @@ hazards (an instrumented build) raise RaceError.
     module = load_module(source)                      # cached build of the .so
     module.get_function(name)(grid, block, args, shared_mem=nbytes)
 
-The call is CuPy's RawKernel convention; fagen.launch uses it for CPU tensors.
+The call is CuPy's RawKernel convention; fagen.kernels.launch uses it for CPU tensors.
 fagen/emulate/README.md describes the runtime contract.
 """
 

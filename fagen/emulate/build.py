@@ -115,13 +115,13 @@ def cuda_include_dir() -> Path:
 
 
 def _templates_include_dir() -> Path:
-    from ..codegen import include_dir
+    from ..kernels.render import include_dir
 
     return include_dir()
 
 
 def _cache_root() -> Path:
-    from ..compiler import cache_dir
+    from ..kernels.compile import cache_dir
 
     return cache_dir() / "emulate"
 
@@ -248,7 +248,7 @@ def instrument_flags(cxx: str) -> tuple[str, ...]:
 def build(source: str, *, checked: bool = False, instrument: bool = False) -> BuiltModule:
     """Compile `source` (a kernel source starting with #include <fagen/prelude.cuh>) into a .so:
     the fast build, the checked one (sanitizers), or the instrumented one (racecheck, counters)."""
-    from ..compiler import process_umask, write_atomic
+    from ..kernels.compile import process_umask, write_atomic
 
     if checked and instrument:
         raise EmulationError("a module is built either checked (sanitizers) or instrumented (racecheck, "

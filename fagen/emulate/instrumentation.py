@@ -6,7 +6,7 @@ module passes the runtime, what it gets back, and how a report names source line
     reports[0].kernel, reports[0].counters["mma"], reports[0].tensors["q"]["read_bytes"]
 
 A module is instrumented when loaded with `racecheck=True` or `counters=True`, or
-while FAGEN_EMULATE_RACECHECK is set (`fagen.launch` also loads instrumented
+while FAGEN_EMULATE_RACECHECK is set (`fagen.kernels.launch` also loads instrumented
 modules while counters are being collected). Instrumentation never changes a
 result; it only sees every load and store.
 """

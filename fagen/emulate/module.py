@@ -45,7 +45,7 @@ class EmulatedFunction:
         self.name = name
         self._launcher = launcher
         self.parameters = parameters
-        self.parameter_names: list[str] = []  # set by fagen.launch: counter reports name tensors by them
+        self.parameter_names: list[str] = []  # set by fagen.kernels.launch: counter reports name tensors by them
 
     def convert(self, args) -> list:
         """ctypes values for `args`, after checking each against its parameter."""

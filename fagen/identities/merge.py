@@ -37,7 +37,7 @@ __all__ = ["MERGE_IDENTITIES", "merge_associative", "merge_blocks", "merge_empty
 
 
 def merge_states(states: list, shift=0) -> tuple:
-    """Merge [(O_i (1 x d), L_i)] as fagen.decode.merge does: w_i = exp(L_i - c),
+    """Merge [(O_i (1 x d), L_i)] as fagen.ops.merge does: w_i = exp(L_i - c),
     L = c + log(sum w_i), O = sum (w_i / sum w) O_i."""
     shift = sp.sympify(shift)
     weights = [sp.exp(L_i - shift) for _, L_i in states]

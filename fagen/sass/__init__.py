@@ -3,7 +3,8 @@
 FlashAttention-2's optimisation target is the non-matmul work per tensor-core instruction.
 `fagen sass` measures it from a kernel's SASS (`cuobjdump -sass`, no GPU needed):
 
-- listing.py: the listing as functions of instructions;
+- listing.py: `cuobjdump -sass` (PATH or its PyPI wheel), the listing as functions of instructions;
+- facts.py: whole-kernel facts (tensor-core ops in loops, ldmatrix, 128-bit accesses);
 - cfg.py: basic blocks, dominators, natural loops;
 - classes.py: instruction classes (HMMA, LDSM, LDGSTS, BAR, SHFL, MUFU, fp32, integer, ...);
 - steady_state.py: one steady-state iteration of the main loop;

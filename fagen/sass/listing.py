@@ -2,13 +2,19 @@
 
 An instruction keeps what the loop analysis needs: its address, its guard predicate
 (`@P0`, `@!P1`, `@PT`, `@!PT`), its opcode with modifiers (`HMMA.16816.F32`), the base
-opcode (`HMMA`) and, for a direct branch, its target address.
+opcode (`HMMA`) and, for a direct branch, its target address. The listing comes from
+`cuobjdump -sass` (PATH, or the nvidia-cuda-cuobjdump wheel): no GPU needed.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 _FUNCTION = re.compile(r"Function : (\S+)")
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -81,3 +87,36 @@ def parse_listing(sass: str) -> dict[str, list[Instruction]]:
         elif current is not None and (m := _INSTRUCTION.search(line)):
             current.append(parse_instruction(int(m.group(1), 16), m.group(2)))
     return functions
+
+
+class SassError(RuntimeError):
+    """cuobjdump is missing, or refused a cubin."""
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel, if installed."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import cuda.pathfinder as pathfinder
+
+        return pathfinder.find_nvidia_binary_utility("cuobjdump")
+    except Exception:  # noqa: BLE001 - optional tool
+        return None
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin (needs cuobjdump and nvdisasm, e.g. from PyPI wheels)."""
+    tool = find_cuobjdump()
+    if tool is None:
+        raise SassError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        env = dict(os.environ)
+        env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
+        result = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SassError(f"cuobjdump failed: {result.stderr.strip()}")
+    return result.stdout

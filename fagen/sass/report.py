@@ -150,7 +150,7 @@ def analyse_listing(sass: str, arch: str, geometries: dict[str, KernelGeometry |
 # -- fagen's own kernels -------------------------------------------------------------------------
 
 def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
-    """Each kernel of a rendered variant and its main loop's geometry (None: no tensor-core loop
+    """Each kernel of a rendered spec and its main loop's geometry (None: no tensor-core loop
     to measure, e.g. the backward's pre-pass and dQ conversion)."""
     geometries: dict[str, KernelGeometry | None] = {e.name: None for e in entries.all}
     d = spec.head_dim_pad
@@ -166,7 +166,7 @@ def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
     bd = t.head_dim_pad
     # The backward's own mma per warp: S^T and dP^T over the full d by every warp of a key
     # group (dim_split warps share one), dV and dK over the warp's d slice, and dQ (not in
-    # the deterministic variant's main kernel) shared by all warps.
+    # the deterministic spec's main kernel) shared by all warps.
     gemms = 4 if spec.deterministic else 5
     executed = 2 * t.block_m * bd * t.key_tiles // 128 + 2 * t.block_m * bd * t.key_tiles // (128 * t.dim_split)
     if not spec.deterministic:
@@ -180,9 +180,10 @@ def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
 
 
 def report_for_spec(spec, arch: str) -> dict[str, KernelReport]:
-    """Compile a variant for `arch` (through the cache), disassemble it and report each kernel."""
-    from ..codegen import render
-    from ..compiler import compile_source, disassemble
+    """Compile a spec for `arch` (through the cache), disassemble it and report each kernel."""
+    from ..kernels.render import render
+    from ..kernels.compile import compile_source
+    from .listing import disassemble
 
     source = render(spec)
     compiled = compile_source(source, arch)

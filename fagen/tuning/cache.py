@@ -8,7 +8,7 @@ rounded up to a power of two).
 
 Files. `<cache dir>/tune/<family>.<bucket>.<identity digest>.json`, e.g.
 `fa2_d64_causal_fp16.q4096_k4096_bh64.3f9a0c1e22b7.json`, where the cache
-dir is `fagen.compiler.cache_dir()` ($FAGEN_CACHE_DIR, else
+dir is `fagen.kernels.compile.cache_dir()` ($FAGEN_CACHE_DIR, else
 $XDG_CACHE_HOME/fagen, else ~/.cache/fagen). One file per key means
 concurrent tuners never read-modify-write a shared file: each file is written
 whole to a temporary name and renamed into place, so the last writer of a
@@ -33,7 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import compiler
+from ..kernels import compile as compiler
 from ..spec import Spec
 from .device import DeviceIdentity
 from .fallback import fallback_spec, fit_backward_to

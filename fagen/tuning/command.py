@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ..spec import DTYPES, Spec
-from ..variant_flags import add_variant_flags, variant_fields, variant_flags_given
+from ..spec_flags import add_spec_flags, spec_fields, spec_flags_given
 
 DEFAULT_SEQLENS = (2048,)
 TOKENS_PER_BATCH = 16384    # FlashAttention-2's benchmark: batch = 16k tokens / seqlen
@@ -28,7 +28,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
                     "Winners are cached per GPU, driver, NVRTC version, spec and shape bucket, and "
                     "flash_attn_func uses them automatically.")
     tune.add_argument("--d", "--head-dim", dest="head_dim", type=int, help="head dim")
-    add_variant_flags(tune)
+    add_spec_flags(tune)
     tune.add_argument("--dtype", choices=DTYPES, nargs="+", default=None,
                       help="element type(s) (default fp16)")
     tune.add_argument("--seqlen", type=int, nargs="+", default=None,
@@ -45,7 +45,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 def _tuning_options_given(args) -> list[str]:
     given = ["--d"] if args.head_dim is not None else []
-    given += variant_flags_given(args)
+    given += spec_flags_given(args)
     given += [flag for field, flag in (("dtype", "--dtype"), ("seqlen", "--seqlen"), ("seqlen_k", "--seqlen-k"),
                                        ("batch", "--batch"), ("heads", "--heads"), ("workers", "--workers"))
               if getattr(args, field) is not None]
@@ -68,9 +68,9 @@ def cmd_tune(args) -> int:
     if args.head_dim is None:
         print("fagen tune: --d (head dim) is required (or --show / --clear)", file=sys.stderr)
         return 2
-    specs = [Spec(head_dim=args.head_dim, dtype=dtype, **variant_fields(args))
+    specs = [Spec(head_dim=args.head_dim, dtype=dtype, **spec_fields(args))
              for dtype in args.dtype or ["fp16"]]   # an illegal spec is reported before the GPU question
-    variants = [flag for flag in variant_flags_given(args) if flag in VARIANT_FLAGS]
+    variants = [flag for flag in spec_flags_given(args) if flag in VARIANT_FLAGS]
     if variants:   # the tuner's oracle check (measure.ReferenceCheck) runs no variant values yet
         print(f"fagen tune: {', '.join(variants)} {'is a variant' if len(variants) == 1 else 'are variants'}, "
               f"which tuning does not cover yet: variant calls use the fallback tile table. Tune without "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compiler
+from ..kernels import compile as compiler
 from ..spec import SMEM_LIMIT_BYTES
 
 

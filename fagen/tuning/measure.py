@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from .. import attention_kernels
-from ..codegen import source_for
+from ..kernels import run as attention_kernels
+from ..kernels.render import source_for
 from ..spec import Spec
 from .device import cuda_index
 

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from ..codegen import kernel_entries, render
-from ..compiler import CompileError, ResourceReport, compile_source
+from ..kernels.render import kernel_entries, render
+from ..kernels.compile import CompileError, ResourceReport, compile_source
 from ..spec import Spec
 from .device import DeviceLimits
 from .fallback import fallback_spec, fit_backward_to

@@ -165,7 +165,7 @@ def _comment(text: str) -> str:
 
 @dataclass(frozen=True)
 class VariantCode:
-    """What codegen hands the templates."""
+    """What render hands the templates."""
 
     block: str                  # the device functions (namespace fagen_variant)
     params: tuple               # (name, ctype, kind) kernel parameters, every kernel with a Context

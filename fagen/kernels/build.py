@@ -1,4 +1,4 @@
-"""`fagen build`: render, compile and write a variant's artifacts to a directory.
+"""`fagen build`: render, compile and write a spec's artifacts to a directory.
 
 For each spec it writes three files, all deterministic so that the committed
 `generated/` directory can be checked byte for byte:
@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from . import __version__
-from .codegen import Source, environment, render
-from .compiler import CompiledKernel, compile_source, nvrtc_version, write_atomic
-from .spec import Spec
+from .. import __version__
+from .render import Source, environment, render
+from .compile import CompiledKernel, compile_source, nvrtc_version, write_atomic
+from ..spec import Spec
 
 MANIFEST_FORMAT = 1
 PACKAGE_INIT = '"""Kernels and op modules written by `fagen build`."""\n'
@@ -101,7 +101,7 @@ def build_many(specs: list[Spec], archs: list[str], out_dir: Path,
 
 
 def read_manifests(directory: Path) -> list[dict]:
-    """Manifests of the variants in a directory, sorted by name."""
+    """Manifests of the specs built in a directory, sorted by name."""
     manifests = []
     for path in sorted(Path(directory).glob("*.json")):
         try:

@@ -12,21 +12,11 @@ Variant calls run eagerly: under torch.compile they are a graph break.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import attention_kernels
-from .codegen import Source
+from ..kernels import run as attention_kernels
+from ..kernels.render import Source
 from .variant_args import VariantCall
-
-
-def lse_of(stats, version: int) -> torch.Tensor:
-    """L = m + log l (FA-1), or the kernel's L (FA-2); +inf where a row saw nothing."""
-    if version == 2:
-        return stats[0]
-    row_max, row_sum = stats
-    return torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, math.inf))
 
 
 class VariantAttention(torch.autograd.Function):
@@ -40,7 +30,7 @@ class VariantAttention(torch.autograd.Function):
         out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=softmax_scale, seqlens_k=seqlens_k,
                                                dropout_p=dropout_p, seed=seed, philox_offset=offset,
                                                variant=call.values if call else None, varlen=varlen)
-        lse = lse_of(stats, source.spec.version)
+        lse = attention_kernels.lse_of(stats, source.spec.version)
         ctx.save_for_backward(q, k, v, out, *stats)
         ctx.fixed = fixed
         ctx.set_materialize_grads(False)

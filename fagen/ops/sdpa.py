@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .argument_checks import check_flag
-from .errors import InputError, InputTypeError
-from .ops import TORCH_LAYOUT, check_inputs, check_scale, flash_attn_func
+from ..errors import InputError, InputTypeError
+from .common import TORCH_LAYOUT, check_flag, check_inputs, check_scale
+from .dense import flash_attn_func
 
 
 def _check_layout(query, key, value, enable_gqa) -> None:

@@ -15,9 +15,9 @@ import os
 import warnings
 from pathlib import Path
 
-from .codegen import Source, kernel_entries
-from .spec import Spec
-from .variant_flags import build_command
+from .render import Source, kernel_entries
+from ..spec import Spec
+from ..spec_flags import build_command
 
 ALLOW_EDITED_ENV = "FAGEN_ALLOW_EDITED_SOURCE"
 

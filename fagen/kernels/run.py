@@ -1,7 +1,7 @@
-"""Run a rendered variant's kernels on tensors: the forward pass and the backward pass.
+"""Run a rendered spec's kernels on tensors: the forward pass and the backward pass.
 
 This is where tensors become kernel arguments: outputs and workspaces are
-allocated, strides and scales filled in, and the kernels of `codegen.Entries`
+allocated, strides and scales filled in, and the kernels of `render.Entries`
 launched in order through `launch`. Inputs are assumed valid; `ops` checks them.
 Shapes: q (B, Nq, H, d), k and v (B, Nk, Hk, d); statistics (B, H, Nq) fp32.
 """
@@ -14,8 +14,9 @@ from fractions import Fraction
 import torch
 
 from . import launch
-from .codegen import VARLEN_PACKED, Source
-from .variants.cuda import variant_code
+from .params import VARLEN_PACKED
+from .render import Source
+from ..variants.cuda import variant_code
 
 LOG2E = 1.4426950408889634
 
@@ -104,16 +105,23 @@ def sequence_rows(varlen) -> torch.Tensor:
     return torch.arange(max_q, device=cu_q.device).view(1, 1, -1) < lengths
 
 
+def lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """FlashAttention-1's (m, l) as L = m + log l, with +inf for rows that saw no key (l = 0):
+    the one place L is built from (m, l)."""
+    return torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, math.inf))
+
+
+def lse_of(stats, version: int) -> torch.Tensor:
+    """A forward's L: FA-2's own, or FA-1's (m, l) turned into it."""
+    return stats[0] if version == 2 else lse_from_stats(*stats)
+
+
 def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: torch.Tensor,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """d loss / d sink_h = -sum over (b, i) of P_sink (D - dL), with P_sink = exp(sink_h - L): the sink
     is a key whose value row is zero, so its dS is P_sink (0 - (D - dL)). `rows` masks the slots
     of packed sequences that hold no query."""
-    if version == 2:
-        lse = stats[0]
-    else:
-        row_max, row_sum = stats
-        lse = torch.where(row_sum > 0, row_max + torch.log(row_sum), torch.full_like(row_max, math.inf))
+    lse = lse_of(stats, version)
     p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
     terms = p_sink * delta_minus_dlse
     if rows is not None:

@@ -21,7 +21,7 @@ _FLAGS = (("causal", "--causal"), ("key_padding", "--key-padding"), ("dropout", 
           ("sinks", "--sinks"))
 
 
-def add_variant_flags(parser: argparse.ArgumentParser) -> None:
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true", help="causal mask (bottom-right aligned)")
     parser.add_argument("--key-padding", action="store_true", help="per-batch key lengths (seqlens_k)")
     parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
@@ -45,8 +45,8 @@ def window_sizes(args: argparse.Namespace) -> list[int] | None:
     return window
 
 
-def variant_fields(args: argparse.Namespace) -> dict:
-    """The Spec fields the variant options give (unset ones take the Spec's defaults)."""
+def spec_fields(args: argparse.Namespace) -> dict:
+    """The Spec fields the spec options give (unset ones take the Spec's defaults)."""
     window = window_sizes(args)
     return {"version": DEFAULT_VERSION if args.version is None else args.version,
             "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
@@ -54,15 +54,15 @@ def variant_fields(args: argparse.Namespace) -> dict:
             **{flag: getattr(args, flag, False) for flag in ("softcap", "alibi", "sinks")}}
 
 
-def variant_flags_given(args: argparse.Namespace) -> list[str]:
-    """The variant options set on the command line, as the user spelled them."""
+def spec_flags_given(args: argparse.Namespace) -> list[str]:
+    """The spec options set on the command line, as the user spelled them."""
     given = [flag for field, flag in _FLAGS if getattr(args, field, False)]
     given += ["--window"] if getattr(args, "window", None) is not None else []
     return given + (["--version"] if args.version is not None else [])
 
 
 def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
-    """The `fagen build` command line that writes `spec`'s variant (into `out_dir`)."""
+    """The `fagen build` command line that writes `spec`'s kernels (into `out_dir`)."""
     parts = ["fagen", "build", "--d", str(spec.head_dim)]
     if spec.dtype != "fp16":
         parts += ["--dtype", spec.dtype]

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import InputError, InputTypeError
-from .variants.compose import custom_mod, mod_expression
-from .variants.language import trace_mask_mod, trace_score_mod
-from .variants.tiles import SUMMARY_ROWS, summaries
+from ..errors import InputError, InputTypeError
+from ..variants.compose import custom_mod, mod_expression
+from ..variants.language import trace_mask_mod, trace_score_mod
+from ..variants.tiles import SUMMARY_ROWS, summaries
 
 
 @dataclass

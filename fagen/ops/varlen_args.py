@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .argument_checks import check_dense_tensor
-from .errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError
+from .common import TORCH_DTYPES, check_dense_tensor, values_checkable
 
-TORCH_DTYPES = (torch.float16, torch.bfloat16)
 PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
 ROW_CHUNK = 8        # elements in the kernels' 16-byte loads (fp16 / bf16)
-
-
-def values_checkable(t: torch.Tensor) -> bool:
-    """Whether reading a tensor's values is allowed here: not while torch.compile traces
-    (they are data) and not during CUDA graph capture (the device sync would fail it)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _check_packed(name: str, t) -> None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..argument_checks import check_dense_tensor, check_flag
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM
-from ..varlen_args import TORCH_DTYPES, check_cache_rows, check_page_size, values_checkable
+from .common import TORCH_DTYPES, check_dense_tensor, check_flag, values_checkable
+from .varlen_args import check_cache_rows, check_page_size
 
 
 @dataclass

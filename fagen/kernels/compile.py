@@ -5,7 +5,7 @@ NVRTC is called through NVIDIA's `cuda.bindings.nvrtc` (cuda-bindings 12 or
 process, and on disk under the user's cache directory, keyed by the source
 hash, the arch, the NVRTC version and the options. Disk entries are single
 JSON files written to a temporary name and renamed into place, so concurrent
-builders of the same variant both succeed and readers never see half a file.
+builders of the same source both succeed and readers never see half a file.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 import logging
 import threading
@@ -26,8 +24,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .codegen import Source, include_dir
-from .spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
+from .render import Source, include_dir
+from ..spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
 
 CACHE_FORMAT = 1
 MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync
@@ -397,83 +395,3 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
 def clear_memory_cache() -> None:
     with _memory_lock:
         _memory_cache.clear()
-
-
-# -- disassembly -----------------------------------------------------------
-
-def find_cuobjdump() -> str | None:
-    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel, if installed."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import cuda.pathfinder as pathfinder
-
-        return pathfinder.find_nvidia_binary_utility("cuobjdump")
-    except Exception:  # noqa: BLE001 - optional tool
-        return None
-
-
-def disassemble(cubin: bytes) -> str:
-    """SASS text of a cubin (needs cuobjdump and nvdisasm, e.g. from PyPI wheels)."""
-    tool = find_cuobjdump()
-    if tool is None:
-        raise CompileError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        env = dict(os.environ)
-        env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
-        result = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise CompileError(f"cuobjdump failed: {result.stderr.strip()}")
-    return result.stdout
-
-
-# -- SASS facts --------------------------------------------------------------
-
-_FUNCTION_RE = re.compile(r"Function : (\w+)")
-_INSTR_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_BRANCH_RE = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
-
-
-@dataclass(frozen=True)
-class SassReport:
-    """What the machine code of one kernel does, counted from `cuobjdump -sass`."""
-
-    kernel: str
-    tensor_core_ops: int      # HMMA
-    tensor_core_in_loop: int  # HMMA inside a backward branch's range (a loop body)
-    ldmatrix_ops: int         # LDSM
-    global_loads_128: int     # 16-byte global loads, plain (LDG.128) or async to shared (LDGSTS.128)
-    global_stores_128: int    # STG.128
-
-
-def sass_reports(sass: str) -> dict[str, SassReport]:
-    """Per-kernel instruction facts from a cubin's SASS listing."""
-    functions: dict[str, list[tuple[int, str]]] = {}
-    current = None
-    for line in sass.splitlines():
-        if m := _FUNCTION_RE.search(line):
-            current = functions.setdefault(m.group(1), [])
-        elif current is not None and (m := _INSTR_RE.search(line)):
-            current.append((int(m.group(1), 16), m.group(2)))
-    return {name: _sass_report(name, instrs) for name, instrs in functions.items()}
-
-
-def _sass_report(name: str, instrs: list[tuple[int, str]]) -> SassReport:
-    loops = [(int(m.group(1), 16), addr) for addr, text in instrs
-             if (m := _BRANCH_RE.search(text)) and int(m.group(1), 16) < addr]
-
-    def in_loop(addr):
-        return any(start <= addr <= end for start, end in loops)
-
-    hmma = [addr for addr, text in instrs if "HMMA" in text]
-    return SassReport(
-        kernel=name,
-        tensor_core_ops=len(hmma),
-        tensor_core_in_loop=sum(1 for addr in hmma if in_loop(addr)),
-        ldmatrix_ops=sum(1 for _, text in instrs if "LDSM" in text),
-        global_loads_128=sum(1 for _, t in instrs if re.search(r"\bLDG(STS)?\.[A-Z0-9.]*128\b", t)),
-        global_stores_128=sum(1 for _, t in instrs if re.search(r"\bSTG\.[A-Z0-9.]*128\b", t)),
-    )

@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from .codegen import Entry, Source
-from .compiler import compile_source, describe_target, nvrtc_target
-from .spec import SMEM_LIMIT_BYTES, base_arch
+from .render import Entry, Source
+from .compile import compile_source, describe_target, nvrtc_target
+from ..spec import SMEM_LIMIT_BYTES, base_arch
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
 _SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}
@@ -255,8 +255,8 @@ def emulate_checked() -> bool:
 def emulator_build() -> str:
     """Which emulator build CPU launches use now: "fast", "checked" (FAGEN_EMULATE_CHECKED=1)
     or "instrumented" (FAGEN_EMULATE_RACECHECK set, or counters being collected)."""
-    from .emulate import instrumentation
-    from .emulate.launch_args import RACECHECK_ENV
+    from ..emulate import instrumentation
+    from ..emulate.launch_args import RACECHECK_ENV
 
     if emulate_checked():
         return "checked"
@@ -266,7 +266,7 @@ def emulator_build() -> str:
 
 
 def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
-    from . import emulate
+    from .. import emulate
 
     build = emulator_build()
     detail = {"fast": "", "checked": ", checked with AddressSanitizer and UBSan",
@@ -299,7 +299,7 @@ def load(source: Source, device: torch.device) -> LoadedSource:
     """Load a source's kernels for a device, once per process.
 
     Each (source, device) has its own lock, so first loads of different
-    variants (seconds of NVRTC or g++) proceed in parallel."""
+    specs (seconds of NVRTC or g++) proceed in parallel."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (source.hash, str(device) + (":" + emulator_build() if device.type == "cpu" else ""))

@@ -23,132 +23,18 @@ the same as any row that sees no key.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import attention_kernels, generated_sources, tuning, variant_attention
-from .argument_checks import check_dense_tensor, check_flag
-from .codegen import Source, source_for
-from .errors import InputError, InputTypeError, run_forward_only
-from .spec import MAX_HEAD_DIM, Spec, check_dropout_p
+from .. import tuning
+from ..errors import InputError
+from ..kernels import run as attention_kernels
+from ..kernels import sources as generated_sources
+from ..kernels.render import Source, source_for
+from ..spec import Spec, check_dropout_p
+from . import autograd
+from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_inputs, check_options, padded_head_dim,
+                     philox_state, refuse_graph_capture)
 from .variant_args import VariantCall, variant_call
-from .varlen_args import check_varlen, packed_lse, values_checkable
-
-TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
-HEAD_DIM_MULTIPLE = 8  # head dims in between are zero-padded up to this (flash-attn does too)
-MAX_INT32 = 2**31 - 1  # sequence lengths, heads and batch reach the kernels as int
-
-
-# -- input checking --------------------------------------------------------------------------
-
-FLASH_LAYOUT = ("batch", "seqlen", "heads", "head_dim")
-TORCH_LAYOUT = ("batch", "heads", "seqlen", "head_dim")   # PyTorch's (SDPA's) order
-
-
-def _check_tensor(name: str, t, dims=FLASH_LAYOUT) -> None:
-    check_dense_tensor(name, t)
-    if t.dim() != 4:
-        raise InputError(f"{name} must have 4 dims ({', '.join(dims)}), got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
-
-
-def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYOUT) -> None:
-    """Validate q, k, v; raises TypeError/ValueError naming the argument. `names` are the
-    caller's own argument names and `dims` its layout (fagen.sdpa: query, key, value in
-    TORCH_LAYOUT), so every message speaks of what the user passed, in its shape."""
-    nq, nk, nv = names
-    for name, t in zip(names, (q, k, v)):
-        _check_tensor(name, t, dims)
-    q_shape, k_shape = q.shape, k.shape
-    if not q.dtype == k.dtype == v.dtype:
-        raise InputTypeError(f"{nq}, {nk} and {nv} must share a dtype, got {nq} {q.dtype}, {nk} {k.dtype}, "
-                             f"{nv} {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise InputError(f"{nq}, {nk} and {nv} must be on one device, got {nq} {q.device}, {nk} {k.device}, "
-                         f"{nv} {v.device}")
-    if k_shape != v.shape:
-        raise InputError(f"{nk} and {nv} must have the same shape, got {nk} {tuple(k_shape)} and {nv} {tuple(v.shape)}")
-    heads_axis, seq_axis = dims.index("heads"), dims.index("seqlen")
-    batch, heads, head_dim = q_shape[0], q_shape[heads_axis], q_shape[3]
-    if batch != k_shape[0]:
-        raise InputError(f"{nq} and {nk} must have the same batch size, got {batch} and {k_shape[0]}")
-    if head_dim != k_shape[3]:
-        raise InputError(f"{nq} and {nk} must have the same head_dim, got {head_dim} and {k_shape[3]}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise InputError(f"head_dim ({nq}.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
-    if k_shape[heads_axis] == 0 or heads % k_shape[heads_axis]:
-        raise InputError(f"{nq}'s number of heads ({heads}) must be a multiple of {nk}'s ({k_shape[heads_axis]})")
-    if max(batch, q_shape[seq_axis], heads, k_shape[seq_axis]) > MAX_INT32:
-        for name, size in (("batch", batch), ("seqlen_q", q_shape[seq_axis]), ("heads", heads),
-                           ("seqlen_k", k_shape[seq_axis])):
-            if size > MAX_INT32:
-                raise InputError(f"{name} = {size} is above {MAX_INT32}, the largest size the kernels' "
-                                 f"int arguments hold")
-    if seqlens_k is not None:
-        _check_seqlens_k(seqlens_k, q, k)
-
-
-def _check_seqlens_k(seqlens_k, q, k) -> None:
-    if not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype != torch.int32:
-        got = seqlens_k.dtype if isinstance(seqlens_k, torch.Tensor) else type(seqlens_k).__name__
-        raise InputTypeError(f"seqlens_k must be an int32 tensor of shape (batch,), got {got}")
-    if tuple(seqlens_k.shape) != (q.shape[0],):
-        raise InputError(f"seqlens_k must have shape ({q.shape[0]},), got {tuple(seqlens_k.shape)}")
-    if seqlens_k.device != q.device:
-        raise InputError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
-    # Unchecked (traced or captured), a value above Nk counts as Nk and one below 0 as 0:
-    # the kernels clamp each length to [0, Nk].
-    if seqlens_k.numel() == 0 or not values_checkable(seqlens_k):
-        return
-    low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
-    if low < 0 or high > k.shape[1]:
-        raise InputError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
-                         f"got values from {low} to {high}")
-
-
-def check_scale(name: str, scale, head_dim: int) -> float:
-    """A softmax scale (None: 1/sqrt(head_dim)) as a float; `name` is the caller's argument."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise InputTypeError(f"{name} must be a float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
-        # The kernels take each row's max of the raw scores S and fold the scale into the
-        # exponent: max(tau S) = tau max(S) holds for tau > 0 only.
-        raise InputError(f"{name} must be a positive finite float, got {scale}")
-    return float(scale)
-
-
-def _check_options(dropout_p, softmax_scale, causal, return_lse, deterministic, version, head_dim):
-    """The non-tensor arguments, checked; returns (dropout_p, softmax_scale, causal, return_lse,
-    deterministic) as floats and Python bools: a NumPy bool must not reach the custom op."""
-    causal, return_lse, deterministic = (check_flag(name, value) for name, value in (
-        ("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)))
-    if isinstance(version, bool) or version not in (1, 2):
-        raise InputError(f"version must be 1 or 2, got {version!r}")
-    return check_dropout_p(dropout_p), check_scale("softmax_scale", softmax_scale, head_dim), causal, return_lse, \
-        deterministic
-
-
-def aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself if its rows are contiguous and start 16-byte aligned (cp.async's need), else an
-    aligned contiguous copy (this also covers broadcast tensors such as the dO of `out.sum()`,
-    and a contiguous view that starts off alignment, which .contiguous() would return as is).
-    Any number of dims: (B, N, H, d) or packed (total, H, d)."""
-    if t.dim() == 4:   # the hot path of every call: unrolled
-        s_b, s_n, s_h, s_d = t.stride()
-        ok = (s_d == 1 and t.data_ptr() % 16 == 0 and s_b > 0 and s_n > 0 and s_h > 0
-              and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
-    else:
-        *outer, s_d = t.stride()
-        ok = s_d == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s % ALIGN_ELEMENTS == 0 for s in outer)
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
-
 
 # -- choosing and building the kernels ---------------------------------------------------------
 
@@ -201,9 +87,9 @@ def _forward_kernels(q, k, v, seqlens_k, rng, dropout_p, softmax_scale, causal, 
 
 def _forward_impl(q, k, v, seqlens_k, rng, *args):
     """The custom op's implementation: its row_sum output is an empty tensor for version 2.
-    Never traced, so it makes a compiled call's CUDA-graph check (see _philox_state)."""
+    Never traced, so it makes a compiled call's CUDA-graph check (see philox_state)."""
     if rng is not None:
-        _refuse_graph_capture(q.device)
+        refuse_graph_capture(q.device)
     out, stat, row_sum = _forward_kernels(q, k, v, seqlens_k, rng, *args)[0]
     return out, stat, q.new_empty(0, dtype=torch.float32) if row_sum is None else row_sum
 
@@ -328,54 +214,23 @@ def _run(*args):
 
 # -- public API --------------------------------------------------------------------------------
 
-def _refuse_graph_capture(device: torch.device) -> None:
-    """Dropout's (seed, offset) reach the kernels as launch arguments, so a CUDA graph would
-    replay the captured pair, one dropout mask on every replay: capturing is refused instead."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "fagen: dropout_p > 0 inside CUDA graph capture is not supported: the graph would replay "
-            "one dropout mask on every replay. Capture with dropout_p=0, or run this call eagerly.")
-
-
-def _philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
-    """(seed, offset) for Philox, drawn from torch's default CPU generator whatever the device:
-    torch.manual_seed (which seeds it) reproduces a run, and no device sync is needed."""
-    if dropout_p == 0:
-        return None
-    # Dynamo cannot trace the capture query (a torch function returning a bool): a compiled
-    # call is checked at run time instead, by the custom op's implementation (_forward_impl).
-    if not torch.compiler.is_compiling():
-        _refuse_graph_capture(device)
-    state = torch.randint(0, 2**62, (2,), dtype=torch.int64)
-    return torch.stack([state[0], state[1] % 2**32])
-
-
-def _padded_head_dim(q, k, v):
-    """q, k, v with d zero-padded up to a multiple of 8 (the kernels' 16-byte rows), and the
-    true d. Zero columns add nothing to Q K^T, and the output's extra columns are dropped."""
-    head_dim = q.shape[-1]
-    pad = -head_dim % HEAD_DIM_MULTIPLE
-    if pad == 0:
-        return q, k, v, head_dim
-    padded = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-    return *padded, head_dim
-
+# -- public API --------------------------------------------------------------------------------
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
                module_source, variant=None):
     check_inputs(q, k, v, seqlens_k)
-    dropout_p, softmax_scale, causal, return_lse, deterministic = _check_options(
+    dropout_p, softmax_scale, causal, return_lse, deterministic = check_options(
         dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])  # the true d's scale
     call = variant_call(q, k, causal=causal, **variant) if variant else None
-    q, k, v, head_dim = _padded_head_dim(q, k, v)
+    q, k, v, head_dim = padded_head_dim(q, k, v)
     if seqlens_k is not None:
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
     if call is not None:
         out, lse = _variant_run(call, q, k, v, seqlens_k, dropout_p, softmax_scale, causal, version, deterministic)
     else:
-        out, stat, row_sum = _run(q, k, v, seqlens_k, _philox_state(dropout_p, q.device), dropout_p,
+        out, stat, row_sum = _run(q, k, v, seqlens_k, philox_state(dropout_p, q.device), dropout_p,
                                   softmax_scale, causal, version, deterministic, module_source)
-        lse = None if not return_lse else (stat if version == 2 else _lse_from_stats(stat, row_sum))
+        lse = None if not return_lse else (stat if version == 2 else attention_kernels.lse_from_stats(stat, row_sum))
     if out.shape[-1] != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out
@@ -392,7 +247,7 @@ def _variant_run(call: VariantCall, q, k, v, seqlens_k, dropout_p, softmax_scale
         raise InputError(f"fagen: {exc}") from None
     spec = tuning.lookup(spec, seqlen_q=max(1, q.shape[1]), seqlen_k=max(1, k.shape[1]), batch=max(1, q.shape[0]),
                          heads=q.shape[2], device=q.device)
-    return variant_attention.run(source_for(spec), call, q, k, v, seqlens_k, _philox_state(dropout_p, q.device),
+    return autograd.run(source_for(spec), call, q, k, v, seqlens_k, philox_state(dropout_p, q.device),
                                  dropout_p, softmax_scale)
 
 
@@ -430,91 +285,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                         check_flag("return_lse", return_lse) or return_attn_probs,
                         deterministic, version, "", variant)
     return (*result, None) if return_attn_probs else result
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
-                           sinks=None, score_mod=None, mask_mod=None, version=2):
-    """Exact attention over packed sequences, flash-attn 2.8's signature and conventions.
-
-    q (total_q, H, d), k and v (total_k, Hk, d) hold B sequences back to back; cu_seqlens_q
-    and cu_seqlens_k (int32, (B + 1,)) give where each starts; max_seqlen_q / max_seqlen_k bound
-    their lengths. One launch covers every sequence (tiles past a sequence's end exit at once);
-    zero-length sequences are legal. causal is bottom-right aligned per sequence, and every
-    variant (window, softcap, ALiBi, sinks, score_mod with q_idx / kv_idx counted within the
-    sequence, mask_mod) applies per sequence; dropout keys on each sequence's own (b, h, row,
-    col). Returns out (total_q, H, d); with return_lse also L (H, total_q), differentiable;
-    return_attn_probs=True returns (out, L, None).
-    """
-    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
-    cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    dropout_p, softmax_scale, causal, return_lse, deterministic = _check_options(
-        dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])
-    batch, heads = cu_q.numel() - 1, q.shape[1]
-    call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
-                        sizes=(batch, max_seqlen_q, heads, max_seqlen_k))
-    varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
-    if table is not None:
-        out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
-        return _varlen_result(out, slots, cu_q, q.shape[0], q.shape[-1], return_lse, return_attn_probs)
-    q, k, v, head_dim = _padded_head_dim(q, k, v)
-    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
-    out, slots = _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic)
-    return _varlen_result(out, slots, cu_q, q.shape[0], head_dim, return_lse, return_attn_probs)
-
-
-def _varlen_result(out, slots, cu_q, total_q: int, head_dim: int, return_lse: bool, return_attn_probs: bool):
-    if out.shape[-1] != head_dim:
-        out = out[..., :head_dim]
-    if not (return_lse or return_attn_probs):
-        return out
-    lse = packed_lse(slots, cu_q, total_q)
-    return (out, lse, None) if return_attn_probs else (out, lse)
-
-
-@torch.compiler.disable
-def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version):
-    """Packed queries over a paged K/V cache: forward only, as in flash-attn (its backward does not
-    take a block table). Inputs that require grad still run, as in flash-attn: only a backward
-    raises. A head_dim that is not a multiple of 8 reads a zero-padded copy of the cache, as
-    flash-attn does (softmax_scale comes from the true d: _check_options)."""
-    if dropout_p > 0 or version != 2:
-        raise InputError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
-                         f"dropout_p={dropout_p}, version={version}")
-    try:
-        spec = Spec.for_kv_cache(q.shape[2] + -q.shape[2] % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], causal=causal,
-                                 page_size=k.shape[1], varlen=True, **(call.spec_fields if call else {}))
-    except ValueError as exc:   # sinks (the decoding kernels take no sinks)
-        raise InputError(f"fagen: with a block_table, {exc}") from None
-
-    def run():
-        q_kernel, k_cache, v_cache, _ = _padded_head_dim(q, k, v)
-        return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
-                                                  seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
-                                                  variant=call.values if call else None, varlen=varlen)
-    return run_forward_only("flash_attn_varlen_func with a block_table", run, (q, k, v))
-
-
-@torch.compiler.disable
-def _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic):
-    try:
-        spec = Spec(head_dim=q.shape[2], dtype=TORCH_DTYPES[q.dtype], version=version,
-                    mask="causal" if causal else "none", dropout=dropout_p > 0, deterministic=deterministic,
-                    varlen=True, **(call.spec_fields if call else {}))
-    except ValueError as exc:
-        raise InputError(f"fagen: {exc}") from None
-    spec = tuning.lookup(spec, seqlen_q=max(1, varlen[2]), seqlen_k=max(1, varlen[3]),
-                         batch=max(1, varlen[0].numel() - 1), heads=q.shape[1], device=q.device)
-    return variant_attention.run(source_for(spec), call, q, k, v, None, _philox_state(dropout_p, q.device),
-                                 dropout_p, softmax_scale, varlen=varlen)
-
-
-def _lse_from_stats(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-    """FlashAttention-1's (m, l) as L = m + log l, with +inf for rows that saw no key (l = 0)."""
-    lse = row_max + torch.log(row_sum)
-    return torch.where(row_sum > 0, lse, torch.full_like(lse, math.inf))
 
 
 def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

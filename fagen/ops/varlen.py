@@ -1,0 +1,96 @@
+"""`flash_attn_varlen_func`: packed sequences (cu_seqlens), flash-attn 2.8's signature, and packed
+queries over a paged K/V cache (block_table). Its arguments are checked in varlen_args."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import tuning
+from ..errors import InputError, run_forward_only
+from ..kernels import run as attention_kernels
+from ..kernels.render import source_for
+from ..spec import Spec
+from . import autograd
+from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, check_options, padded_head_dim,
+                     philox_state)
+from .variant_args import variant_call
+from .varlen_args import check_varlen, packed_lse
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
+                           sinks=None, score_mod=None, mask_mod=None, version=2):
+    """Exact attention over packed sequences, flash-attn 2.8's signature and conventions.
+
+    q (total_q, H, d), k and v (total_k, Hk, d) hold B sequences back to back; cu_seqlens_q
+    and cu_seqlens_k (int32, (B + 1,)) give where each starts; max_seqlen_q / max_seqlen_k bound
+    their lengths. One launch covers every sequence (tiles past a sequence's end exit at once);
+    zero-length sequences are legal. causal is bottom-right aligned per sequence, and every
+    variant (window, softcap, ALiBi, sinks, score_mod with q_idx / kv_idx counted within the
+    sequence, mask_mod) applies per sequence; dropout keys on each sequence's own (b, h, row,
+    col). Returns out (total_q, H, d); with return_lse also L (H, total_q), differentiable;
+    return_attn_probs=True returns (out, L, None).
+    """
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
+    cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    dropout_p, softmax_scale, causal, return_lse, deterministic = check_options(
+        dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])
+    batch, heads = cu_q.numel() - 1, q.shape[1]
+    call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                        sizes=(batch, max_seqlen_q, heads, max_seqlen_k))
+    varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if table is not None:
+        out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
+        return _varlen_result(out, slots, cu_q, q.shape[0], q.shape[-1], return_lse, return_attn_probs)
+    q, k, v, head_dim = padded_head_dim(q, k, v)
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
+    out, slots = _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic)
+    return _varlen_result(out, slots, cu_q, q.shape[0], head_dim, return_lse, return_attn_probs)
+
+
+def _varlen_result(out, slots, cu_q, total_q: int, head_dim: int, return_lse: bool, return_attn_probs: bool):
+    if out.shape[-1] != head_dim:
+        out = out[..., :head_dim]
+    if not (return_lse or return_attn_probs):
+        return out
+    lse = packed_lse(slots, cu_q, total_q)
+    return (out, lse, None) if return_attn_probs else (out, lse)
+
+
+@torch.compiler.disable
+def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version):
+    """Packed queries over a paged K/V cache: forward only, as in flash-attn (its backward does not
+    take a block table). Inputs that require grad still run, as in flash-attn: only a backward
+    raises. A head_dim that is not a multiple of 8 reads a zero-padded copy of the cache, as
+    flash-attn does (softmax_scale comes from the true d: check_options)."""
+    if dropout_p > 0 or version != 2:
+        raise InputError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
+                         f"dropout_p={dropout_p}, version={version}")
+    try:
+        spec = Spec.for_kv_cache(q.shape[2] + -q.shape[2] % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], causal=causal,
+                                 page_size=k.shape[1], varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as exc:   # sinks (the decoding kernels take no sinks)
+        raise InputError(f"fagen: with a block_table, {exc}") from None
+
+    def run():
+        q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)
+        return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
+                                                  seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
+                                                  variant=call.values if call else None, varlen=varlen)
+    return run_forward_only("flash_attn_varlen_func with a block_table", run, (q, k, v))
+
+
+@torch.compiler.disable
+def _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic):
+    try:
+        spec = Spec(head_dim=q.shape[2], dtype=TORCH_DTYPES[q.dtype], version=version,
+                    mask="causal" if causal else "none", dropout=dropout_p > 0, deterministic=deterministic,
+                    varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as exc:
+        raise InputError(f"fagen: {exc}") from None
+    spec = tuning.lookup(spec, seqlen_q=max(1, varlen[2]), seqlen_k=max(1, varlen[3]),
+                         batch=max(1, varlen[0].numel() - 1), heads=q.shape[1], device=q.device)
+    return autograd.run(source_for(spec), call, q, k, v, None, philox_state(dropout_p, q.device),
+                                 dropout_p, softmax_scale, varlen=varlen)
