@@ -17,22 +17,34 @@ registry. This package turns such a lease into one prepared run that:
   7. runs compute-sanitizer's memcheck and racecheck when it is installed,
 
 all under one time budget, failing soft: a peer or section that cannot run is
-recorded with its reason, never a crash. Modules, one concern each:
+recorded with its reason, never a crash.
 
-  plan        what runs: sizes, systems, sections, caps (plan_text: the plan as text)
-  schedule    the time guard's arithmetic: reserves, deadlines, the forecast replayed under it
-  flops       the paper's FLOP count
-  timing      CUDA-event timing and the time budget (the guard)
-  peers       the systems compared: fagen v1/v2, SDPA backends, FlexAttention
-  sweep       the speed sweep over (config, sequence length, pass, system)
-  variants    the variants section: each variant in fagen and Flex, and the no-mod peers
-  decode      the decode section: a KV-cache decoding step, and varlen training vs padding
-  decode_report  the decode section's bandwidth, ratios, short-table rows and Markdown
-  memory      peak GPU memory against sequence length
-  correctness the `gpu` pytest run and the compute-sanitizer runs
-  report      JSON, Markdown, PNG plots and the short printed table
-  precompile  the kernels the calls will load, recorded (kernel_record, over kernel_calls'
+Each section's config (its dataclass, sizes and forecast), its run and its text (its lines in the
+plan, its rows of the short table, its results.md tables) live in the section's own module, or in
+a subpackage of config / run / markdown where one module would be too long:
+
+  speed/      the sweep over (panel, sequence length, system, pass), against the best peer
+  variants/   each variant in fagen and Flex, and the no-mod peers
+  decode/     a KV-cache decoding step (and the step captured in a CUDA graph), and varlen
+              training against padding (config, step, graph, varlen, run, markdown)
+  models/     a Llama in transformers: a training step and generate per system
+  ring/       ring attention in a world-1 group, and the overlap model (config, run, markdown)
+  memory.py   peak GPU memory against sequence length
+  correctness.py  the `gpu` pytest run and the compute-sanitizer runs
+  precompile.py   the kernels the calls will load, recorded (kernel_record, over kernel_calls'
               small calls; gpu_cases: the gpu tests' tables), compiled in parallel
+  peak.py     the matmul peak and the copy bandwidth
+
+and what puts them together, or what they share:
+
+  plan        the sections in order, composed into one Plan with the run's budget and caps
+              (plan_text: the plan as text, each section's lines in order)
+  schedule    the time guard's arithmetic: reserves, deadlines, the forecast replayed under it
+  report      results.json, results.md, the plots and the short table, each section's part in order
   gpu_check   the sections in order, and writing as it goes (dry_run: --dry-run; versions:
               what the run finds installed)
+  peers       the systems compared: fagen v1/v2, SDPA backends, FlexAttention
+  measure     inputs, one timed cell, the sanity check against torch, the guard's reasons
+  timing      CUDA-event timing and the time budget (the guard)
+  flops, sizes, markdown, figures   the paper's FLOP count, document lengths, text and plot pieces
 """

@@ -4,6 +4,9 @@ Both run as subprocesses with a hard time cap: a hung kernel or a slow
 sanitizer cannot take the rest of the GPU check with it. Each subprocess gets
 its own process session so that, on timeout, we end exactly the processes we
 started (its process group), and nothing else.
+
+The two sections' caps are the Plan's own fields (correctness_cap_s, sanitizer_cap_s); their
+lines in the plan, their forecasts, their summary lines and their results.md tables are here too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from .markdown import md as _md
 
 SUMMARY_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)")
 PER_TEST_TIMEOUT_S = 120
@@ -205,3 +210,64 @@ def run_sanitizers(repo_root: Path, *, timeout_s: float, tools=("memcheck", "rac
         section["status"] = "problems"
         section["note"] = ", ".join(f"{t}: {r['status']}" for t, r in section["runs"].items())
     return section
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+def plan_lines(plan) -> list[str]:
+    return [f"  correctness: python -m pytest -m gpu tests/ (cap {plan.correctness_cap_s:.0f} s)",
+            f"  sanitizers: compute-sanitizer memcheck and racecheck on one small forward + "
+            f"backward if installed (cap {plan.sanitizer_cap_s:.0f} s each)"]
+
+
+def correctness_estimate(plan) -> float:
+    """The gpu tests: about a minute, within the cap."""
+    return min(plan.correctness_cap_s, 60.0)
+
+
+def sanitizers_estimate(plan, *, sanitizers: bool) -> float:
+    """memcheck and racecheck, each about 70% of its cap; nothing without compute-sanitizer."""
+    return 2 * plan.sanitizer_cap_s * 0.7 if sanitizers else 0.0
+
+
+# -- the summary and results.md ---------------------------------------------------------------
+
+def summary_lines(results: dict) -> list[str]:
+    """The gpu tests' summary with the first failures, and each sanitizer run's verdict."""
+    lines = []
+    correctness = results.get("correctness") or {}
+    if correctness.get("summary"):
+        lines.append(f"gpu tests: {correctness['summary']}")
+    for failure in (correctness.get("failures") or [])[:8]:
+        lines.append(f"  FAILED {failure['test']}: {failure['message'][:160]}")
+    sanitizers = results.get("sanitizers") or {}
+    for tool, run in (sanitizers.get("runs") or {}).items():
+        lines.append(f"compute-sanitizer {tool}: {run.get('status')} {run.get('summary', '')}".rstrip())
+    return lines
+
+
+def markdown_lines(results: dict) -> list[str]:
+    c = results.get("correctness")
+    if not c:
+        return []
+    out = ["", "## Correctness (`pytest -m gpu`)", "", f"`{c.get('command', '')}`", "",
+           f"**{c.get('status')}**: {c.get('summary')}"]
+    for failure in c.get("failures", []):
+        out.append(f"- FAILED `{failure['test']}`: {_md(failure['message'])}")
+    if c.get("skips"):
+        out += ["", "Skipped, by reason:"]
+        out += [f"- {count} × {_md(reason)}" for reason, count in c["skips"].items()]
+    return out
+
+
+def sanitizer_markdown_lines(results: dict) -> list[str]:
+    s = results.get("sanitizers")
+    if not s:
+        return []
+    out = ["", "## compute-sanitizer", ""]
+    if not s.get("runs"):
+        return out + [f"{s.get('status')}: {_md(s.get('note', ''))}"]
+    for tool, run in s["runs"].items():
+        out.append(f"- {tool}: **{run.get('status')}** {run.get('summary', '')} "
+                   f"({run.get('seconds', 0):.0f} s)")
+    return out

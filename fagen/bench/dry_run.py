@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .plan_text import describe
 from .correctness import child_env, find_compute_sanitizer, run_capped
 from .plan import Plan
-from .schedule import estimate_line, fits
+from .plan_text import describe
+from .schedule import caps, estimate_line, fits
 from .versions import found_versions, versions_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,8 +123,6 @@ def _fits(plan: Plan) -> str:
     problem = fits(plan, sanitizers=True)
     if problem:
         raise ValueError(problem)
-    from .schedule import caps
-
     return f"{sum(caps(plan, sanitizers=True).values()):.0f} s of {plan.budget_s:.0f} s"
 
 
@@ -136,7 +134,7 @@ def _attention_func() -> str:
 
 
 def _decode_functions() -> str:
-    from .decode import fagen_decode_functions
+    from .decode.step import fagen_decode_functions
 
     return ", ".join(f"{f.__module__}.{f.__name__}" for f in fagen_decode_functions())
 
@@ -180,7 +178,7 @@ def _compile_last(recorded: dict, prefix: str) -> str:
 
 
 def _ring_pieces(plan: Plan) -> str:
-    from .ring import check_pair_counts
+    from .ring.run import check_pair_counts
 
     _module("fagen.distributed")()
     return check_pair_counts(plan.ring) if plan.ring.enabled else "no ring section in this plan"
@@ -189,8 +187,8 @@ def _ring_pieces(plan: Plan) -> str:
 def _models_pieces(plan: Plan) -> str:
     import torch
 
-    from .models import build_model, import_transformers
-    from .models_report import model_label
+    from .models.markdown import model_label
+    from .models.run import build_model, import_transformers
 
     version = import_transformers()
     # The plan's model on the meta device: its architecture, without memory or weights.

@@ -6,8 +6,10 @@ results.json is rewritten after every section (and after every panel of the
 speed sweep), so a run killed from outside still leaves what it measured.
 
 Exit status: 0 when every section ran and the gpu tests passed (peers that
-are not available are notes, not failures); 1 when a gpu test failed or a
-section raised; 2 when no CUDA GPU is visible.
+are not available are notes, not failures); 1 when a gpu test failed, a
+section found a wrong result (the world-1 ring differs from the plain op, a
+decoding step's CUDA-graph replay differs from the eager step) or a section
+raised; 2 when no CUDA GPU is visible.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from .plan_text import describe
 from . import report
 from .correctness import find_compute_sanitizer, run_gpu_tests, run_sanitizers
 from .dry_run import dry_run
 from .plan import OPTIONAL_SECTIONS, Plan
+from .plan_text import describe
 from .schedule import caps, reserve_after
 from .timing import Budget, Deadline
 from .versions import found_versions, versions_line
@@ -207,10 +209,9 @@ def _run_sections(run: "_Run") -> int:
     results["precompile"] = run.section("precompile", precompile_section)
 
     def peak_section():
-        from .timing import measure_copy_bandwidth, measure_matmul_peak
+        from .peak import run_peak
 
-        peak = {"matmul": measure_matmul_peak(), "copy": measure_copy_bandwidth()}
-        return {**peak, "note": f"{peak['matmul']['tflops']:.0f} TFLOP/s, {peak['copy']['tb_per_s']:.2f} TB/s"}
+        return run_peak()
 
     results["peak"] = run.section("peak", peak_section)
 
@@ -240,7 +241,7 @@ def _run_sections(run: "_Run") -> int:
         return checkpoint
 
     def speed_section():
-        from .sweep import run_speed_sweep
+        from .speed.run import run_speed_sweep
 
         return run_speed_sweep(plan, [systems[n] for n in plan.systems], run.deadline("speed"), log=log,
                                checkpoint=checkpointed("speed"))
@@ -248,7 +249,7 @@ def _run_sections(run: "_Run") -> int:
     results["speed"] = run.section("speed", speed_section)
 
     def variants_section():
-        from .variants import run_variant_sweep
+        from .variants.run import run_variant_sweep
 
         return run_variant_sweep(plan, run.deadline("variants"), log=log,
                                  checkpoint=checkpointed("variants"))
@@ -256,7 +257,7 @@ def _run_sections(run: "_Run") -> int:
     results["variants"] = run.section("variants", variants_section)
 
     def decode_section():
-        from .decode import run_decode_section
+        from .decode.run import run_decode_section
 
         copy = ((results.get("peak") or {}).get("copy") or {}).get("tb_per_s")
         return run_decode_section(plan, run.deadline("decode"), log=log,
@@ -265,7 +266,7 @@ def _run_sections(run: "_Run") -> int:
     results["decode"] = run.section("decode", decode_section)
 
     def models_section():
-        from .models import run_models_section
+        from .models.run import run_models_section
 
         return run_models_section(plan, run.deadline("models"), log=log,
                                   checkpoint=checkpointed("models"))
@@ -273,7 +274,7 @@ def _run_sections(run: "_Run") -> int:
     results["models"] = run.section("models", models_section)
 
     def ring_section():
-        from .ring import run_ring_section
+        from .ring.run import run_ring_section
 
         return run_ring_section(plan, run.deadline("ring"), log=log)
 
@@ -289,10 +290,18 @@ def _run_sections(run: "_Run") -> int:
     results["sections"]["report"] = {"status": "ok", "seconds": 0.0,
                                      "note": f"written to {run.out_dir} at {budget.elapsed():.0f} s"}
     _finish(run)
+    return exit_status(results)
+
+
+def exit_status(results: dict) -> int:
+    """1 when the gpu tests failed or timed out, a section found a wrong result (status "failed":
+    the ring against the plain op, the decode step's graph replay against the eager step) or a
+    section raised; else 0."""
     correctness = results.get("correctness") or {}
-    failed = correctness.get("status") in ("failed", "timed out") or results["sections"].get("ring", {}).get(
-        "status") == "failed"   # the world-1 ring differs from the plain op
-    broken = any(info["status"] == "error" for info in results["sections"].values())
+    sections = results.get("sections") or {}
+    failed = correctness.get("status") in ("failed", "timed out") or any(
+        info.get("status") == "failed" for info in sections.values())
+    broken = any(info.get("status") == "error" for info in sections.values())
     return 1 if failed or broken else 0
 
 

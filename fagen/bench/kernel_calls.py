@@ -15,26 +15,27 @@ import dataclasses
 import functools
 
 from . import gpu_cases as cases
-from .plan import FAGEN_SYSTEMS, Plan, random_lengths
+from .sizes import random_lengths
+from .speed.config import FAGEN_SYSTEMS
 
 SMALL_N = 64   # tokens per small call: sizes pick no kernel (no tuning cache on a fresh machine)
 
 
 # -- the sections ---------------------------------------------------------------------------
 
-def section_calls(plan: Plan) -> list[tuple[str, object]]:
+def section_calls(plan) -> list[tuple[str, object]]:
     """Every fagen call of the plan's sections, small."""
     return (_speed_calls(plan) + _variant_calls(plan) + _decode_calls(plan) + _models_calls(plan)
             + _ring_calls(plan) + _memory_calls(plan) + [("sanitizers", functools.partial(sanitizer_workload, "cpu"))])
 
 
 def _forward(system, dtype: str, head_dim: int, heads: int, causal: bool, batch: int = 1) -> None:
-    from .sweep import make_inputs
+    from .measure import make_inputs
 
     system.forward(*make_inputs(batch, SMALL_N, heads, head_dim, dtype, "cpu"), causal)
 
 
-def _speed_calls(plan: Plan) -> list:
+def _speed_calls(plan) -> list:
     from .peers import make_system
 
     return [(f"speed {name} {c.label}", functools.partial(_forward, make_system(name), c.dtype, c.head_dim,
@@ -42,7 +43,7 @@ def _speed_calls(plan: Plan) -> list:
             for name in plan.systems if name in FAGEN_SYSTEMS for c in plan.configs()]
 
 
-def _memory_calls(plan: Plan) -> list:
+def _memory_calls(plan) -> list:
     from .peers import make_system
 
     m = plan.memory
@@ -50,8 +51,8 @@ def _memory_calls(plan: Plan) -> list:
             for name in m.systems if name in FAGEN_SYSTEMS]
 
 
-def _variant_calls(plan: Plan) -> list:
-    from .variants import default_factories, make_case
+def _variant_calls(plan) -> list:
+    from .variants.run import default_factories, make_case
 
     config, factories = plan.variants, default_factories()
     calls = []
@@ -67,32 +68,42 @@ def _variant_calls(plan: Plan) -> list:
 
 
 def _decode_step(config, system) -> None:
-    from .decode import make_decode_inputs
+    from .decode.step import make_decode_inputs
 
     step, _ = system.prepare(make_decode_inputs(config, 1, config.page_size, "cpu"), config)
     step()
 
 
 def _varlen_forward(config, system) -> None:
-    from .decode import make_documents
+    from .decode.varlen import make_documents
 
     system.docs = make_documents(random_lengths(3 * SMALL_N, 3, config.seed), config.varlen_heads, config.head_dim,
                                  config.dtype, "cpu")
     system.forward(*system.inputs(), True)
 
 
-def _decode_calls(plan: Plan) -> list:
-    from .decode import default_factories
+def _decode_calls(plan) -> list:
+    from .decode.run import default_factories
 
     config, factories = plan.decode, default_factories()
     calls = [(f"decode {name}", functools.partial(_decode_step, config, factories[name]()))
              for name in config.decode_systems if name in ("fagen", "fagen_paged")]
     calls += [(f"decode {name}", functools.partial(_varlen_forward, config, factories[name]()))
               for name in config.varlen_systems if name in ("fagen_varlen", "fagen_padded")]
+    if config.graph_shape:
+        calls.append(("decode graph", functools.partial(_graph_step, config)))
     return calls
 
 
-def _models_calls(plan: Plan) -> list:
+def _graph_step(config) -> None:
+    """The CUDA-graph row's step (append with rotary, split-KV, combine) on a one-page cache."""
+    from .decode.graph import graph_step, make_graph_inputs
+
+    small = dataclasses.replace(config, graph_shape=(1, config.page_size))
+    graph_step(make_graph_inputs(small, "cpu"), small)()
+
+
+def _models_calls(plan) -> list:
     """The transformers integration's own attention function, as the model's layers call it:
     nothing padded (the training step) and a left-padded (B, N) mask (generate). Without
     transformers the section skips itself and needs no kernel."""
@@ -112,7 +123,7 @@ def _integration_call(config, *, padded: bool) -> None:
         return
     import torch
 
-    from .sweep import torch_dtype
+    from .measure import torch_dtype
 
     dtype, n = torch_dtype(config.dtype), SMALL_N
     query = torch.randn(2, config.heads, n, config.head_dim, dtype=dtype)
@@ -126,16 +137,16 @@ def _integration_call(config, *, padded: bool) -> None:
     attention_forward(layer, query, key, value, mask, scaling=config.head_dim ** -0.5)
 
 
-def _ring_calls(plan: Plan) -> list:
+def _ring_calls(plan) -> list:
     if not plan.ring.enabled:
         return []
     return [("ring", functools.partial(_ring_section, plan))]
 
 
-def _ring_section(plan: Plan) -> None:
+def _ring_section(plan) -> None:
     """The ring section itself (its world-1 gloo group, its plain, ring and pair calls, its
     model rows) at a short sequence, each measurement one call."""
-    from .ring import run_ring_section
+    from .ring.run import run_ring_section
     from .timing import Deadline
 
     short = dataclasses.replace(plan.ring, seqlen=4 * SMALL_N)
@@ -193,7 +204,7 @@ def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens
 
     import fagen
 
-    from .sweep import torch_dtype
+    from .measure import torch_dtype
 
     batch, nq, nk, heads, kv_heads = shape
     q = torch.randn(batch, nq, heads, head_dim, dtype=torch_dtype(dtype))
@@ -237,7 +248,7 @@ def _decode_case(case: dict, call: dict) -> None:
 
     import fagen
 
-    from .sweep import torch_dtype
+    from .measure import torch_dtype
 
     s = cases.DECODE_SHAPE
     b, h, hk, d, cap = s["batch"], s["heads"], s["kv_heads"], s["head_dim"], s["capacity"]

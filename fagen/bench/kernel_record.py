@@ -66,7 +66,7 @@ def identity_for(arch: str):
 # (which would hold the do-nothing kernels), the ops' per-shape Source memo (which would hold the
 # recorded arch's tiles for CPU calls) and the decode step's loaded set. Recording swaps in
 # empty ones, so that every call loads its kernels again and nothing recorded outlives it.
-_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.dense", "_call_sources"), ("fagen.ops.kvcache", "_loaded"))
+_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.call", "_call_sources"), ("fagen.ops.kvcache", "_loaded"))
 
 
 @contextlib.contextmanager

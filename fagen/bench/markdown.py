@@ -1,4 +1,4 @@
-"""Text pieces the report's sections share (report, decode_report, models_report): Markdown
+"""Text pieces the sections' text modules share (report, and each section's markdown): Markdown
 cells and tables, and the short table's skip and sanity notes."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .plan import SYSTEM_LABELS
+from .speed.config import SYSTEM_LABELS
 
 
 class NotAvailable(RuntimeError):

@@ -11,6 +11,8 @@ included. Two spawned workers record (sections, gpu tests) while the others wait
 kernel is compiled as soon as its recorder reports it, for the NVRTC target `fagen.kernels.launch` uses
 (`compiler.nvrtc_target`). Workers are spawned, not forked: the parent has CUDA initialised, and
 a forked CUDA context is unusable. Workers touch no GPU.
+
+Its cap is the Plan's own field (precompile_cap_s); its line in the plan and its forecast are here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,27 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-from .plan import Plan
+# Distinct kernels the gpu tests launch on an H200 (the precompile forecast counts them;
+# tests/test_gpu_check_plan.py checks the number against the kernels recorded from the tests).
+GPU_TEST_KERNELS = 72
+# The GPU machine's cores, less one for the parent (precompile's compile workers).
+GPU_MACHINE_WORKERS = 15
 
 
-def record_section_kernels(plan: Plan, identity):
+def plan_lines(plan) -> list[str]:
+    return [f"  precompile: the kernels the sections and the gpu tests call, recorded by making their calls "
+            f"on CPU tensors for this GPU's arch, then NVRTC in parallel (cap {plan.precompile_cap_s:.0f} s)"]
+
+
+def estimate_seconds(plan) -> float:
+    """About 6 s to spawn the recorder and record the calls' kernels, then 1.5 s per NVRTC compile
+    on each of the GPU machine's workers, within the cap."""
+    kernels = (plan.fagen_variants() + plan.variant_kernels() + plan.decode_kernels() + plan.models_kernels()
+               + GPU_TEST_KERNELS)
+    return min(plan.precompile_cap_s, 6.0 + 1.5 * kernels / GPU_MACHINE_WORKERS)
+
+
+def record_section_kernels(plan, identity):
     """The sections' kernels for the GPU of `identity` (run in a spawned worker)."""
     from .kernel_calls import section_calls
     from .kernel_record import identity_for, record
@@ -59,7 +78,7 @@ def default_workers() -> int:
     return max(1, min(15, (os.cpu_count() or 2) - 1))
 
 
-def precompile(plan: Plan, arch: str, timeout_s: float, workers: int | None = None,
+def precompile(plan, arch: str, timeout_s: float, workers: int | None = None,
                include_tests: bool = True, identity=None) -> dict:
     """Record and compile, within `timeout_s`, every kernel the plan's sections (and the gpu
     tests) will launch on a GPU of capability `arch`; `identity` (a DeviceIdentity) is that

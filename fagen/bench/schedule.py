@@ -17,13 +17,13 @@ as the run on the GPU.
 
 from __future__ import annotations
 
-from .plan import GPU_TEST_KERNELS, SECTIONS
+from . import correctness, precompile
+from .plan import SECTIONS
+from .speed import config as speed_config
 
 # Sections with no deadline of their own: setup runs before the first deadline is asked for,
 # peak is a fixed pair of measurements, report writes files after the last section.
 UNGUARDED = ("setup", "peak", "report")
-# The GPU machine's cores, less one for the parent (precompile's compile workers).
-GPU_MACHINE_WORKERS = 15
 
 
 def caps(plan, *, sanitizers: bool, skip=()) -> dict[str, float]:
@@ -57,25 +57,19 @@ def deadline_s(section: str, start_s: float, budget_s: float, section_caps: dict
 
 def forecast(plan, *, sanitizers: bool) -> dict[str, float]:
     """What each section would take with no guard (a rough forecast; each within its cap but the
-    sweep's). Speed: about 0.12 s per measurement (warm-up, 3-20 repeats of up to ~30 ms,
-    synchronisation), plus FlexAttention's compiles (about 20 s per panel, within its allowance).
-    Precompile: about 6 s to spawn the recorder and record the calls' kernels, then 1.5 s per
-    NVRTC compile on each of the GPU machine's workers."""
-    flex_panels = len(plan.configs()) if "flex" in plan.systems else 0
-    kernels = (plan.fagen_variants() + plan.variant_kernels() + plan.decode_kernels() + plan.models_kernels()
-               + GPU_TEST_KERNELS)
+    sweep's): each section's own estimate, from its config."""
     return {
         "setup": plan.setup_reserve_s,
-        "precompile": min(plan.precompile_cap_s, 6.0 + 1.5 * kernels / GPU_MACHINE_WORKERS),
+        "precompile": precompile.estimate_seconds(plan),
         "peak": plan.peak_reserve_s,
-        "correctness": min(plan.correctness_cap_s, 60.0),
-        "sanitizers": 2 * plan.sanitizer_cap_s * 0.7 if sanitizers else 0.0,
-        "speed": 0.12 * plan.timed_runs() + min(plan.flex_allowance_s, 20.0 * flex_panels),
+        "correctness": correctness.correctness_estimate(plan),
+        "sanitizers": correctness.sanitizers_estimate(plan, sanitizers=sanitizers),
+        "speed": speed_config.estimate_seconds(plan),
         "variants": plan.variants.estimate_seconds(),
         "decode": plan.decode.estimate_seconds(),
         "models": plan.models.estimate_seconds(),
         "ring": plan.ring.estimate_seconds(),
-        "memory": min(plan.memory_cap_s, 3.0 * len(plan.memory.seqlens) * len(plan.memory.systems)),
+        "memory": plan.memory.estimate_seconds(plan.memory_cap_s),
         "report": 5.0,
     }
 

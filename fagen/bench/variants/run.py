@@ -1,7 +1,7 @@
 """The variants section: fagen's attention variants against FlexAttention with the same mod.
 
 One point, the sweep's longest (bf16, d = 128, N = 16k, B = 1, H = 16, causal), and per
-variant (plan.VariantsConfig.cases):
+variant (config.VariantsConfig.cases):
 
   window    flash_attn_func(..., window_size=(W, 0))      Flex: mask_mod causal & q - k <= W
   softcap   flash_attn_func(..., softcap=C)               Flex: score_mod C tanh(score / C)
@@ -10,7 +10,7 @@ variant (plan.VariantsConfig.cases):
                                                           Flex: mask_mod causal & the same
 
 with slopes = 2^(-8 i / H), i = 1..H (fp32, (H,)) and doc the int32 ids of a few documents
-of random lengths (seeded: plan.VariantsConfig.document_lengths). Each is timed forward and
+of random lengths (seeded: config.VariantsConfig.document_lengths). Each is timed forward and
 forward + backward in
 
   fagen_v2        fagen with the variant
@@ -22,7 +22,7 @@ forward + backward in
 
 The two no-mod peers are measured once and their cells are copied into every variant's
 rows (marked "shared"), so each row holds fagen and its three peers side by side, in the
-speed sweep's point structure, and `report.add_ratios` gives fagen_v2 / each peer.
+speed sweep's point structure, and `speed.markdown.add_ratios` gives fagen_v2 / each peer.
 
 FLOPs are the sweep's causal count (4 N^2 d H B / 2 forward, x3.5 for both passes) for
 every variant: a mask that hides more keys therefore shows as a higher rate, and each row
@@ -41,10 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .peers import FagenSystem, FlexSystem, NotAvailable, SdpaSystem, System, failure_reason
-from .plan import NO_MOD_SYSTEMS, SYSTEM_SHORT, Plan, VariantsConfig, short_seqlen
-from .sweep import FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, context_lost, make_inputs, measure_system
-from .timing import Deadline, Timing, time_cuda
+from ..measure import FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, context_lost, make_inputs, measure_system
+from ..peers import FagenSystem, FlexSystem, NotAvailable, SdpaSystem, System, failure_reason
+from ..sizes import short_seqlen
+from ..speed.markdown import add_ratios
+from ..timing import Deadline, Timing, time_cuda
+from .config import NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VariantsConfig
 
 SHARED_NOTE = "plain causal, measured once for every variant"
 # The order FlexAttention's cases run in (each costs a compile; the allowance may stop them).
@@ -202,7 +204,7 @@ class FagenVariant(FagenSystem):
 
     def forward(self, q, k, v, causal: bool):
         if self._func is None:
-            from .peers import fagen_attention_func
+            from ..peers import fagen_attention_func
 
             self._func = fagen_attention_func()
         return self._func(q, k, v, causal=causal, version=2, **self.case.fagen_kwargs)
@@ -232,6 +234,10 @@ class Renamed(System):
 
     def __init__(self, system: System, name: str):
         self.system, self.name = system, name
+
+    @property
+    def label(self) -> str:
+        return VARIANT_LABELS.get(self.name, self.name)
 
     def unavailable_reason(self) -> str | None:
         return self.system.unavailable_reason()
@@ -270,7 +276,7 @@ def variant_sanity(system: System, case: VariantCase, q, k, v) -> dict:
 
 # -- the section ------------------------------------------------------------------------------
 
-def run_variant_sweep(plan: Plan, deadline: Deadline, *, device="cuda",
+def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
                       timer: Callable[..., Timing] = time_cuda, log: Callable[[str], None] = print,
                       checkpoint: Callable[[dict], None] | None = None,
                       clock: Callable[[], float] = time.monotonic,
@@ -357,7 +363,7 @@ def run_variant_sweep(plan: Plan, deadline: Deadline, *, device="cuda",
         cells, _ = measure(name, None)
         reason = record(name, None, cells)
         if reason is not None:
-            return lost(SYSTEM_SHORT.get(name, name), reason)
+            return lost(VARIANT_SHORT.get(name, name), reason)
     # 2. fagen with each variant: a sanity check on a small problem, then the timed point.
     for case in config.cases:
         if "fagen_v2" not in runnable:
@@ -400,8 +406,6 @@ def run_variant_sweep(plan: Plan, deadline: Deadline, *, device="cuda",
             checkpoint(section)
     for case in config.cases:
         log(_progress_line(case, points, names, config.passes))
-    from .report import add_ratios
-
     add_ratios(section)
     if section["not_run"]:
         section["status"] = "partial"
@@ -432,7 +436,7 @@ def _progress_line(case: str, points: dict, names: list[str], passes: tuple) -> 
         for p in passes:
             cell = points[case, p]["results"].get(name, {})
             values.append(f"{cell['tflops']:.0f}" if "tflops" in cell else "-")
-        parts.append(f"{SYSTEM_SHORT.get(name, name)} {'/'.join(values)}")
+        parts.append(f"{VARIANT_SHORT.get(name, name)} {'/'.join(values)}")
     point = points[case, passes[0]]
     return (f"  variant {case} N={short_seqlen(point['seqlen'])} B={point['batch']} H={point['heads']}: "
             + ", ".join(parts))

@@ -1,17 +1,16 @@
 """The models section's text: its lines in the plan, its derived numbers, the short table and results.md.
 
-From a plan.ModelsConfig (`plan_lines`, which plan.describe calls, and the labels) or the
-section's dict alone (no torch), like report.py, which calls `short_lines` and
-`markdown_lines`. Timed cells carry their median time and the tokens one call handles;
-tokens/s and the ratios fagen / each system (of tokens/s: > 1 means fagen is faster) are
-derived here (`add_rates`). Imports nothing of the plan's (plan imports this module).
+From a config.ModelsConfig (`plan_lines`, which plan_text.describe calls, and the labels) or
+the section's dict alone (no torch); report.py calls `short_lines` and `markdown_lines`. Timed
+cells carry their median time and the tokens one call handles; tokens/s and the ratios fagen /
+each system (of tokens/s: > 1 means fagen is faster) are derived here (`add_rates`).
 """
 
 from __future__ import annotations
 
-from .markdown import finite, sanity_text, skip_text
-from .markdown import md as _md
-from .markdown import sanity_table
+from ..markdown import finite, sanity_text, skip_text
+from ..markdown import md as _md
+from ..markdown import sanity_table
 
 # Labels of transformers' attn_implementation names, in table order.
 MODEL_LABELS = {"fagen": "fagen", "sdpa": "SDPA", "flex_attention": "FlexAttention", "eager": "eager"}
@@ -47,7 +46,6 @@ def tokens_per_s(tokens: float, ms: float) -> float:
     return tokens / (ms * 1e-3)
 
 
-
 def _ordered(names) -> list[str]:
     names = list(dict.fromkeys(names))
     return [n for n in MODEL_LABELS if n in names] + [n for n in names if n not in MODEL_LABELS]
@@ -67,8 +65,6 @@ def add_rates(section: dict) -> dict:
     return section
 
 
-
-
 def section_note(section: dict) -> str:
     """One line for the sections table: fagen's ratios per row, the sanity, the guard's count."""
     add_rates(section)
@@ -86,7 +82,7 @@ def section_note(section: dict) -> str:
 # -- the plan ------------------------------------------------------------------------------
 
 def plan_lines(c, fagen_kernels: int) -> list[str]:
-    """The section (a plan.ModelsConfig, and the fagen kernels it adds) in plan.describe."""
+    """The section (a config.ModelsConfig, and the fagen kernels it adds) in the plan's text."""
     if not c.enabled:
         return ["  models: none in this plan"]
     flex = f"FlexAttention (torch.compile; last, only with >= {c.flex_start_s:.0f} s left)"

@@ -1,14 +1,10 @@
-"""The GPU check's ring section: context parallelism (fagen.distributed) on the one GPU there is.
+"""The ring section's run: a world-1 process group (NCCL on a GPU, else gloo), equality and timing
+per layout, then the overlap model's rows (config.RingConfig).
 
-A single-rank process group (world 1): ring_attention's one step runs every chunk pair of the
-layout here, with no communication, so its output must equal fagen.flash_attn_func's and its
-time the plain kernel's (the pair kernels of the step, timed one by one and summed, are the
-"per-step kernel time"). Multi-GPU scaling is out of reach on one GPU: the section records a
-model of the transfer/compute overlap at larger worlds (ring_report.overlap_row) from kernel
-times measured here and assumed link bandwidths.
-
-fagen.distributed is reached through the front door (`import fagen`): only fagen itself imports
-it (tests/test_layering.py). Fails soft: every failure is a recorded reason.
+The plain op is timed once; per layout, unshard(ring_attention) is checked against
+fagen.flash_attn_func and the ring and each of the step's pair kernels (from fagen.distributed's
+step_blocks, `ring_pairs`) are timed; per modelled world, one full c x c pair. torch and fagen are
+imported inside the functions; fagen.distributed through the front door (`import fagen`).
 """
 
 from __future__ import annotations
@@ -17,8 +13,9 @@ import shutil
 import tempfile
 from typing import Callable
 
-from .ring_report import PAIRS_AT_WORLD_ONE, add_ratios, equality_tolerance, overlap_row, section_note
-from .timing import Deadline, Timing, time_cuda
+from ..timing import Deadline, Timing, time_cuda
+from .config import PAIRS_AT_WORLD_ONE, equality_tolerance, overlap_row
+from .markdown import add_ratios, section_note
 
 GUARD_REASON = "time guard (the section's deadline was reached)"
 NEED_S = 1.0   # left in the section for one more measurement

@@ -1,5 +1,5 @@
 """The models section: a 1B-class Llama in Hugging Face transformers, trained and decoded with
-attn_implementation "fagen" against "sdpa" and "flex_attention" (plan.ModelsConfig).
+attn_implementation "fagen" against "sdpa" and "flex_attention" (config.ModelsConfig).
 
 One model (random weights from `from_config`, built on the GPU in bf16, no download), its
 attention switched between systems with `set_attn_implementation`, so every system runs the
@@ -29,11 +29,11 @@ import time
 import warnings
 from typing import Callable
 
-from .models_report import add_rates, decode_label, model_label, section_note, train_label
-from .peers import failure_reason, is_out_of_memory
-from .plan import ModelsConfig, Plan
-from .sweep import GUARD_REASON, _free_memory, context_lost, torch_dtype
-from .timing import Deadline, Timing, time_cuda
+from ..measure import GUARD_REASON, context_lost, free_memory, torch_dtype
+from ..peers import failure_reason, is_out_of_memory
+from ..timing import Deadline, Timing, time_cuda
+from .config import ModelsConfig
+from .markdown import add_rates, decode_label, model_label, section_note, train_label
 
 FLEX = "flex_attention"
 FLEX_GUARD_REASON = GUARD_REASON + " (too little left for a Flex compile)"
@@ -142,7 +142,7 @@ def model_sanity(config: ModelsConfig, device, implementation: str = "fagen") ->
                     runs[name] = failure_reason(exc)
     finally:
         del model
-        _free_memory(device)
+        free_memory(device)
     shape = f"B=2 N={n}, {config.sanity_layers} layers"
     out = {}
     for case, (_, real) in cases.items():
@@ -257,7 +257,7 @@ def _run_cells(run: _Section, model, part: str, names: list, call: Callable, des
         cell, outputs[name] = _measure(model, name, call, timer, _timer_kwargs(repeats), describe)
         run.rows[part]["results"][name] = cell
         model.zero_grad(set_to_none=True)
-        _free_memory(model.device)
+        free_memory(model.device)
         run.log(f"  {part} {name}: " + (f"{cell['ms']:.1f} ms, {cell['tokens'] / cell['ms'] * 1e3:.0f} tokens/s"
                                         if "ms" in cell else cell["skipped"]))
         if context_lost(cell.get("skipped", "")):
@@ -326,7 +326,7 @@ def _quiet_transformers():
         transformers.logging.set_verbosity(verbosity)
 
 
-def run_models_section(plan: Plan, deadline: Deadline, *, device="cuda", timer: Callable[..., Timing] = time_cuda,
+def run_models_section(plan, deadline: Deadline, *, device="cuda", timer: Callable[..., Timing] = time_cuda,
                        log: Callable[[str], None] = print, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """The sanity check, then the model built once and each system timed, within `deadline`."""
     config = plan.models
@@ -383,4 +383,4 @@ def _sanity_and_timing(run: _Section, device, timer) -> dict | None:
         return _timed_parts(run, model, device, timer)
     finally:   # the memory section runs next and pushes the allocator to out-of-memory
         del model
-        _free_memory(device)
+        free_memory(device)

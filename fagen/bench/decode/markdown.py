@@ -1,18 +1,21 @@
-"""The decode section's derived numbers and its rows in the short table and results.md.
+"""The decode section's text: its lines in the plan, its derived numbers, and its rows in the short
+table and results.md.
 
-From the section's dict alone (no torch), like report.py, which calls `short_lines` and
-`markdown_lines`. Decode cells carry their bytes and median time; the bandwidth and its
-fraction of the copy bandwidth are derived here (`add_bandwidth`), as are the varlen
-ratios fagen varlen / each system (`add_varlen_ratios`, of TFLOP/s: > 1 means fagen varlen
-is faster).
+From a config.DecodeConfig (`plan_lines`) or the section's dict alone (no torch); report.py
+calls `short_lines` and `markdown_lines`. Decode cells carry their bytes and median time; the
+bandwidth and its fraction of the copy bandwidth are derived here (`add_bandwidth`), as are the
+varlen ratios fagen varlen / each system (`add_varlen_ratios`, of TFLOP/s: > 1 means fagen
+varlen is faster).
 """
 
 from __future__ import annotations
 
-from .markdown import finite, sanity_text, skip_text
-from .markdown import md as _md
-from .markdown import sanity_table
-from .plan import DECODE_LABELS, DECODE_SYSTEMS, VARLEN_SYSTEMS
+from ..markdown import finite, sanity_text, skip_text
+from ..markdown import md as _md
+from ..markdown import sanity_table
+from ..sizes import short_seqlen
+from ..speed.config import PASS_LABELS
+from .config import DECODE_LABELS, DECODE_SYSTEMS, VARLEN_SYSTEMS
 
 PASS_SHORT = {"fwd": "fwd", "fwd_bwd": "f+b", "bwd": "bwd"}
 LABEL_WIDTH = 14   # "SDPA efficient"
@@ -23,7 +26,6 @@ def bandwidth_tb_per_s(nbytes: float, ms: float) -> float:
     if ms <= 0:
         raise ValueError(f"time must be positive, got {ms} ms")
     return nbytes / (ms * 1e-3) / 1e12
-
 
 
 def _points(section: dict, part: str) -> list[dict]:
@@ -64,8 +66,6 @@ def add_varlen_ratios(section: dict) -> dict:
     return section
 
 
-
-
 def section_note(section: dict) -> str:
     """One line for the sections table: each decode system's share of copy bandwidth, the
     varlen ratios, the sanity, and the time guard's count."""
@@ -84,10 +84,83 @@ def section_note(section: dict) -> str:
             per_peer.setdefault(peer, []).append(f"{PASS_SHORT.get(point['pass'], point['pass'])} {ratio:.2f}")
     if per_peer:
         parts.append("fagen varlen / " + ", / ".join(f"{peer} {' '.join(r)}" for peer, r in per_peer.items()))
+    if section.get("graph"):
+        parts.append("CUDA graph: " + graph_text(section["graph"]))
     parts.append(sanity_text(section, DECODE_LABELS))
     if section.get("not_run"):
         parts.append(f"time guard: {section['not_run']} measurements not run")
     return "; ".join(parts)
+
+
+def graph_text(row: dict) -> str:
+    """The CUDA-graph row in a few words (the short table has room for little more): the replay
+    equal to the eager step or not, and the two times; or why it did not run."""
+    if "equal" not in row:
+        return skip_text(row, 120)
+    equal = row["equal"]
+    verdict = "equal" if equal.get("ok") else f"NOT EQUAL (max err {equal.get('max_err')})"
+    replay, eager = (finite((row.get(key) or {}).get("ms")) for key in ("replay", "eager"))
+    if replay is None or eager is None:
+        return f"{verdict}; {skip_text(row, 100)}" if "skipped" in row else verdict
+    return f"{verdict}, {replay:.3f} ms vs eager {eager:.3f} ms ({replay / eager:.2f}x)"
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+def plan_lines(c, fagen_kernels: int) -> list[str]:
+    """The section (a config.DecodeConfig, and the fagen kernels it adds) in the plan's text."""
+    if not c.enabled:
+        return ["  decode: none in this plan"]
+    lines = [f"  decode: cap {c.cap_s:.0f} s; fagen checked first against fp32 torch (2x bf16 torch's "
+             "error)"]
+    if c.decode_systems:
+        lines.append(f"    decode step: {c.decode_label}, full caches; sanity at B={c.sanity_shape[0]} "
+                     f"cache {short_seqlen(c.sanity_shape[1])}")
+        lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _DECODE_CALLS.get(s, "").format(c=c)
+                                                 for s in c.decode_systems))
+        peers = []
+        if any(s.startswith("sdpa") for s in c.decode_systems):
+            peers.append(f"SDPA: (B, H, N, d) caches, enable_gqa where the backend takes it, else K/V expanded "
+                         f"to {c.q_heads} heads beforehand ({c.group}x the bytes, counted)")
+        if "flex" in c.decode_systems:
+            peers.append(f"FlexAttention: torch.compile, enable_gqa, no block mask, run last, only with "
+                         f">= {c.flex_start_s:.0f} s left")
+        if peers:
+            lines.append("    " + "; ".join(peers))
+        lines.append(f"    bytes per step: K + V read (B N Hk d, 2 B each) + q + out = "
+                     f"{c.decode_bytes() / 1e9:.2f} GB (K/V expanded to Hq heads: "
+                     f"{c.decode_bytes(c.q_heads) / 1e9:.2f} GB); TB/s = bytes / median time, as a "
+                     "fraction of the copy bandwidth (which counts read + write bytes alike)")
+    if c.varlen_systems:
+        batch, longest = c.padded_shape()
+        lines.append(f"    varlen training: {c.varlen_label}; passes "
+                     f"{', '.join(PASS_LABELS[p] for p in c.varlen_passes)}")
+        lines.append(f"    document lengths (seed {c.seed}): {', '.join(map(str, c.document_lengths()))}")
+        lines.append("    systems: " + ", ".join(DECODE_LABELS[s] + _VARLEN_CALLS[s].format(b=batch, n=longest)
+                                                 for s in c.varlen_systems))
+        lines.append(f"    TFLOP/s count the documents' causal FLOPs only "
+                     f"({c.varlen_flops('fwd') / 1e9:.0f} GFLOP forward, x3.5 for both); "
+                     "ratios fagen varlen / each")
+    if c.graph_shape:
+        lines.append(f"    CUDA graph: {c.graph_label}, causal; caches filled to seeded lengths; captured after a "
+                     "warm-up, replayed with new cache_seqlens; output and caches against the same step run "
+                     "eagerly (bit for bit); replay time against the eager step's")
+    lines.append(f"    timed runs: {c.timed_runs()}; fagen kernels to compile: {fagen_kernels}")
+    return lines
+
+
+# How the decode section's fagen systems and padded peers are called (formatted with the
+# config `c`, or the padded batch's size b x n).
+_DECODE_CALLS = {
+    "fagen": " (flash_attn_with_kvcache, contiguous cache)",
+    "fagen_paged": " (the same keys in pages of {c.page_size}, seeded random block table)",
+}
+_VARLEN_CALLS = {
+    "fagen_varlen": " (flash_attn_varlen_func, packed)",
+    "fagen_padded": " (flash_attn_func, causal, on B={b} x N={n} right-padded; no seqlens_k, which would "
+                    "align each entry's diagonal to its own length)",
+    "sdpa_padded": " (flash backend, else efficient; is_causal, B={b} x N={n})",
+}
 
 
 # -- the short table ------------------------------------------------------------------------
@@ -95,11 +168,13 @@ def section_note(section: dict) -> str:
 def short_lines(results: dict) -> list[str]:
     """The section's block of the short table: one row per decode system, one per varlen system."""
     section = results.get("decode") or {}
-    if not section.get("points"):
+    if not section.get("points") and not section.get("graph"):
         return []
     add_bandwidth(section)
     add_varlen_ratios(section)
-    return _short_decode(section) + _short_varlen(section)
+    graph = section.get("graph")
+    return _short_decode(section) + _short_varlen(section) + ([f"-- decode graph: {graph_text(graph)}"]
+                                                               if graph else [])
 
 
 def _short_decode(section: dict) -> list[str]:
@@ -151,14 +226,38 @@ def _short_varlen(section: dict) -> list[str]:
 
 def markdown_lines(results: dict) -> list[str]:
     section = results.get("decode") or {}
-    if not section.get("points"):
+    if not section.get("points") and not section.get("graph"):
         return []
     add_bandwidth(section)
     add_varlen_ratios(section)
     out = ["", "## Decode and varlen training", ""]
     if section.get("note"):
         out += [f"Note: {_md(section['note'])}", ""]
-    return out + _markdown_decode(section) + _markdown_varlen(section) + _markdown_sanity(section)
+    return (out + _markdown_decode(section) + _markdown_varlen(section) + _markdown_graph(section.get("graph"))
+            + _markdown_sanity(section))
+
+
+def _markdown_graph(row: dict | None) -> list[str]:
+    if not row:
+        return []
+    out = [f"### Decode step in a CUDA graph: {_md(row.get('label', ''))}", "",
+           "One serving step (append one token with rotary, split-KV, combine) captured with torch.cuda.graph "
+           "after a warm-up, then replayed after cache_seqlens changed in place, as a server advances its "
+           "lengths: its output and both caches against the same step run eagerly on copies of the caches "
+           "(bit for bit: the same kernels and split count). Times are CUDA-event medians per call; the eager "
+           "step's include the gaps while the host issues its launches one by one."]
+    if "equal" not in row:
+        return out + ["", f"Not run: {_md(skip_text(row, 400))}", ""]
+    equal = row["equal"]
+    out += ["", f"Replay equals eager: **{bool(equal.get('ok'))}** (largest difference of the output: "
+                f"{equal.get('max_err')})", "", "| step | ms | host ms per call | note |", "|---|---:|---:|---|"]
+    for key, label in (("replay", "graph replay"), ("eager", "eager step")):
+        cell = row.get(key) or {}
+        ms, host = finite(cell.get("ms")), finite(cell.get("host_ms"))
+        out.append(f"| {label} | {f'{ms:.3f}' if ms is not None else '-'} | "
+                   f"{f'{host:.3f}' if host is not None else '-'} | {_md(skip_text(row, 400)) if ms is None else ''} |")
+    ratio = finite(row.get("replay/eager"))
+    return out + (["", f"Replay / eager: **{ratio:.2f}**"] if ratio is not None else []) + [""]
 
 
 def _markdown_decode(section: dict) -> list[str]:
