@@ -6,20 +6,25 @@
     spec = fagen.autotune(fagen.Spec(64, mask="causal"), seqlen_q=4096, batch=4, heads=32)
     out = fagen.flash_attn_func(q, k, v, window_size=(256, 0), softcap=30.0)          # flash-attn's variants
     out = fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: fagen.where(i >= j, s, s - 1.0))
-    out = fagen.sdpa(q, k, v, is_causal=True)                          # SDPA's signature, (B, H, N, d)
+    out = fagen.sdpa(q, k, v, is_causal=True)                          # SDPA's signature, (..., H, N, d)
+    out = fagen.flex_attention(q, k, v, block_mask=create_block_mask(causal, None, None, N, N))  # FlexAttention's
+    out = fagen.flash_attn_qkvpacked_func(qkv, causal=True)            # qkv (B, N, 3, H, d), views, no copy
     import fagen.integrations.transformers                             # attn_implementation="fagen"
 """
 
 __version__ = "0.1.0"
 
 from . import distributed  # noqa: E402  (fagen.distributed.ring_attention: context parallelism)
-from .ops import (attention, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,  # noqa: E402
-                  merge_attention)
+from .ops import (attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
+                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                  flash_attn_with_kvcache, flex_attention, merge_attention)
 from .ops.sdpa import sdpa  # noqa: E402
 from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
 from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402
 
 __all__ = ["ModError", "Spec", "attention", "autotune", "distributed", "exp", "flash_attn_func",
-           "flash_attn_varlen_func", "flash_attn_with_kvcache", "log", "maximum", "merge_attention", "minimum",
-           "sdpa", "sigmoid", "sqrt", "tanh", "where", "__version__"]
+           "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+           "flex_attention", "log", "maximum", "merge_attention", "minimum", "sdpa", "sigmoid", "sqrt", "tanh",
+           "where", "__version__"]

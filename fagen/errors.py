@@ -1,6 +1,7 @@
 """How fagen reports a call it cannot run: `InputError` for a bad argument value and
-`InputTypeError` for an argument of the wrong kind, and `forward_only` for ops that run a
-forward pass but have no backward (decoding, paged caches).
+`InputTypeError` for an argument of the wrong kind, `assert_lazily` for a bad value found on the
+device (no sync), and `forward_only` for ops that run a forward pass but have no backward
+(decoding, paged caches).
 
 Imports nothing of the pipeline, so every stage can use it.
 """
@@ -24,6 +25,16 @@ class InputError(ValueError, RuntimeError):
 class InputTypeError(TypeError, RuntimeError):
     """An argument of the wrong kind (a dtype, a type, a layout): a TypeError, what Python code
     expects, and a RuntimeError, what flash-attn's dtype and layout checks raise."""
+
+
+def assert_lazily(ok: torch.Tensor, message: str) -> None:
+    """Raise InputError(message) unless the bool tensor `ok` is true, without a device sync:
+    torch._assert_async, on a GPU a device-side assert that surfaces at the next synchronizing
+    call, on the CPU at once."""
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise InputError(message) from None
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -9,6 +9,7 @@ Spec and nothing else to decide what to build.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -211,6 +212,8 @@ class CustomMod:
     captures    per captured tensor, in order of first use: (dtype, number of dims); their
                 values are kernel arguments, so they never cause a recompile
     grads       per captured tensor, whether the backward accumulates its gradient
+    params      per number the mod reads from its closure or globals (par0, par1, ... in the
+                expression): "int" or "float"; their values are kernel arguments too
     """
 
     kind: str
@@ -218,6 +221,7 @@ class CustomMod:
     source: str
     captures: tuple = ()
     grads: tuple = ()
+    params: tuple = ()
 
     def __post_init__(self):
         if self.kind not in MOD_KINDS:
@@ -226,18 +230,24 @@ class CustomMod:
         object.__setattr__(self, "grads", tuple(bool(g) for g in self.grads) or (False,) * len(self.captures))
         if len(self.grads) != len(self.captures):
             raise ValueError("CustomMod grads must have one entry per capture")
+        object.__setattr__(self, "params", tuple(self.params))
+        if any(p not in ("int", "float") for p in self.params):
+            raise ValueError(f"CustomMod params must each be 'int' or 'float', got {self.params!r}")
 
     @property
     def digest(self) -> str:
         """A short hash of the canonical expression and the captures' kinds (the name part)."""
         import hashlib
 
-        text = repr((self.kind, self.expression, self.captures, self.grads))
-        return hashlib.sha256(text.encode()).hexdigest()[:8]
+        fields = (self.kind, self.expression, self.captures, self.grads) + ((self.params,) if self.params else ())
+        return hashlib.sha256(repr(fields).encode()).hexdigest()[:8]
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "expression": self.expression, "source": self.source,
+        data = {"kind": self.kind, "expression": self.expression, "source": self.source,
                 "captures": [list(c) for c in self.captures], "grads": list(self.grads)}
+        if self.params:   # absent when empty: a mod without lifted numbers reads as before they existed
+            data["params"] = list(self.params)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "CustomMod":
@@ -339,6 +349,8 @@ class Spec:
     def _check_mods(self):
         for field, kind in (("score_mod", "score"), ("mask_mod", "mask")):
             mod = getattr(self, field)
+            if isinstance(mod, str):   # its JSON, as the front end's call options hold it
+                mod = json.loads(mod)
             if isinstance(mod, dict):
                 mod = CustomMod.from_dict(mod)
                 object.__setattr__(self, field, mod)

@@ -156,3 +156,113 @@ def check_call(case: Case, causal=False, rotary=None, num_splits=0, device="cpu"
         worst_kernel, worst_torch = max(worst_kernel, kernel), max(worst_torch, torch_error)
     assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
     return out, lse
+
+
+# -- the kernels' guards (index values are not read on the host by default) ---------------------
+
+def in_arena(case: Case) -> tuple:
+    """The case's caches as views inside buffers one entry (or page) larger on each side, filled
+    with NaN: a guard that lets an index one past either end through reads NaN or writes there,
+    inside the buffer (never outside memory the process owns). Returns the two buffers."""
+    arenas = []
+    for name in ("k_cache", "v_cache"):
+        cache = getattr(case, name)
+        arena = torch.full((cache.shape[0] + 2, *cache.shape[1:]), float("nan"), dtype=cache.dtype)
+        arena[1:-1] = cache
+        setattr(case, name, arena[1:-1])
+        arenas.append(arena)
+    return tuple(arenas)
+
+
+def bad_index(case: Case, append: bool) -> dict:
+    """One index value just outside the cache, for the step's last entry: with an append, where
+    the new rows go (the update's guard); without, one the forward reads (its guards)."""
+    last = B - 1
+    if case.block_table is None:   # a cache entry past the last
+        batch_idx = torch.tensor([2, 0, case.k_cache.shape[0]], dtype=torch.int32)
+        return dict(cache_batch_idx=batch_idx)
+    table = case.block_table.clone()
+    slot = SEQLENS[last] // case.page if append else 0   # the appended page, or the first page read
+    table[last, slot] = case.k_cache.shape[0]
+    return dict(block_table=table)
+
+
+def _refused(run, arenas, what: str) -> None:
+    """`run` raises the guards' error and leaves both buffers as they were, bit for bit (NaN
+    margins included). AssertionError otherwise (the mutation harness counts those)."""
+    from fagen.errors import InputError
+
+    before = [a.clone() for a in arenas]
+    try:
+        run()
+    except InputError as error:
+        assert "out of range" in str(error), f"{what}: {error}"
+    else:
+        raise AssertionError(f"{what}: a bad index value was not refused")
+    for arena, was in zip(arenas, before):
+        assert torch.equal(arena.isnan(), was.isnan()) and torch.equal(arena.nan_to_num(), was.nan_to_num()), \
+            f"{what}: the cache or the memory around it was written"
+
+
+def cache_guard_check(spec, source=None) -> None:
+    """The guards of a decoding spec's kernels: an append (rotary, three splits) with one index
+    just outside the cache, and a step without append that would read outside it, each refused
+    (InputError, by default without any host read of the values) with nothing written anywhere
+    in or around the cache. Cases as kernel_checks.kv_cache_check builds them."""
+    from unittest import mock
+
+    from fagen.kernels.render import render
+    from fagen.ops import kvcache
+
+    source = render(spec) if source is None else source
+
+    def step_source(built):
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    for append in (True, False):
+        if spec.kv_cache == "paged":
+            case = Case(nq=2, new=2 if append else 0, page=48, capacity=96, seed=11)
+        else:
+            case = Case(nq=2, new=2 if append else 0, batch_idx=True, leftpad=True, seed=12)
+        arenas = in_arena(case)
+        cos, sin = rotary_tables(case.capacity, 32, case.dtype)
+        rotary = dict(rotary_cos=cos, rotary_sin=sin) if append else {}
+        with mock.patch.object(kvcache, "source_for", step_source):
+            _refused(lambda: fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, causal=spec.causal,
+                                                           num_splits=3, **rotary,
+                                                           **case.kwargs(**bad_index(case, append))),
+                     arenas, "append" if append else "step without append")
+
+
+def packed_guard_check(spec, source=None) -> None:
+    """The guard of a packed-sequences spec's kernels (macros.j2 varlen_views): cu_seqlens_q, then
+    cu_seqlens_k, that put a sequence one row past the packed tensors, forward and (for a spec
+    with a backward) backward, in the AddressSanitizer build of the emulator: each refused
+    (InputError) with no access outside a tensor (one is an EmulationError)."""
+    import os
+    from unittest import mock
+
+    from fagen.errors import InputError
+    from fagen.kernels import run as ops
+    from fagen.kernels.render import render
+
+    source = render(spec) if source is None else source
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(8, 2, spec.head_dim, generator=gen).to(torch.float16) for _ in range(3))
+    good, bad = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 9], dtype=torch.int32)
+
+    def refused(what, run):
+        try:
+            run()
+        except InputError:
+            return
+        raise AssertionError(f"{what}: cu_seqlens past the packed rows were not refused")
+
+    with mock.patch.dict(os.environ, {"FAGEN_EMULATE_CHECKED": "1"}):
+        refused("forward, cu_seqlens_q", lambda: ops.forward(source, q, k, v, varlen=(bad, good, 6, 5)))
+        refused("forward, cu_seqlens_k", lambda: ops.forward(source, q, k, v, varlen=(good, bad, 5, 6)))
+        if source.kernels.bwd_main is not None:
+            out, stats = ops.forward(source, q, k, v, varlen=(good, good, 5, 5))
+            refused("backward, cu_seqlens_k", lambda: ops.backward(source, q, k, v, out, stats, torch.ones_like(out),
+                                                                   varlen=(good, bad, 5, 6)))

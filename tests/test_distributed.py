@@ -97,9 +97,33 @@ def _check_errors(world, rank):
     bad = torch.zeros(B, 7, H, D).half()   # 7 * world tokens: not 2 * world chunks for zigzag
     with pytest.raises(ValueError, match="does not split"):
         ring_attention(bad, bad[:, :, :HK], bad[:, :, :HK], layout="zigzag")
-    mine = torch.zeros(B, 32 if rank == 0 else 48, H, D).half()
+    # Shapes no rank has used before: a rank that has seen its shapes skips the agreement check
+    # (no all-gather on a warm call), so a mismatch is only caught on a first call.
+    mine = torch.zeros(B, 40 if rank == 0 else 48, H, D).half()
     with pytest.raises(ValueError, match="ranks hold different shapes"):
         ring_attention(mine, mine[:, :, :HK], mine[:, :, :HK], layout="contiguous")
+
+
+def _check_warm_call_has_no_syncs(layout):
+    """A second call with the same shapes and group skips the ranks' shape all-gather (whose
+    comparison torch.equal reads on the host) and reads nothing else there (tests/host_reads.py):
+    it runs, and gives the first call's result."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from fagen.distributed import ring_attention, shard
+    from host_reads import no_host_reads
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an all-gather of the shapes in a warm ring_attention call")
+
+    q, k, v = (shard(t, layout) for t in _inputs()[:3])
+    with torch.no_grad():
+        first = ring_attention(q, k, v, causal=True, layout=layout)
+        with no_host_reads(), mock.patch.object(dist, "all_gather", refuse):
+            second = ring_attention(q, k, v, causal=True, layout=layout)
+    assert torch.equal(first, second)
 
 
 def _worker(rank, world, port, cases):
@@ -113,6 +137,7 @@ def _worker(rank, world, port, cases):
             _check_against_oracle(got, causal, options.get("window_size", (-1, -1)))
         if world == 2:
             _check_dropout("zigzag", lambda module, fn: setattr(module, "_philox_pair", fn))
+            _check_warm_call_has_no_syncs("zigzag")
         if world > 1:
             _check_errors(world, rank)
     finally:

@@ -1,10 +1,11 @@
 """Decoding (`flash_attn_with_kvcache`) and paged prefill on a real GPU: the same cases as the
 emulator's (tests/kvcache_cases.py), checked against the float64 oracle, and the emulator's
-result for the same call, plus a decoding step captured in a CUDA graph (its value checks are
-skipped under capture) and replayed.
+result for the same call, plus a decoding step captured in a CUDA graph (no host read: the kernels'
+guards check the index values) and replayed at new lengths.
 
 Marked `gpu` and skipped without CUDA; the GPU check's correctness section runs them.
-FAGEN_GPU_TESTS_DEVICE=cpu runs them through the emulator instead.
+FAGEN_GPU_TESTS_DEVICE=cpu runs them through the emulator instead (the CUDA graph's capture and
+replay as a step run with host reads refused).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 
 import fagen
 from fagen.bench.gpu_cases import DECODE_CASES, DECODE_GRAPH_CASE
-from kvcache_cases import Case, check_call
+from host_reads import no_host_reads
+from kvcache_cases import Case, check_call, rotary_tables
 
 DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
-RECORDING = bool(os.environ.get("FAGEN_RECORD_KERNELS"))   # fagen.bench.record_plugin: CUDA-only tests run too
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -67,24 +68,49 @@ def test_decode_matches_the_oracle_and_the_emulator(name):
     assert bool((gap <= limit).all()), f"{gap.max().item():.3g} apart, beyond one ulp + {fp32_slack(gpu_case):.2g}"
 
 
-@pytest.mark.skipif(DEVICE != "cuda" and not RECORDING, reason="CUDA graphs need a CUDA device")
-def test_a_decoding_step_captured_in_a_cuda_graph_replays():
+def capture(step):
+    """(the step's outputs, replay): a CUDA graph on a GPU. The emulator has no graphs: there the
+    step runs again on replay, with every host read refused (what capture refuses), into the
+    captured outputs; the test's own logic runs as on the GPU."""
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        return out, graph.replay
+    with no_host_reads():
+        out = step()
+
+    def replay():
+        with no_host_reads():
+            for captured, fresh in zip(out, step()):
+                captured.copy_(fresh)
+    return out, replay
+
+
+def test_a_decoding_step_captured_in_a_cuda_graph_replays_new_lengths_as_eager():
+    """Append + rotary + split-KV + combine, captured once (no host read of cache_seqlens or the
+    block table: the kernels' guards check them) and replayed at new lengths written into the
+    captured cache_seqlens: each replay equals an eager step on a copy of the cache it started
+    from, its output and the cache it leaves, bit for bit (the same kernels and split count)."""
     case_args, call_args = DECODE_GRAPH_CASE
     case = case_of(case_args)
     q, k_new, v_new = (t.to(DEVICE) for t in (case.q, case.k, case.v))
     k_cache, v_cache, table = case.k_cache.to(DEVICE), case.v_cache.to(DEVICE), case.block_table.to(DEVICE)
+    cos, sin = (t.to(DEVICE) for t in rotary_tables(case.capacity, 32, case.dtype))
     seqlens = case.seqlens.to(DEVICE)
-    step = lambda: fagen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,  # noqa: E731
-                                                 block_table=table, **call_args)
+    args = dict(rotary_cos=cos, rotary_sin=sin, block_table=table, causal=True, return_softmax_lse=True, **call_args)
+    step = lambda: fagen.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,  # noqa: E731
+                                                 cache_seqlens=seqlens, **args)
     step()   # compile, load and warm outside the graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    seqlens += 1   # the next step: the replay reads the new lengths from the tensor
-    k_before, v_before = k_cache.clone(), v_cache.clone()
-    graph.replay()
-    eager = fagen.flash_attn_with_kvcache(q, k_before, v_before, k_new, v_new, cache_seqlens=seqlens,
-                                          block_table=table, **call_args)
-    torch.cuda.synchronize()
-    # The same kernels with the same split count on the same GPU, and no atomics: bit for bit.
-    assert torch.equal(out, eager) and torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+    out, replay = capture(step)
+    for lengths in ([40, 0, 90], [41, 1, 91], [7, 126, 0]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        replay()
+        eager = fagen.flash_attn_with_kvcache(q, k_before, v_before, k_new, v_new, cache_seqlens=seqlens.clone(),
+                                              **args)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        for got, expected in zip(out, eager):
+            assert torch.equal(got, expected), lengths
+        assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), lengths

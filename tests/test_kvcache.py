@@ -103,8 +103,11 @@ def _bad_inputs():
     ]
 
 
+@pytest.mark.parametrize("checked", ["", "1"], ids=["kernel guards", "FAGEN_CHECK_VALUES=1"])
 @pytest.mark.parametrize("change, error, message", _bad_inputs(), ids=lambda x: str(x)[:40])
-def test_bad_inputs_leave_the_cache_untouched(change, error, message):
+def test_bad_inputs_leave_the_cache_untouched(change, error, message, checked, monkeypatch):
+    """Refused by the host's checks, or (index values, by default) by the kernels' guards."""
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", checked)
     case = Case(nq=1, new=2, seed=8)
     before_k, before_v = case.k_cache.clone(), case.v_cache.clone()
     args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, **case.kwargs())
@@ -176,17 +179,20 @@ def test_fagen_show_prints_a_decoding_kernel(capsys, tmp_path):
     assert "decoding kernel" in capsys.readouterr().err
 
 
-def test_value_checks_are_skipped_where_values_cannot_be_read(monkeypatch):
-    """Under CUDA graph capture (or torch.compile) reading cache_seqlens would sync: the range
-    checks are skipped there (the shape and dtype checks still run)."""
-    from fagen.ops import kvcache_args
+def test_value_checks_run_with_FAGEN_CHECK_VALUES_where_values_can_be_read(monkeypatch):
+    """By default the index values are left to the kernels' guards (reading them would sync);
+    FAGEN_CHECK_VALUES=1 checks them on the host, except under CUDA graph capture or
+    torch.compile, where they cannot be read. The shape and dtype checks always run."""
+    from fagen.ops import common, kvcache_args
 
     case = Case(new=1, seed=13)
     bad = torch.tensor([500, 0, 0], dtype=torch.int32)
     args = (case.q, case.k_cache, case.v_cache, case.k, case.v, bad, None, None, None)
-    with pytest.raises(ValueError, match="cache_seqlens"):
+    assert kvcache_args.check_kvcache(*args).cache_seqlens is bad
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 500 is out of range"):
         kvcache_args.check_kvcache(*args)
-    monkeypatch.setattr(kvcache_args, "values_checkable", lambda t: False)
+    monkeypatch.setattr(common, "values_checkable", lambda t: False)
     assert kvcache_args.check_kvcache(*args).cache_seqlens is bad
     with pytest.raises(TypeError, match="cache_seqlens must be an int32"):
         kvcache_args.check_kvcache(*args[:5], bad.long(), None, None, None)

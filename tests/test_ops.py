@@ -14,7 +14,7 @@ import torch
 
 import fagen
 from fagen.kernels import run as attention_kernels
-from fagen.ops import common, dense
+from fagen.ops import autograd, call, common
 from fagen.reference import attention_backward, attention_forward, attention_gradients, attention_same_dtype
 from kernel_cases import poisoned_empty
 
@@ -108,7 +108,7 @@ def test_a_compiled_call_with_dropout_checks_for_capture_each_time_it_runs(monke
     """Traced, the check moves into the custom op's implementation: it runs on every call of the
     compiled graph (so capturing one with dropout is still refused), never at trace time."""
     seen = []
-    monkeypatch.setattr(dense, "refuse_graph_capture", seen.append)
+    monkeypatch.setattr(autograd, "refuse_graph_capture", seen.append)
     torch._dynamo.reset()
     q, k, v = qkv(batch=1, seqlen_q=16, seqlen_k=16, heads=2, kv_heads=2, head_dim=32)
     compiled = torch.compile(lambda q, k, v, p: fagen.flash_attn_func(q, k, v, dropout_p=p), fullgraph=True,
@@ -206,7 +206,7 @@ def test_empty_problems_look_up_tiles_with_positive_sizes(monkeypatch):
         return spec
 
     monkeypatch.setattr(tuning, "lookup", strict_lookup)
-    monkeypatch.setattr(dense, "_call_sources", {})
+    monkeypatch.setattr(call, "_call_sources", {})
     for shape in [dict(batch=0), dict(seqlen_q=0), dict(seqlen_k=0)]:
         q, k, v = qkv(**shape)
         fagen.flash_attn_func(q, k, v)
@@ -318,15 +318,22 @@ def test_torch_compile_fullgraph_without_graph_breaks():
 
 @pytest.mark.parametrize("version, dropout_p", [(2, 0.0), (1, 0.0), (2, 0.2)])
 def test_opcheck(version, dropout_p):
+    """The one custom-op pair every call traces to (fagen/ops/autograd.py), held to torch's own
+    checks: schema, fake implementations against the real ones, and the registered autograd."""
+    from fagen.ops.call import options_for, params_tensor, values_of
+
     q, k, v = qkv(batch=1, seqlen_q=24, seqlen_k=40, heads=2, kv_heads=1, head_dim=32, requires_grad=True)
-    rng = common.philox_state(dropout_p, q.device)
-    args = (q, k, v, None, rng, dropout_p, 1 / math.sqrt(32), True, version, False, "")
-    torch.library.opcheck(torch.ops.fagen.flash_attn_fwd.default, args)
-    out, stat, row_sum = (t.detach() for t in torch.ops.fagen.flash_attn_fwd(*args))
+    options = options_for(q, version=version, causal=True, key_padding=False, dropout=dropout_p > 0,
+                          deterministic=False)
+    values = values_of(options, seqlens_k=None, rng=common.philox_state(dropout_p, q.device), varlen=None,
+                       softmax_scale=1 / math.sqrt(32), dropout_p=dropout_p, variant=None)
+    args = (q, k, v, values.tensors, values.floats, values.ints, params_tensor(values.params), options.key())
+    torch.library.opcheck(torch.ops.fagen.attention_fwd.default, args)
+    out, lse, fa1 = (t.detach() for t in torch.ops.fagen.attention_fwd(*args))
     # The backward op is not itself differentiable (no double backward), as in flash-attn.
-    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, stat, row_sum, None, rng,
-                dropout_p, 1 / math.sqrt(32), True, version, False, "")
-    torch.library.opcheck(torch.ops.fagen.flash_attn_bwd.default, bwd_args)
+    bwd_args = (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(), v.detach(), out, lse, fa1,
+                *args[3:])
+    torch.library.opcheck(torch.ops.fagen.attention_bwd.default, bwd_args)
 
 
 # -- generated op modules -----------------------------------------------------------------------
@@ -456,3 +463,15 @@ def test_first_load_of_a_variant_is_logged(monkeypatch, caplog):
         fagen.flash_attn_func(q, k, v)
     loads = [r.getMessage() for r in caplog.records if "loading" in r.getMessage()]
     assert len(loads) == 1 and "fa2_d32_fp16" in loads[0] and "CPU emulator" in loads[0]
+
+
+def test_seqlens_k_out_of_range_raises_without_reading_it_and_names_it_when_asked(monkeypatch):
+    """By default a lazy device-side assert (no host read: tests/test_no_syncs.py); with
+    FAGEN_CHECK_VALUES=1 the values are read, and the message gives them."""
+    q, k, v = qkv()
+    bad = torch.tensor([3, k.shape[1] + 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seqlens_k values must be in \[0, 56\].*FAGEN_CHECK_VALUES=1"):
+        fagen.flash_attn_func(q, k, v, seqlens_k=bad)
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=r"seqlens_k values must be in \[0, 56\] .*got values from 3 to 61"):
+        fagen.flash_attn_func(q, k, v, seqlens_k=bad)

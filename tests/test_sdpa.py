@@ -3,7 +3,8 @@
 The same call in both, FlashAttention-2's rule against SDPA in float64 (fagen's error at most 2x
 that of SDPA in the inputs' dtype; 3x for gradients): is_causal top-left with Nq != Nk, boolean
 masks that are key padding and ones that are not, float (additive) masks with a gradient,
-enable_gqa, scale, and the errors SDPA's signature implies.
+enable_gqa, scale, SDPA's other shapes ((..., H, N, d) with any leading dims, (H, N, d), (N, d)),
+and the errors SDPA's signature implies.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def test_bad_arguments(kwargs, error, message):
     q, k, v = inputs()
     with pytest.raises(error, match=message):
         fagen.sdpa(q, k, v, **kwargs)
-    with pytest.raises(ValueError, match="4 dims"):
-        fagen.sdpa(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="query must have at least 2 dims"):
+        fagen.sdpa(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -149,3 +150,38 @@ def test_numpy_bool_flags():
     np = pytest.importorskip("numpy")
     q, k, v = inputs(batch=1, heads=2, kv_heads=2, nq=16, nk=16)
     assert torch.equal(fagen.sdpa(q, k, v, is_causal=np.True_), fagen.sdpa(q, k, v, is_causal=True))
+
+
+def test_three_and_two_dim_inputs():
+    q, k, v = inputs(batch=1)
+    check(q[0], k[0], v[0], is_causal=True)                        # (H, N, d): H plays batch and heads
+    check(q[0, 1], k[0, 1], v[0, 1], attn_mask=torch.rand(40, 56, generator=torch.Generator().manual_seed(1)) > 0.3)
+
+
+def test_leading_batch_dims_flatten_into_views(monkeypatch):
+    """(2, 3, H, N, d): the kernels read query, key and value where they are (no copy), and a
+    mask that varies along one leading dim broadcasts over the other, as SDPA's does."""
+    from fagen.kernels import run as kernels
+    q, k, v = (t.reshape(2, 3, *t.shape[1:]) for t in inputs(batch=6, heads=4, kv_heads=2, nq=24, nk=32))
+    seen, forward = [], kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda source, *qkv, **kw: seen.append(qkv) or forward(source, *qkv, **kw))
+    mask = torch.rand(3, 1, 24, 32, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[..., 0] = True
+    assert check(q, k, v, attn_mask=mask, enable_gqa=True).shape == (2, 3, 4, 24, 32)
+    fagen.sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert [t.untyped_storage().data_ptr() for t in seen[-1]] == [t.untyped_storage().data_ptr() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(key=lambda k: k[:, :2], value=lambda v: v[:, :2]), r"key's leading \(batch\) dims \(2, 2\) must equal q"),
+    (dict(key=lambda k: k[0], value=lambda v: v[0]), "the same number of dims"),
+    (dict(attn_mask=lambda _: torch.ones(2, 2, 3, 4, 24, 32, dtype=torch.bool)), "must broadcast to"),
+    (dict(attn_mask=lambda _: torch.ones(2, 2, 1, 24, 32, dtype=torch.bool)), "does not broadcast"),
+])
+def test_leading_dims_errors(change, message):
+    q, k, v = (t.reshape(2, 3, *t.shape[1:]) for t in inputs(batch=6, nq=24, nk=32))
+    args = dict(query=q, key=k, value=v, attn_mask=None)
+    for name, value in change.items():
+        args[name] = value(args[name])
+    with pytest.raises(ValueError, match=message):
+        fagen.sdpa(**args)

@@ -156,9 +156,25 @@ def _args():
     ({"k": torch.zeros(240, 3, 64, dtype=torch.float16), "v": torch.zeros(240, 3, 64, dtype=torch.float16)},
      ValueError, "multiple of k's"),
 ])
-def test_bad_packed_inputs(change, error, message):
+def test_bad_packed_inputs(change, error, message, monkeypatch):
+    """With the values read on the host (FAGEN_CHECK_VALUES=1) every message names the entry;
+    without, the checks of shapes and types are the same (test_bad_values_are_refused_by_the_guards)."""
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", "1")
     args = {**_args(), **change}
     with pytest.raises(error, match=message):
+        fagen.flash_attn_varlen_func(**args)
+
+
+@pytest.mark.parametrize("change", [
+    {"cu_seqlens_k": cu(LENGTHS_K) + 1},                                               # past the packed keys
+    {"cu_seqlens_q": torch.tensor([0, 70, 60, 200, 205, 238], dtype=torch.int32)},     # a negative length
+    {"max_seqlen_q": 100},                                                             # a sequence past the grid
+], ids=["past the rows", "decreasing", "max_seqlen too small"])
+def test_bad_values_are_refused_by_the_guards(change):
+    """By default the values are not read on the host (a sync): the kernels refuse a sequence
+    outside the packed rows or longer than max_seqlen, and the call raises from their flag."""
+    args = {**_args(), **change}
+    with pytest.raises(ValueError, match="out of range in cu_seqlens_q or cu_seqlens_k.*FAGEN_CHECK_VALUES=1"):
         fagen.flash_attn_varlen_func(**args)
 
 

@@ -132,9 +132,16 @@ def _args():
     ({"dropout_p": 0.1}, ValueError, "without dropout"),
     ({"sinks": torch.zeros(H)}, ValueError, "with a block_table"),
 ])
-def test_bad_paged_inputs(change, error, message):
+def test_bad_paged_inputs(change, error, message, monkeypatch):
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", "1")   # the block table's values too, with their messages
     with pytest.raises(error, match=message):
         fagen.flash_attn_varlen_func(**{**_args(), **change})
+
+
+def test_a_page_outside_the_cache_is_refused_by_the_kernel_by_default():
+    """Not read on the host: the forward's guard reads page 0 in its place and the call raises."""
+    with pytest.raises(ValueError, match="out of range in cu_seqlens_q, cu_seqlens_k or block_table"):
+        fagen.flash_attn_varlen_func(**{**_args(), "block_table": torch.full((5, 5), 99, dtype=torch.int32)})
 
 
 def test_paged_runs_the_forward_on_inputs_that_require_grad_and_refuses_a_backward():

@@ -20,25 +20,23 @@ broadcast, so every rank uses the same one.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..errors import InputError
-from ..kernels import run as attention_kernels
-from ..kernels.render import source_for
 from ..ops import merge_attention
-from ..ops.common import TORCH_DTYPES, aligned_rows, check_flag, check_inputs, check_scale
-from ..spec import Spec, check_dropout_p
+from ..ops.common import TORCH_DTYPES, check_flag, check_inputs, check_scale
+from ..spec import check_dropout_p
 from .layout import check_divisible, check_layout, chunks_of
+from .ring_ops import pair_backward, pair_forward, pair_kernels
 
 METHODS = ("ring", "allgather")   # K/V passed around the ring, or gathered once (short K/V)
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):   # a NamedTuple: torch.compile builds these in the traced step
     """One kernel call of a step: local query chunk `q_slot` against chunk `k_slot` of the
     block held; `q_chunk` / `k_chunk` are their global indices."""
 
@@ -86,13 +84,6 @@ def blocks_of(call, source: int) -> list[Block]:
     return [b for b in blocks if _band_meets_pair(window_bounds(b, call.chunk, call.window), call.chunk)]
 
 
-def _window_args(call, block: Block) -> dict | None:
-    """The variant kernel arguments of a windowed pair (fagen.variants' window: its bounds are
-    run-time values, so every pair's shifted band runs one compiled kernel)."""
-    bounds = window_bounds(block, call.chunk, call.window)
-    return None if bounds is None else {"window_left": bounds[0], "window_right": bounds[1]}
-
-
 @dataclass
 class RingCall:
     group: object
@@ -109,17 +100,16 @@ class RingCall:
     window: tuple[int, int] | None = None   # (left, right) over the whole sequence, causal's right = 0
 
 
-def _source(q, call: RingCall, causal: bool):
-    return _pair_source(q.shape[-1], TORCH_DTYPES[q.dtype], causal, call.dropout_p > 0, call.deterministic,
+def _pair_ints(call: RingCall, block: Block) -> list[int]:
+    """A pair's integer values for its ops (ring_ops): Philox pair, global first row and
+    column, and the window's bounds in the pair's coordinates (0, 0 when none)."""
+    bounds = window_bounds(block, call.chunk, call.window) or (0, 0)
+    return [*call.rng, *_offsets(call, block), *bounds]
+
+
+def _pair_kernels(q, call: RingCall, block: Block) -> str:
+    return pair_kernels(q.shape[-1], TORCH_DTYPES[q.dtype], block.causal, call.dropout_p > 0, call.deterministic,
                         call.window is not None)
-
-
-@functools.lru_cache(maxsize=64)
-def _pair_source(head_dim: int, dtype: str, causal: bool, dropout: bool, deterministic: bool, window: bool):
-    """A pair's kernels, built once: every pair of every step asks for one of a few sources, and
-    a Spec validates itself on construction."""
-    return source_for(Spec(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", dropout=dropout,
-                           deterministic=deterministic, coord_offsets=dropout, window=window))
 
 
 def _offsets(call: RingCall, block: Block) -> tuple[int, int]:
@@ -167,12 +157,9 @@ def _forward(q, k, v, call: RingCall):
         else:
             requests, incoming = _exchange(call, held) if step + 1 < call.world else ([], None)
         for block in blocks_of(call, source):
-            kernel = _source(q, call, block.causal)
-            out, (lse,) = attention_kernels.forward(
-                kernel, aligned_rows(_rows(q, block.q_slot, chunk)), aligned_rows(_rows(held[0], block.k_slot, chunk)),
-                aligned_rows(_rows(held[1], block.k_slot, chunk)), softmax_scale=call.scale,
-                dropout_p=call.dropout_p, seed=call.rng[0], philox_offset=call.rng[1],
-                coord_offsets=_offsets(call, block), variant=_window_args(call, block))
+            out, lse = pair_forward(_rows(q, block.q_slot, chunk), _rows(held[0], block.k_slot, chunk),
+                                    _rows(held[1], block.k_slot, chunk), _pair_ints(call, block),
+                                    [call.scale, call.dropout_p], _pair_kernels(q, call, block))
             parts[block.q_slot].append((out, lse))
         _wait(requests)
         if incoming is not None:
@@ -215,13 +202,10 @@ def _backward(q, k, v, out, lse, dout, call: RingCall):
 
 def _pair_backward(q, out, lse, dout, keys, values, block, call):
     chunk = call.chunk
-    rows = lambda t: aligned_rows(_rows(t, block.q_slot, chunk))  # noqa: E731
-    stats = (lse[:, :, block.q_slot * chunk:(block.q_slot + 1) * chunk].contiguous(),)
-    drop = attention_kernels.dropout_args(call.dropout_p, *call.rng) if call.dropout_p > 0 else None
-    return attention_kernels.backward(
-        _source(q, call, block.causal), rows(q), aligned_rows(_rows(keys, block.k_slot, chunk)),
-        aligned_rows(_rows(values, block.k_slot, chunk)), rows(out), stats, rows(dout), softmax_scale=call.scale,
-        dropout_args=drop, coord_offsets=_offsets(call, block), variant=_window_args(call, block))
+    rows = lambda t: _rows(t, block.q_slot, chunk)  # noqa: E731
+    return pair_backward(rows(q), _rows(keys, block.k_slot, chunk), _rows(values, block.k_slot, chunk), rows(out),
+                         lse[:, :, block.q_slot * chunk:(block.q_slot + 1) * chunk], rows(dout),
+                         _pair_ints(call, block), [call.scale, call.dropout_p], _pair_kernels(q, call, block))
 
 
 def _backward_gathered(q, k, v, out, lse, dout, call):
@@ -303,8 +287,17 @@ def _window(window_size, causal: bool, seqlen: int) -> tuple[int, int] | None:
     return None if left >= seqlen and right >= seqlen or (causal and left >= seqlen) else (left, right)
 
 
+# (group, world, rank, q's shape, k's shape) whose agreement across the ranks has been checked:
+# later calls with them skip the all-gather and its device sync.
+_agreed_shapes: set = set()
+MAX_AGREED_SHAPES = 256
+
+
 def _check_shapes(q, k, v, call: RingCall, shape_check: bool) -> None:
-    """Local shapes; and, once per call, that every rank holds the same shapes (one tiny all-gather)."""
+    """Local shapes; and, on the first call with these shapes and group, that every rank holds
+    the same ones (one tiny all-gather, read on the host). Every rank skips it on a later call
+    with shapes it has checked: a rank whose shapes then differ from the others' (and that has
+    seen its own before) is not told, and the ring's transfers fail or hang instead."""
     if q.shape[1] != k.shape[1]:
         raise InputError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be shards of one "
                          "sequence: the same local length")
@@ -313,7 +306,8 @@ def _check_shapes(q, k, v, call: RingCall, shape_check: bool) -> None:
     if call.dropout_p > 0 and (q.shape[1] // per_rank) % 16:
         raise InputError(f"dropout under ring attention needs chunks of a multiple of 16 tokens (the Philox "
                          f"groups), got {q.shape[1] // per_rank}")
-    if shape_check:
+    key = (call.group, call.world, call.rank, tuple(q.shape), tuple(k.shape))
+    if shape_check and key not in _agreed_shapes:
         import torch.distributed as dist
 
         mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64, device=q.device)
@@ -322,6 +316,9 @@ def _check_shapes(q, k, v, call: RingCall, shape_check: bool) -> None:
         if any(not torch.equal(other, mine) for other in every):
             raise InputError(f"ring_attention: ranks hold different shapes (q and k per rank: "
                              f"{[tuple(t.tolist()) for t in every]}); every rank needs an equal shard")
+        if len(_agreed_shapes) >= MAX_AGREED_SHAPES:
+            _agreed_shapes.clear()
+        _agreed_shapes.add(key)
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, dropout_p=0.0, softmax_scale=None, window_size=(-1, -1),

@@ -16,10 +16,15 @@ attention layers pass (query (B, H, N, d), key and value (B, Hk, N, d)) and runs
   `scaling`, `dropout` (fagen's Philox dropout), `is_causal` (or `module.is_causal`);
 - `sliding_window` W as flash-attn's window (W - 1, W - 1), which with causal is the W keys up
   to the query, as transformers' eager mask; `softcap`; gpt-oss's sinks `s_aux`, with gradient;
-- a (B, N) padding mask (left padding, as `generate` uses, or right padding) by unpadding to
-  `flash_attn_varlen_func` and padding the output back (padded query rows give 0);
+- a (B, N) padding mask (left padding, as `generate` uses, or right padding, or any other) by
+  unpadding to `flash_attn_varlen_func` and padding the output back (padded query rows give 0);
 - packed sequences: `cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_q` / `max_length_k`, or
   `position_ids` that restart at 0 (padding-free training), through `flash_attn_varlen_func`.
+
+No device-to-host sync per layer: the unpadding has fixed shapes (`torch.nonzero_static`; the
+padding rows become sequences of their own that see no key), and the bounds the kernels need
+come from shapes. Packing read from `position_ids` costs one sync per position_ids tensor (its
+first layer; the result is kept for the others), as the values decide the sequences' count.
 
 fp32 activations run as transformers' flash_attention_2 runs them: cast to the autocast dtype
 (fp32 master weights under `torch.autocast(device, dtype=torch.bfloat16)`, the usual mixed
@@ -30,6 +35,8 @@ instead: it never drops a mask silently. Nothing else in fagen imports this modu
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -72,13 +79,28 @@ def _check_mask(attention_mask) -> None:
             f"attn_implementation='sdpa' or 'eager' for this model")
 
 
-def _packed_from_position_ids(position_ids, batch: int):
+_position_packing: dict[int, tuple] = {}   # id(position_ids) -> (weakref, _version, (cu, longest) or None)
+MAX_POSITION_PACKINGS = 64
+
+
+def _packed_from_position_ids(position_ids, q):
     """(cu_seqlens, max_len) when position_ids (1, N) restart at 0 inside the row (sequences
-    packed padding-free), else None."""
-    if position_ids is None or batch != 1 or position_ids.dim() != 2:
+    packed padding-free), else None. Reading them is a sync: done once per position_ids tensor
+    (every layer of a forward passes the same one), never for one query (a decoding step)."""
+    if position_ids is None or q.shape[0] != 1 or position_ids.dim() != 2 or q.shape[1] == 1:
         return None
-    positions = position_ids[0]
-    starts = (positions == 0).nonzero().flatten()
+    kept = _position_packing.get(id(position_ids))
+    if kept is not None and kept[0]() is position_ids and kept[1] == position_ids._version:
+        return kept[2]
+    packing = _read_packing(position_ids[0])
+    if len(_position_packing) >= MAX_POSITION_PACKINGS:
+        _position_packing.clear()
+    _position_packing[id(position_ids)] = (weakref.ref(position_ids), position_ids._version, packing)
+    return packing
+
+
+def _read_packing(positions):
+    starts = (positions == 0).nonzero().flatten()   # the one sync
     if starts.numel() <= 1:
         return None
     total = positions.numel()
@@ -89,30 +111,47 @@ def _packed_from_position_ids(position_ids, batch: int):
 
 
 def _unpad(x: torch.Tensor, mask: torch.Tensor):
-    """x (B, N, H, d) and its (B, N) mask -> the kept rows (total, H, d), their flat indices,
-    cu_seqlens and the longest row's count."""
-    lengths = mask.sum(-1, dtype=torch.int32)
-    indices = mask.flatten().nonzero().flatten()
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return x.reshape(-1, *x.shape[2:])[indices], indices, cu, int(lengths.max()) if lengths.numel() else 0
+    """x (B, N, H, d) and its (B, N) bool mask -> (B * N, H, d) rows: the kept ones first, in
+    order, then filler; each row's flat index (B * N for filler); the kept count per batch row.
+    Fixed shapes (nonzero_static): no sync."""
+    batch, length = mask.shape
+    index = torch.nonzero_static(mask.flatten(), size=batch * length, fill_value=batch * length).flatten()
+    valid = index.clamp(max=batch * length - 1)
+    return x[valid // length, valid % length], index, mask.sum(-1, dtype=torch.int32)
+
+
+def _padded_sequences(kept_q, kept_k, nq: int, nk: int):
+    """cu_seqlens over the unpadded rows, 3B sequences: batch row b's kept queries against its
+    kept keys (sequence b, as flash-attn numbers it: its dropout mask too), then each row's filler
+    queries against no key (they see nothing), then each row's filler keys for no query."""
+    none = torch.zeros_like(kept_q)
+    cu_q = torch.cat([kept_q, nq - kept_q, none]).cumsum(0, dtype=torch.int32)
+    cu_k = torch.cat([kept_k, none, nk - kept_k]).cumsum(0, dtype=torch.int32)
+    return torch.nn.functional.pad(cu_q, (1, 0)), torch.nn.functional.pad(cu_k, (1, 0))
 
 
 def _padded_varlen(q, k, v, mask, causal, args):
     """Attention of a padded batch as packed sequences: unpad, flash_attn_varlen_func, pad back."""
     mask = mask.bool()
-    q_rows, q_index, cu_q, max_q = _unpad(q, mask[:, -q.shape[1]:])   # queries are the last N positions
-    k_rows, k_index, cu_k, max_k = _unpad(k, mask)
-    v_rows = v.reshape(-1, *v.shape[2:])[k_index]
-    out_rows = flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, causal=causal, **args)
-    out = out_rows.new_zeros(q.shape[0] * q.shape[1], *out_rows.shape[1:])
-    out = out.index_put((q_index,), out_rows)
+    nq, nk = q.shape[1], k.shape[1]
+    q_rows, q_index, kept_q = _unpad(q, mask[:, -nq:])   # queries are the last N positions
+    k_rows, _, kept_k = _unpad(k, mask)
+    v_rows = _unpad(v, mask)[0]
+    cu_q, cu_k = _padded_sequences(kept_q, kept_k, nq, nk)
+    out_rows = flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, nq, nk, causal=causal, **args)
+    out = out_rows.new_zeros(q.shape[0] * nq + 1, *out_rows.shape[1:])   # + a row the filler lands in
+    out = out.index_put((q_index,), out_rows)[:-1]
     return out.view(*q.shape[:2], *out_rows.shape[1:])
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, causal, args):
+    """Packed sequences in one batch row. A max length given as a tensor is not read (a sync):
+    the row's length bounds it."""
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    out = flash_attn_varlen_func(*flat, cu_q, cu_k, int(max_q), int(max_k), causal=causal, **args)
+    max_q = max_q if isinstance(max_q, int) else flat[0].shape[0]
+    max_k = max_k if isinstance(max_k, int) else flat[1].shape[0]
+    out = flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, causal=causal, **args)
     return out.view(*q.shape[:2], *out.shape[1:])
 
 
@@ -164,7 +203,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     varlen = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if all(x is not None for x in varlen):
         return _packed(q, k, v, *varlen, causal, args), None
-    packed = _packed_from_position_ids(kwargs.get("position_ids"), q.shape[0])
+    packed = _packed_from_position_ids(kwargs.get("position_ids"), q)
     if packed is not None:
         cu, longest = packed
         return _packed(q, k, v, cu, cu, longest, longest, causal, args), None

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec import Spec
+from ..variants.compose import mod_expression
 from ..variants.cuda import variant_code
+from ..variants.tiles import summaries
 
 ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
@@ -77,7 +79,17 @@ def _kv_cache(spec: Spec) -> list[Param]:
     group = [Param("pack_group", "int", "int32")] if spec.pack_gqa else []   # query heads per K/V head
     return rows + [Param("k_cache_stride_b", "long long", "int64"), Param("v_cache_stride_b", "long long", "int64"),
                    Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float"),
-                   *group]
+                   *group, *_guard()]
+
+
+def _guard() -> list[Param]:
+    """What a decoding kernel's guard needs (macros.j2 cache_views / page_sources, cache_update):
+    k_cache.shape[0] (cache entries, or pages) bounds every index value read from the device, and
+    an index out of range is refused and flagged in error_flag (int32 (1,), raised lazily)."""
+    return [Param("cache_entries", "int", "int32"), ERROR_FLAG]
+
+
+ERROR_FLAG = _tensor("error_flag", "int")
 
 
 def cache_update_params(spec: Spec) -> tuple[Param, ...]:
@@ -86,12 +98,16 @@ def cache_update_params(spec: Spec) -> tuple[Param, ...]:
     rows = ([_tensor("block_table", "int", const=True), Param("block_table_stride", "int", "int32"),
              Param("page_size", "int", "int32")] if spec.kv_cache == "paged"
             else [_tensor("cache_batch", "int", const=True)])
-    ints = ("rotary_dim", "rotary_interleaved", "q_positions_step", "new_tokens", "seqlen_q", "heads", "kv_heads")
+    if spec.kv_cache != "paged":   # the append is refused unless every entry's cache_leftpad fits too
+        rows.append(_tensor("cache_start", "int", const=True))
+    # batch_size and capacity: the guard checks every entry's rows (0 .. capacity) before any is written.
+    ints = ("rotary_dim", "rotary_interleaved", "q_positions_step", "new_tokens", "seqlen_q", "heads", "kv_heads",
+            "batch_size", "capacity")
     return (_tensor("q", elem, const=True), _tensor("k_new", elem, const=True), _tensor("v_new", elem, const=True),
             _tensor("q_rot", elem), _tensor("k_cache", elem), _tensor("v_cache", elem),
             _tensor("cache_seqlens", "int", const=True), *rows, _tensor("rotary_cos", elem, const=True),
             _tensor("rotary_sin", elem, const=True), *(Param(n, "int", "int32") for n in ints),
-            *_strides("q", "kn", "vn", "qr", "k", "v"))
+            *_strides("q", "kn", "vn", "qr", "k", "v"), *_guard())
 
 
 def combine_params(spec: Spec) -> tuple[Param, ...]:
@@ -161,14 +177,21 @@ VARLEN_PACKED = (*VARLEN_Q_ROWS, *VARLEN_K_ROWS, *VARLEN_STATS, *VARLEN_ROW_WORK
 
 
 def varlen_params(params: list[Param]) -> list[Param]:
-    """A kernel's parameters for packed sequences: data as `_packed`, the max lengths, cu_seqlens."""
+    """A kernel's parameters for packed sequences: data as `_packed`, the max lengths, cu_seqlens,
+    and for the guard of macros.j2 `varlen_views` the packed totals (total_q: q's rows, total_k:
+    k's) and the error flag: a sequence that cu_seqlens puts outside them is refused and flagged."""
     out = []
+    flagged = any(p.name == ERROR_FLAG.name for p in params)
     for p in params:
         if p.name in VARLEN_PACKED:
             out.append(Param(p.name + "_packed", p.ctype, p.kind))
         elif p.name in ("seqlen_q", "seqlen_k"):
             side = p.name[-1]
-            out += [_tensor(f"cu_seqlens_{side}", "int", const=True), Param("max_" + p.name, p.ctype, p.kind)]
+            out += [_tensor(f"cu_seqlens_{side}", "int", const=True), Param("max_" + p.name, p.ctype, p.kind),
+                    Param(f"total_{side}", "int", "int32")]
+            if not flagged:
+                out.append(ERROR_FLAG)
+                flagged = True
         else:
             out.append(p)
     return out
@@ -178,3 +201,21 @@ def varlen_params(params: list[Param]) -> list[Param]:
 # (heads) and gridDim.z (batch) stop at 65535, so `launch` splits larger grids into
 # chunks and passes each chunk's offsets; the kernels add them to blockIdx.y and .z.
 GRID_OFFSETS = (Param("head_offset", "int", "int32"), Param("batch_offset", "int", "int32"))
+
+
+def variant_arguments(spec: Spec, variant: dict) -> dict:
+    """A variant's kernel arguments: its values (fagen.ops.variant_args: window sizes, softcap,
+    ALiBi slopes, sinks, captured tensors, summaries, lifted numbers) and what follows from its
+    tensors (the strides of captured tensors and of their summaries, a summary's group count,
+    ALiBi's batch stride), so that callers pass values and nothing derived."""
+    out = dict(variant)
+    for name, value in variant.items():
+        if name == "alibi_slopes":
+            out["alibi_stride_b"] = value.shape[-1] if value.dim() == 2 else 0
+        elif name.startswith(("score_cap", "mask_cap")) and not name.endswith(("_gmin", "_gmax")):
+            out.update({f"{name}_stride{axis}": stride for axis, stride in enumerate(value.stride())})
+    for summary in (summaries(mod_expression(spec.mask_mod, "mask")) if spec.mask_mod is not None else ()):
+        low = variant[f"{summary.capture}_gmin"]
+        out[f"{summary.capture}_groups"] = low.shape[summary.dim]
+        out.update({f"{summary.capture}_sumstride{axis}": stride for axis, stride in enumerate(low.stride())})
+    return out

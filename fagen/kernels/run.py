@@ -14,8 +14,9 @@ from fractions import Fraction
 import torch
 
 from . import launch
-from .params import VARLEN_PACKED
+from .params import VARLEN_PACKED, variant_arguments
 from .render import Source
+from ..errors import assert_lazily
 from ..variants.cuda import variant_code
 
 LOG2E = 1.4426950408889634
@@ -46,14 +47,51 @@ def _geometry(q, k, varlen):
 
 def _packed(tensors: dict, varlen) -> dict:
     """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
-    cu_seqlens, and returns the scalar arguments (the max lengths) to bind."""
+    cu_seqlens and the error flag of the kernels' guard (raised after the launches: `_run`), and
+    returns the scalar arguments (the max lengths, the packed totals) to bind."""
     if varlen is None:
         return {}
     for name in VARLEN_PACKED:
         if name in tensors:
             tensors[name + "_packed"] = tensors.pop(name)
     tensors.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
-    return {"max_seqlen_q": varlen[2], "max_seqlen_k": varlen[3]}
+    if "error_flag" not in tensors:   # decoding's forward brings its own, raised by its caller
+        tensors["error_flag"] = error_flag(varlen[0].device)
+        paged = "block_table" in tensors
+        tensors[REFUSAL] = PACKED_REFUSED.format("cu_seqlens_q, cu_seqlens_k or block_table" if paged else
+                                                 "cu_seqlens_q or cu_seqlens_k", "; a page outside the cache" * paged)
+    k_rows = tensors.get("k_packed")
+    return {"max_seqlen_q": varlen[2], "max_seqlen_k": varlen[3], "total_q": tensors["q_packed"].shape[0],
+            "total_k": 0 if k_rows is None else k_rows.shape[0]}
+
+
+# -- the guards' error flag -------------------------------------------------------------------
+# Index values (cu_seqlens, cache_seqlens, cache_batch_idx, cache_leftpad, block tables) are
+# not read on the host by default: that would be a device sync per call. The kernels check them
+# instead (the guards of macros.j2 and cache_update.cu.j2): a value that would reach outside a
+# tensor is refused, nothing read or written there, and the int32 flag set (a plain store of 1:
+# every writer stores the same value, and an atomic pushed the register-bound packed backward
+# into spills); the call raises from the flag lazily (torch._assert_async: on a GPU an
+# asynchronous device-side assert, on the CPU at once). FAGEN_CHECK_VALUES=1 checks the values
+# on the host first, with exact messages.
+
+REFUSAL = "refusal message"   # a `tensors` entry that is no kernel parameter: what _run raises
+PACKED_REFUSED = ("an index value is out of range in {} (a sequence outside the packed rows, or longer than "
+                  "max_seqlen_q / max_seqlen_k{})")
+CHECK_HINT = ("; the kernels refused it, nothing outside the tensors was read or written. "
+              "FAGEN_CHECK_VALUES=1 checks the values before the launch and names the entry")
+
+
+def error_flag(device: torch.device) -> torch.Tensor:
+    """A call's error flag, int32 (1,) zero: the guards set it, `raise_flagged` reads it lazily."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def raise_flagged(flag: torch.Tensor, message: str) -> None:
+    """Raise `message` (an InputError, + CHECK_HINT) if a guard set `flag`, without a device
+    sync: torch._assert_async, at once on the CPU, asynchronously on a GPU (a device-side
+    assert that surfaces at the next synchronizing call)."""
+    assert_lazily(flag[0] == 0, f"fagen: {message}{CHECK_HINT}")
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -96,6 +134,8 @@ def _run(plan_key, build, tensors: dict, debug, after_first=None) -> None:
         bound(tensors, converted)
         if index == 0 and after_first is not None:
             after_first()
+    if REFUSAL in tensors:
+        raise_flagged(tensors["error_flag"], tensors[REFUSAL])
 
 
 def sequence_rows(varlen) -> torch.Tensor:
@@ -129,11 +169,12 @@ def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: to
     return -terms.sum(dim=(0, 2)).to(sinks.dtype)
 
 
-def _split_variant(variant: dict | None) -> tuple[dict, tuple]:
-    """A variant's kernel arguments (fagen/variants) as per-call tensors, and its scalars as a
-    hashable part of the launch plan's key (scalars are bound into the plan)."""
+def _split_variant(spec, variant: dict | None) -> tuple[dict, tuple]:
+    """A variant's kernel arguments (params.variant_arguments) as per-call tensors, and its
+    scalars as a hashable part of the launch plan's key (scalars are bound into the plan)."""
     if not variant:   # plain attention: the hot path of most calls
         return {}, ()
+    variant = variant_arguments(spec, variant)
     tensors = {n: x for n, x in variant.items() if isinstance(x, torch.Tensor)}
     scalars = tuple(sorted((n, x) for n, x in variant.items() if not isinstance(x, torch.Tensor)))
     return tensors, scalars
@@ -152,7 +193,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out = _empty(*q.shape, dtype=q.dtype, device=q.device)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
-    variant_tensors, variant_scalars = _split_variant(variant)
+    variant_tensors, variant_scalars = _split_variant(spec, variant)
     tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
                "philox_offset": philox_offset, "row_offset": coord_offsets[0], "col_offset": coord_offsets[1],
                **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
@@ -196,7 +237,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dk = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
     dv = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
     drop = dropout_args or {}
-    variant_tensors, variant_scalars = _split_variant(variant)
+    variant_tensors, variant_scalars = _split_variant(spec, variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
     block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
@@ -253,9 +294,21 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     return dq, dk, dv
 
 
+DECODE_REFUSED = "an index value is out of range in cache_seqlens, cache_batch_idx, cache_leftpad or block_table"
+
+
+def _flagged(tensors: dict, flag, device) -> None:
+    """A decoding launch's error flag: the caller's (one flag for a whole step, raised by the
+    caller after its last launch), else its own, raised by `_run` after the launch."""
+    if flag is None:
+        flag = error_flag(device)
+        tensors[REFUSAL] = DECODE_REFUSED
+    tensors["error_flag"] = flag
+
+
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
                      block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
-                     pack_group: int | None = None):
+                     pack_group: int | None = None, flag=None):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
     q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
@@ -265,6 +318,8 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     With `varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) q is packed (total_q,
     H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
     A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
+    The guards refuse index values that reach outside the cache and set `flag` (int32 (1,),
+    `error_flag`); without one the call makes its own and raises from it (`raise_flagged`).
     """
     batch, seqlen_q, heads, head_dim = _geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -272,7 +327,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     out = _empty(*q.shape, dtype=q.dtype, device=q.device)
     lse = _empty(batch, heads, seqlen_q, **f32)
     split = num_splits > 1   # the partials are (B, H, Nq, splits[, d]); unsplit launches never touch them
-    variant_tensors, variant_scalars = _split_variant(variant)
+    variant_tensors, variant_scalars = _split_variant(source.spec, variant)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
                "o_partial": _empty(*((batch, heads, seqlen_q, num_splits, head_dim) if split else (0,)), **f32),
                "lse_partial": _empty(*((batch, heads, seqlen_q, num_splits) if split else (0,)), **f32),
@@ -281,11 +336,13 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
         tensors["block_table"] = block_table
     else:
         tensors["cache_batch"], tensors["cache_start"] = cache_rows
+    if varlen is None or flag is not None:   # else _packed makes it, naming cu_seqlens in its message
+        _flagged(tensors, flag, q.device)
 
     def build():
         values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": k_cache.shape[2],
                   "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale,
-                  "softmax_scale_log2": scale * LOG2E, "num_splits": num_splits,
+                  "softmax_scale_log2": scale * LOG2E, "num_splits": num_splits, "cache_entries": k_cache.shape[0],
                   "k_cache_stride_b": k_cache.stride(0), "v_cache_stride_b": v_cache.stride(0)}
         if pack_group is not None:
             values["pack_group"] = pack_group
@@ -310,11 +367,14 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
 
 
 def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seqlens, *, cache_batch=None,
-                    block_table=None, rotary=None, q_positions_step: bool = False):
+                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None):
     """Append k_new, v_new (B, N_new, Hk, d) to a kv_cache spec's cache in place at rows
     cache_seqlens[b] + t (contiguous: of cache entry cache_batch[b]; paged: through block_table),
     rotating the keys with rotary = (cos, sin, interleaved). Returns q, or with rotary a rotated
-    copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b])."""
+    copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b]).
+    The guard checks every entry's rows (and a contiguous cache's cache_start, 0 by default)
+    before any is written: one value out of range refuses the whole append and sets `flag`
+    (as forward_kv_cache's)."""
     batch, seqlen_q, heads, _ = q.shape
     cos, sin, interleaved = rotary or (None, None, False)
     q_rot = q if rotary is None else _empty(*q.shape, dtype=q.dtype, device=q.device)
@@ -324,14 +384,19 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
                "rotary_sin": nothing if sin is None else sin}
     if block_table is not None:
         tensors["block_table"] = block_table
+        capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         tensors["cache_batch"] = cache_batch
+        tensors["cache_start"] = torch.zeros_like(cache_seqlens) if cache_start is None else cache_start
+        capacity = k_cache.shape[1]
+    _flagged(tensors, flag, q.device)
     rotary_dim = 0 if cos is None else 2 * cos.shape[1]
 
     def build():
         values = {**tensors, "rotary_dim": rotary_dim, "rotary_interleaved": int(interleaved),
                   "q_positions_step": int(q_positions_step), "new_tokens": k_new.shape[1], "seqlen_q": seqlen_q,
-                  "heads": heads, "kv_heads": k_cache.shape[2]}
+                  "heads": heads, "kv_heads": k_cache.shape[2], "batch_size": batch, "capacity": capacity,
+                  "cache_entries": k_cache.shape[0]}
         _strides_of(values, q=q, kn=k_new, vn=v_new, qr=q_rot, k=k_cache, v=v_cache)
         if block_table is not None:
             values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])

@@ -1,13 +1,16 @@
-"""Attention with a variant (window, softcap, ALiBi, sinks, score_mod, mask_mod), or over packed
-sequences: the autograd function behind `flash_attn_func` when a call has a variant, and behind
-`flash_attn_varlen_func`.
+"""The one autograd path of every attention call: dense, variant and packed sequences.
 
-The forward saves O and the statistics, never P; the backward kernels recompute P from
-s' = score_mod(tau S) and multiply dS by ds'/d(tau S). The returned L takes part in
-autograd: its gradient dL enters as D - dL. Sinks and the floating tensors a score_mod
-captures (when they require grad) are autograd inputs too: the sink's gradient is
--sum P_sink (D - dL), a captured tensor's is accumulated by the backward kernel in fp32.
-Variant calls run eagerly: under torch.compile they are a graph break.
+Eager calls run `Attention` (a torch.autograd.Function: a few microseconds cheaper per call than
+the dispatcher); traced calls (torch.compile) run the custom ops `fagen::attention_fwd` and
+`fagen::attention_bwd`, with fake implementations and the same backward registered through
+`register_autograd`. Both run `forward_kernels` / `backward_kernels` on a call's options and
+values (`call.py`).
+
+The forward saves O and the statistics, never P or the dropout mask, which the backward kernels
+regenerate bit for bit from the saved Philox pair. It returns O and L = logsumexp of each row's
+scores, which takes part in autograd: dL enters the backward as D - dL (dS = P (dP - (D - dL))).
+The variant's tensors are autograd inputs too: sinks get -sum P_sink (D - dL), a captured tensor
+the score_mod reads (when it requires grad) what the backward kernel accumulates for it.
 """
 
 from __future__ import annotations
@@ -15,48 +18,166 @@ from __future__ import annotations
 import torch
 
 from ..kernels import run as attention_kernels
-from ..kernels.render import Source
-from .variant_args import VariantCall
+from .call import CallOptions, CallValues, params_tensor, source_for_call, unpack
+from .common import aligned_rows, refuse_graph_capture
+
+FIXED_TENSORS = 4   # seqlens_k, rng, cu_seqlens_q, cu_seqlens_k lead the tensors list
 
 
-class VariantAttention(torch.autograd.Function):
-    """Inputs: q, k, v, the call's fixed parts (one tuple), then the tensors that receive
-    gradients (sinks, captured tensors). Outputs: O and L."""
+def _varlen_sizes(options: CallOptions, tensors: list, ints: list):
+    return (tensors[2].shape[0] - 1, ints[0], ints[1]) if options.varlen else None
+
+
+def prepare(options: CallOptions, q, k, tensors, floats, ints, params) -> tuple[dict, object]:
+    """A call's kernel arguments (`unpack`) and kernels (`source_for_call`): what its forward and
+    backward both need, found once per eager call."""
+    return (unpack(options, tensors, floats, ints, params),
+            source_for_call(options, q, k, _varlen_sizes(options, tensors, ints)))
+
+
+def forward_kernels(options: CallOptions, q, k, v, tensors, floats, ints, params, prepared=None):
+    """Run a call's forward on q, k, v (rows aligned: common.aligned_rows). Returns (out, lse,
+    fa1_stats) with fa1_stats (2, B, H, Nq) = (m, l) for FlashAttention-1 (its backward's
+    statistics) and an empty tensor for version 2."""
+    args, source = prepared or prepare(options, q, k, tensors, floats, ints, params)
+    if args["rng"] is not None:
+        refuse_graph_capture(q.device)   # never traced: a compiled call is checked on every run
+    seed, offset = (0, 0) if args["rng"] is None else args["rng"].tolist()   # a CPU tensor: no sync
+    out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=args["softmax_scale"],
+                                           seqlens_k=args["seqlens_k"], dropout_p=args["dropout_p"], seed=seed,
+                                           philox_offset=offset, variant=args["variant"], varlen=args["varlen"])
+    lse = attention_kernels.lse_of(stats, options.version)
+    return out, lse, (torch.stack(stats) if options.version == 1 else lse.new_empty(0))
+
+
+def backward_kernels(options: CallOptions, dout, dlse, q, k, v, out, lse, fa1_stats, tensors, floats, ints, params,
+                     prepared=None):
+    """Run a call's backward (q, k, v with aligned rows, as forward_kernels took them). Returns
+    (dq, dk, dv, grads) with grads one per tensor of the call (None where it gets none)."""
+    args, source = prepared or prepare(options, q, k, tensors, floats, ints, params)
+    stats = (lse,) if options.version == 2 else tuple(fa1_stats)
+    drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
+    dout = torch.zeros_like(out) if dout is None else aligned_rows(dout)
+    extras: dict = {}
+    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout, softmax_scale=args["softmax_scale"],
+                                            seqlens_k=args["seqlens_k"], dropout_args=drop, variant=args["variant"],
+                                            dlse=dlse, extras=extras, varlen=args["varlen"])
+    names = options.variant_names[0]
+    grads = [None] * FIXED_TENSORS + [_gradient(name, extras, t) for name, t in zip(names, tensors[FIXED_TENSORS:])]
+    return dq, dk, dv, grads
+
+
+def _gradient(name: str, extras: dict, tensor: torch.Tensor) -> torch.Tensor | None:
+    found = extras.get("dsinks" if name == "sinks" else f"{name}_grad")
+    return None if found is None else found.to(tensor.dtype)
+
+
+class Attention(torch.autograd.Function):
+    """Eager calls: inputs q, k, v, the call's options and fixed values (one tuple: the fixed
+    tensors ride in it, as they take no gradient), then the variant's tensors (autograd inputs:
+    sinks and captured tensors get gradients); outputs O and L."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fixed, *grad_tensors):
-        source, call, seqlens_k, rng, dropout_p, softmax_scale, varlen = fixed
-        seed, offset = (0, 0) if rng is None else (int(rng[0]), int(rng[1]))
-        out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=softmax_scale, seqlens_k=seqlens_k,
-                                               dropout_p=dropout_p, seed=seed, philox_offset=offset,
-                                               variant=call.values if call else None, varlen=varlen)
-        lse = attention_kernels.lse_of(stats, source.spec.version)
-        ctx.save_for_backward(q, k, v, out, *stats)
+    def forward(ctx, q, k, v, fixed, *variant_tensors):
+        options, fixed_tensors, floats, ints, params = fixed
+        tensors = [*fixed_tensors, *variant_tensors]
+        ctx.prepared = prepare(options, q, k, tensors, floats, ints, params)
+        out, lse, fa1_stats = forward_kernels(options, q, k, v, tensors, floats, ints, params, ctx.prepared)
+        ctx.save_for_backward(q, k, v, out, lse, fa1_stats, *variant_tensors)
         ctx.fixed = fixed
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)   # an unused L gets no gradient, not zeros
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, *stats = ctx.saved_tensors
-        source, call, seqlens_k, rng, dropout_p, softmax_scale, varlen = ctx.fixed
-        if dout is None:
-            dout = torch.zeros_like(out)
-        drop = None if rng is None else attention_kernels.dropout_args(dropout_p, int(rng[0]), int(rng[1]))
-        extras: dict = {}
-        dq, dk, dv = attention_kernels.backward(source, q, k, v, out, tuple(stats), dout.contiguous(),
-                                                softmax_scale=softmax_scale, seqlens_k=seqlens_k,
-                                                dropout_args=drop, variant=call.values if call else None, dlse=dlse,
-                                                extras=extras, varlen=varlen)
-        grads = []
-        for tensor, name in zip(call.grad_tensors if call else (), call.grad_names if call else ()):
-            grads.append(extras[name].to(tensor.dtype) if name in extras else None)
-        return (dq, dk, dv, None, *grads)
+        q, k, v, out, lse, fa1_stats, *variant_tensors = ctx.saved_tensors
+        options, fixed_tensors, floats, ints, params = ctx.fixed
+        dq, dk, dv, grads = backward_kernels(options, dout, dlse, q, k, v, out, lse, fa1_stats,
+                                             [*fixed_tensors, *variant_tensors], floats, ints, params, ctx.prepared)
+        return (dq, dk, dv, None, *grads[FIXED_TENSORS:])
 
 
-def run(source: Source, call: VariantCall | None, q, k, v, seqlens_k, rng, dropout_p: float, softmax_scale: float,
-        varlen=None):
-    """(out, lse) of a variant call (or, with `varlen`, of packed sequences, variant or not), with
-    autograd when any input requires grad. For packed sequences L is (B, H, max_seqlen_q)."""
-    fixed = (source, call, seqlens_k, rng, dropout_p, softmax_scale, varlen)
-    return VariantAttention.apply(q, k, v, fixed, *(call.grad_tensors if call else ()))
+# -- the custom ops (what torch.compile traces) ---------------------------------------------------
+
+@torch.library.custom_op("fagen::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], floats: list[float],
+                  ints: list[int], params: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return forward_kernels(CallOptions.from_key(key), aligned_rows(q), aligned_rows(k), aligned_rows(v), tensors,
+                           floats, ints, params)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, tensors, floats, ints, params, key):
+    options = CallOptions.from_key(key)
+    if options.varlen:   # q (total, H, d); statistics in (B, H, max_seqlen_q) slots
+        rows = (tensors[2].shape[0] - 1, q.shape[1], ints[0])
+    else:
+        rows = (q.shape[0], q.shape[2], q.shape[1])
+    f32 = dict(dtype=torch.float32)
+    fa1 = q.new_empty(2, *rows, **f32) if options.version == 1 else q.new_empty(0, **f32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(*rows, **f32), fa1
+
+
+@torch.library.custom_op("fagen::attention_bwd", mutates_args=())
+def attention_bwd(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, fa1_stats: torch.Tensor, tensors: list[torch.Tensor],
+                  floats: list[float], ints: list[int], params: torch.Tensor,
+                  key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    dq, dk, dv, grads = backward_kernels(CallOptions.from_key(key), dout, dlse if dlse.numel() else None,
+                                         aligned_rows(q), aligned_rows(k), aligned_rows(v), out, lse, fa1_stats,
+                                         tensors, floats, ints, params)
+    return dq, dk, dv, [t.new_empty(0) if g is None else g for g, t in zip(grads, tensors)]
+
+
+@attention_bwd.register_fake
+def _(dout, dlse, q, k, v, out, lse, fa1_stats, tensors, floats, ints, params, key):
+    options = CallOptions.from_key(key)
+    grad_names = set(_grad_names(options))
+    names = (None,) * FIXED_TENSORS + options.variant_names[0]
+    fresh = dict(memory_format=torch.contiguous_format)
+    grads = [torch.empty_like(t) if name in grad_names else t.new_empty(0) for name, t in zip(names, tensors)]
+    return torch.empty_like(q, **fresh), torch.empty_like(k, **fresh), torch.empty_like(v, **fresh), grads
+
+
+def _grad_names(options: CallOptions) -> list:
+    """The variant's tensors that receive a gradient: sinks, and captures whose gradient the
+    backward kernel accumulates."""
+    spec = options.spec()
+    names = ["sinks"] if spec.sinks else []
+    if spec.score_mod is not None:
+        names += [f"score_cap{i}" for i, grad in enumerate(spec.score_mod.grads) if grad]
+    return names
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tensors, floats, ints, params, key = inputs
+    out, lse, fa1_stats = output
+    ctx.save_for_backward(q, k, v, out, lse, fa1_stats, params, *tensors)
+    ctx.fixed = (floats, ints, key)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse, dfa1):
+    q, k, v, out, lse, fa1_stats, params, *tensors = ctx.saved_tensors
+    floats, ints, key = ctx.fixed
+    dlse = lse.new_empty(0) if dlse is None else dlse
+    dq, dk, dv, grads = attention_bwd(dout, dlse, q, k, v, out, lse, fa1_stats, tensors, floats, ints, params, key)
+    return dq, dk, dv, [g if g.numel() else None for g in grads], None, None, None, None
+
+
+torch.library.register_autograd("fagen::attention_fwd", _backward, setup_context=_setup_context)
+
+
+def run(options: CallOptions, q, k, v, values: CallValues):
+    """(out, L) of a call, with autograd where anything requires grad: the custom ops when traced,
+    `Attention` eagerly, the kernels alone without autograd."""
+    if torch.compiler.is_compiling():
+        out, lse, _ = attention_fwd(q, k, v, values.tensors, values.floats, values.ints,
+                                    params_tensor(values.params), options.key())
+        return out, lse
+    tensors = values.tensors
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)   # once: the backward takes the same
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors[FIXED_TENSORS:])):
+        fixed = (options, tensors[:FIXED_TENSORS], values.floats, values.ints, values.params)
+        return Attention.apply(q, k, v, fixed, *tensors[FIXED_TENSORS:])
+    return forward_kernels(options, q, k, v, tensors, values.floats, values.ints, values.params)[:2]

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, assert_lazily
 from ..spec import MAX_HEAD_DIM, check_dropout_p
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -83,13 +83,18 @@ def _check_seqlens_k(seqlens_k, q, k) -> None:
     if seqlens_k.device != q.device:
         raise InputError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
     # Unchecked (traced or captured), a value above Nk counts as Nk and one below 0 as 0:
-    # the kernels clamp each length to [0, Nk].
+    # the kernels clamp each length to [0, Nk], so no value reads outside k and v.
     if seqlens_k.numel() == 0 or not values_checkable(seqlens_k):
         return
-    low, high = (int(x) for x in torch.aminmax(seqlens_k))  # one device sync
-    if low < 0 or high > k.shape[1]:
-        raise InputError(f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds), "
-                         f"got values from {low} to {high}")
+    expected = f"seqlens_k values must be in [0, {k.shape[1]}] (the keys k holds)"
+    if values_checked(seqlens_k):   # FAGEN_CHECK_VALUES=1: read on the host (one sync), named
+        low, high = (int(x) for x in torch.aminmax(seqlens_k))
+        if low < 0 or high > k.shape[1]:
+            raise InputError(f"{expected}, got values from {low} to {high}")
+        return
+    assert_lazily(((seqlens_k >= 0) & (seqlens_k <= k.shape[1])).all(), f"{expected}; FAGEN_CHECK_VALUES=1 "
+                  "names the values")
+
 
 
 def check_scale(name: str, scale, head_dim: int) -> float:
@@ -170,6 +175,22 @@ def values_checkable(t: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def values_checked(t: torch.Tensor) -> bool:
+    """Whether index values (cache_seqlens, block_table, cu_seqlens, seqlens_k) are read and
+    checked before the launch, with messages that name the entry and its value: only with
+    FAGEN_CHECK_VALUES=1 (a device sync per call) and where values can be read. By default
+    the kernels' guards refuse an out-of-range index and the call raises lazily from their
+    error flag (fagen.kernels.run.raise_flagged)."""
+    import os
+
+    if not values_checkable(t):   # first: under torch.compile the environment is never read
+        return False
+    setting = os.environ.get("FAGEN_CHECK_VALUES", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"FAGEN_CHECK_VALUES={setting!r}: expected 0 or 1")
+    return setting == "1"
 
 
 # -- flags and tensors ----------------------------------------------------------------------------

@@ -12,6 +12,11 @@ Forward only, as in flash-attn: inputs that require grad run, and only a backwar
 (fagen.errors.forward_only). Everything is checked before the cache is written; the append bumps
 the caches' version counters, as torch's in-place ops do. A head_dim that is not a multiple of 8
 runs on padded copies (PaddedHeadDim).
+No host sync: the index values (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are
+checked by the kernels' guards, which refuse a value out of range (an append that would leave the
+cache is not written at all), and the step raises lazily from their flag (kernels.run
+.raise_flagged); FAGEN_CHECK_VALUES=1 checks them on the host first. Under torch.compile the step
+is one custom op (fagen::flash_attn_with_kvcache) that declares its writes to the caches.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError, forward_only
+from ..errors import InputError, InputTypeError, forward_only
 from ..kernels import launch
 from ..kernels import run as attention_kernels
 from ..kernels.render import source_for
@@ -101,22 +106,30 @@ def _pad_head_dim(t):
     return None if t is None else torch.nn.functional.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))
 
 
-def _copy_appended(padded: PaddedHeadDim, cache, k_cache, v_cache, block_table) -> None:
+def _copy_appended(padded: PaddedHeadDim, cache, k_cache, v_cache, block_table, flag) -> None:
     """Rows cache_seqlens[b] .. + N_new of each entry, from the padded caches into the caller's
-    (index_put_: it bumps their version counters)."""
-    rows = cache.cache_seqlens.long()[:, None] + torch.arange(cache.new_tokens, device=k_cache.device)
+    (index_put_: it bumps their version counters). Where a guard refused an index (`flag`, on a
+    GPU still unraised), the indices are clamped into the cache and each row gets its own old
+    value back: nothing changes, and no sync decides it."""
+    refused = flag[0] != 0
+    rows = (cache.cache_seqlens.long()[:, None] + torch.arange(cache.new_tokens, device=k_cache.device))
+    rows = rows.clamp(0, cache.capacity - 1)
     if block_table is None:
         first, second = cache.cache_batch.long()[:, None].expand_as(rows), rows
     else:
         first, second = block_table.long().gather(1, rows // cache.page_size), rows % cache.page_size
+    first = first.clamp(0, k_cache.shape[0] - 1)
     for caller, source in ((padded.k_cache, k_cache), (padded.v_cache, v_cache)):
-        caller[first, second] = source[first, second, :, :padded.head_dim]
+        caller[first, second] = torch.where(refused, caller[first, second], source[first, second, :, :padded.head_dim])
 
 
-def _result(out, lse, return_lse: bool, padded, cache, k_cache, v_cache, block_table):
+def _result(out, lse, return_lse: bool, padded, cache, k_cache, v_cache, block_table, flag):
+    """The step's outputs, after its raise from the guards' flag (at once on the CPU: a padded
+    step then leaves the caller's cache as it was)."""
+    attention_kernels.raise_flagged(flag, attention_kernels.DECODE_REFUSED)
     if padded is not None:
         if cache.new_tokens:
-            _copy_appended(padded, cache, k_cache, v_cache, block_table)
+            _copy_appended(padded, cache, k_cache, v_cache, block_table, flag)
         out = out[..., :padded.head_dim]
     return (out, lse) if return_lse else out
 
@@ -128,25 +141,11 @@ def _check_splits(num_splits) -> int:
     return num_splits
 
 
-@forward_only("flash_attn_with_kvcache")
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """Attention of q against a KV cache, after appending k and v to it in place (flash-attn 2.8).
-
-    q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or with block_table (B,
-    max_pages) int32 a paged cache (num_pages, page_size, Hk, d) with page_size any multiple of
-    16; k, v (B, N_new, Hk, d) are rotated (k only) and written at rows cache_seqlens[b] ..
-    + N_new; cache_seqlens (int or int32 (B,)) counts each entry's keys before the append;
-    cache_batch_idx (B,) picks each entry's cache row, cache_leftpad (B,) its first key.
-    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) rotate q and k at their absolute cache
-    positions (q at cache_seqlens + i when causal or windowed, else all at cache_seqlens),
-    interleaved or not. Causal is bottom-right aligned to each entry's keys; window_size,
-    softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
-    the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
-    Any d up to 256: one that is not a multiple of 8 is zero-padded as flash-attn does.
-    """
+def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+          cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+          return_softmax_lse=False):
+    """flash_attn_with_kvcache's eager implementation (the custom op's too)."""
     cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
@@ -169,18 +168,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal, packed = spec.causal, spec.pack_gqa
     source = source_for(spec)
     _load_before_writing(source, q.device)
+    flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once by _result
     if k is not None:   # rotary and the append: one kernel, in place
         windowed = bool(call and call.spec_fields.get("window"))
         q = attention_kernels.update_kv_cache(
             source, q, k_cache, v_cache, k, v, cache.cache_seqlens, cache_batch=cache.cache_batch,
-            block_table=None if block_table is None else block_table.contiguous(),
+            cache_start=cache.cache_start, block_table=None if block_table is None else block_table.contiguous(),
             rotary=None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(),
                                                     rotary_interleaved),
-            q_positions_step=causal or windowed)
+            q_positions_step=causal or windowed, flag=flag)
     if batch == 0 or seqlen_q == 0 or heads == 0:
         out = torch.zeros_like(q)
         lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
-        return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table)
+        return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table, flag)
     keys = (cache.cache_seqlens + cache.new_tokens - cache.cache_start).to(torch.int32)
     shape, kv_heads = q.shape, k_cache.shape[2]
     q_kernel = _pack(q, kv_heads) if packed else aligned_rows(q)
@@ -193,7 +193,78 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_rows=None if block_table is not None else (cache.cache_batch, cache.cache_start),
         block_table=None if block_table is None else block_table.contiguous(), num_splits=num_splits,
         softmax_scale=softmax_scale, variant=call.values if call else None,
-        pack_group=heads // kv_heads if packed else None)
+        pack_group=heads // kv_heads if packed else None, flag=flag)
     if packed:
         out, lse = _unpack(out, lse, shape)
-    return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table)
+    return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table, flag)
+
+
+@forward_only("flash_attn_with_kvcache")
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q against a KV cache, after appending k and v to it in place (flash-attn 2.8).
+
+    q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or with block_table (B,
+    max_pages) int32 a paged cache (num_pages, page_size, Hk, d) with page_size any multiple of
+    16; k, v (B, N_new, Hk, d) are rotated (k only) and written at rows cache_seqlens[b] ..
+    + N_new; cache_seqlens (int or int32 (B,)) counts each entry's keys before the append;
+    cache_batch_idx (B,) picks each entry's cache row, cache_leftpad (B,) its first key.
+    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2) rotate q and k at their absolute cache
+    positions (q at cache_seqlens + i when causal or windowed, else all at cache_seqlens),
+    interleaved or not. Causal is bottom-right aligned to each entry's keys; window_size,
+    softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
+    the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
+    Any d up to 256: one that is not a multiple of 8 is zero-padded as flash-attn does.
+    """
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    if torch.compiler.is_compiling():
+        return _traced_step(*args, check_flag("return_softmax_lse", return_softmax_lse))
+    return _step(*args, return_softmax_lse)
+
+
+# -- torch.compile: the step as one custom op ---------------------------------------------------
+
+def _traced_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                 num_splits, return_softmax_lse: bool):
+    """The op's arguments in its schema's types (flags as Python bools, the window as two ints,
+    an int cache_seqlens apart from a tensor one); every other check runs in the op, eagerly."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise InputTypeError(f"under torch.compile, window_size must be a pair of Python ints, got {window_size!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise InputError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
+    seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    out, lse = _step_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
+                        None if seqlens_tensor is not None else cache_seqlens, cache_batch_idx, cache_leftpad,
+                        block_table, None if softmax_scale is None else float(softmax_scale),
+                        check_flag("causal", causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                        check_flag("rotary_interleaved", rotary_interleaved), alibi_slopes, _check_splits(num_splits))
+    return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("fagen::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _step_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+             v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+             cache_seqlens: torch.Tensor | None, cache_seqlens_int: int | None, cache_batch_idx: torch.Tensor | None,
+             cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float | None,
+             causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+             alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step (the eager implementation), declared to write k_cache and v_cache: functionalization
+    and the version counters see the append. Returns fresh contiguous (out, L)."""
+    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    out, lse = _step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                     alibi_slopes, num_splits, True)
+    return out.contiguous(), lse.contiguous()
+
+
+@_step_op.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)

@@ -3,9 +3,12 @@
 flash-attn 2.8's layout: q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or
 paged (num_pages, page_size, Hk, d) with block_table (B, max_pages) int32; k, v (B, N_new,
 Hk, d) to append at cache_seqlens. Every error names the argument and what was expected.
-Checks of values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) read the
-tensors, one device sync, and are skipped where values cannot be read (torch.compile, CUDA
-graph capture): the cache is then the caller's to keep consistent.
+Shapes, dtypes and devices are always checked. The values of the index tensors (cache_seqlens,
+cache_leftpad, cache_batch_idx, block_table) are checked here only with FAGEN_CHECK_VALUES=1
+(one device sync per call, messages that name the entry and its value; never under
+torch.compile or CUDA graph capture). By default the kernels' guards check them on the device:
+a value out of range is refused there, nothing written outside the cache, and the call raises
+lazily (fagen.kernels.run.raise_flagged).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM
-from .common import TORCH_DTYPES, check_dense_tensor, check_flag, values_checkable
-from .varlen_args import check_cache_rows, check_page_size
+from .common import TORCH_DTYPES, check_dense_tensor, check_flag, values_checked
+from .varlen_args import check_cache_rows, check_page_size, check_some_pages
 
 
 @dataclass
@@ -60,13 +63,13 @@ def _same_as_q(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
 
 class RangeChecks:
     """Elementwise low <= t <= high checks of index tensors, read with one device sync for the
-    whole call (`raise_first`); skipped where values cannot be read (torch.compile, capture)."""
+    whole call (`raise_first`); only with FAGEN_CHECK_VALUES=1 (common.values_checked)."""
 
     def __init__(self):
         self.pending: list[tuple[str, torch.Tensor, torch.Tensor, str]] = []
 
     def add(self, name: str, t: torch.Tensor, low, high, what: str) -> None:
-        if values_checkable(t) and t.numel():
+        if values_checked(t) and t.numel():
             self.pending.append((name, t, (t < low) | (t > high), what))
 
     def raise_first(self) -> None:
@@ -191,6 +194,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
                                    "(batch, max_pages)")
         page_size = k_cache.shape[1]
         check_page_size(page_size, "k_cache.shape[1]")
+        check_some_pages(k_cache, block_table, "k_cache")
         capacity = block_table.shape[1] * page_size
         holds = f"block_table's {block_table.shape[1]} pages of {page_size} rows hold {capacity} rows per entry"
         checks.add("block_table", block_table, 0, k_cache.shape[0] - 1, f"pages are 0..{k_cache.shape[0] - 1}")

@@ -10,6 +10,8 @@ require grad). Every error names the argument and what was expected.
 
 from __future__ import annotations
 
+import functools
+import json
 import operator
 from dataclasses import dataclass, field
 
@@ -18,16 +20,21 @@ import torch
 
 from ..errors import InputError, InputTypeError
 from ..variants.compose import custom_mod, mod_expression
-from ..variants.language import trace_mask_mod, trace_score_mod
+from ..variants.free_values import describe, has_opaque
+from ..variants.language import ModError, trace_mod, traced_structure
 from ..variants.tiles import SUMMARY_ROWS, summaries
 
 
 @dataclass
 class VariantCall:
-    spec_fields: dict
-    values: dict = field(default_factory=dict)
+    spec_fields: dict                                  # flags, and mods as their JSON (CustomMod.to_dict)
+    values: dict = field(default_factory=dict)         # the kernels' arguments by parameter name
+    kinds: dict = field(default_factory=dict)          # each value's kind: "tensor", "float", "int", "param"
     grad_tensors: list = field(default_factory=list)   # autograd inputs beyond q, k, v
     grad_names: list = field(default_factory=list)     # where backward's extras hold their gradients
+
+    def put(self, name: str, value, kind: str) -> None:
+        self.values[name], self.kinds[name] = value, kind
 
 
 def _window_int(w) -> int | None:
@@ -75,17 +82,17 @@ def _check_float(name: str, t, q, shapes: tuple) -> torch.Tensor:
     return t.contiguous()
 
 
-def _captures(prefix: str, traced, q, call: VariantCall) -> None:
-    for i, tensor in enumerate(traced.tensors):
+def _captures(prefix: str, tensors, q, call: VariantCall) -> None:
+    for i, tensor in enumerate(tensors):
         name = f"{prefix}_cap{i}"
         if tensor.device != q.device:
             raise InputError(f"{prefix}_mod captures a tensor on {tensor.device}; captured tensors must be on "
                              f"q's device {q.device}")
-        kernel_view = tensor.detach().contiguous()
-        call.values[name] = kernel_view
-        for axis, stride in enumerate(kernel_view.stride()):
-            call.values[f"{name}_stride{axis}"] = stride
-        if prefix == "score" and tensor.requires_grad and tensor.is_floating_point():
+        graded = prefix == "score" and tensor.requires_grad and tensor.is_floating_point()
+        # A tensor that gets a gradient stays the caller's (an autograd input of the call);
+        # its strides follow from it (kernels.params.variant_arguments).
+        call.put(name, tensor.contiguous() if graded else tensor.detach().contiguous(), "tensor")
+        if graded:
             call.grad_tensors.append(tensor)
             call.grad_names.append(f"{name}_grad")
 
@@ -104,40 +111,90 @@ def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi
     call = VariantCall({"window": window is not None, "softcap": bool(softcap), "alibi": alibi_slopes is not None,
                         "sinks": sinks is not None})
     if window is not None:
-        call.values.update(window_left=window[0], window_right=window[1])
+        call.put("window_left", window[0], "int")
+        call.put("window_right", window[1], "int")
     if softcap:
-        call.values["softcap"] = float(softcap)
-    if alibi_slopes is not None:
-        slopes = _check_float("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads)))
-        call.values.update(alibi_slopes=slopes, alibi_stride_b=heads if slopes.dim() == 2 else 0)
+        call.put("softcap", float(softcap), "float")
+    if alibi_slopes is not None:   # its batch stride: call.derived_values
+        call.put("alibi_slopes", _check_float("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads))), "tensor")
     if sinks is not None:
-        call.values["sinks"] = _check_float("sinks", sinks, q, ((heads,),)).detach()
+        call.put("sinks", _check_float("sinks", sinks, q, ((heads,),)), "tensor")   # an autograd input
         if sinks.requires_grad:
             call.grad_tensors.append(sinks)
             call.grad_names.append("dsinks")
     if score_mod is not None:
-        traced = trace_score_mod(score_mod)
-        call.spec_fields["score_mod"] = custom_mod(traced)
-        _captures("score", traced, q, call)
+        _mod("score", score_mod, q, call)
     if mask_mod is not None:
-        traced = trace_mask_mod(mask_mod)
-        call.spec_fields["mask_mod"] = custom_mod(traced)
-        _captures("mask", traced, q, call)
-        _summaries(call, traced)
+        _summaries(call, _mod("mask", mask_mod, q, call))
     return call
 
 
-def _summaries(call: VariantCall, traced) -> None:
+def _mod(prefix: str, fn, q, call: VariantCall) -> tuple:
+    """A score_mod or mask_mod: its canonical form (traced once per signature), its captured
+    tensors and the numbers it reads from its closure or globals, as kernel arguments. Returns
+    the (capture, dim) of each summary its mask needs (`_summaries`)."""
+    signature, free = describe(fn)
+    found = mod_key(prefix, signature)
+    if found is not None:
+        mod_json, capture_slots, param_slots, summary_dims = found
+        tensors, params = [free[s] for s in capture_slots], [free[s] for s in param_slots]
+    else:   # the mod uses a free value structurally: traced as it is, its numbers baked
+        if torch.compiler.is_compiling():
+            raise ModError(f"{prefix}_mod uses a number or tensor of its closure as Python control flow, a "
+                           f"Python index or a tensor it transforms, or keeps an object fagen cannot describe: "
+                           f"under torch.compile its free variables must be used as values (arithmetic, "
+                           f"indexing captured tensors)")
+        traced, free = trace_mod(prefix, fn)
+        mod_json, tensors, params = _mod_json(traced), traced.tensors, [free[s] for s, _ in traced.params]
+        summary_dims = _summary_dims(custom_mod(traced))
+    call.spec_fields[f"{prefix}_mod"] = mod_json
+    _captures(prefix, tensors, q, call)
+    for i, value in enumerate(params):
+        call.put(f"{prefix}_par{i}", value, "param")
+    return summary_dims
+
+
+@functools.lru_cache(maxsize=1024)
+def _mod_key(kind: str, signature: tuple):
+    traced = traced_structure(kind, signature)
+    if traced is None:
+        return None
+    return (_mod_json(traced), traced.capture_slots, tuple(slot for slot, _ in traced.params),
+            _summary_dims(custom_mod(traced)) if kind == "mask" else ())
+
+
+@torch._dynamo.assume_constant_result
+def mod_key(kind: str, signature: tuple):
+    """(the mod's JSON, its captures' and lifted numbers' slots among its free values) for a mod's
+    signature, or None where the signature cannot stand for the mod (an opaque object among its
+    free variables, or a free value used structurally). A constant to torch.compile: traced
+    once per signature, so a new closure of the same code recompiles nothing."""
+    if has_opaque(signature):
+        return None
+    try:
+        return _mod_key(kind, signature)
+    except TypeError:   # an unhashable part (a list default argument): traced as it is
+        return None
+
+
+def _mod_json(traced) -> str:
+    return json.dumps(custom_mod(traced).to_dict())
+
+
+def _summary_dims(mod) -> tuple:
+    """(capture, dim) of each summary a mask's tile classes read (tiles.Summary)."""
+    return tuple((s.capture, s.dim) for s in summaries(mod_expression(mod, "mask")))
+
+
+def _summaries(call: VariantCall, summary_dims: tuple) -> None:
     """Per-group (16 rows) min and max of each captured tensor whose equality across q_idx and
     kv_idx the tile classes use (document ids): O(N / 16) work on the tensor's device."""
-    for summary in summaries(mod_expression(call.spec_fields["mask_mod"], "mask")):
-        ids = call.values[summary.capture].long().movedim(summary.dim, -1)
+    for capture, dim in summary_dims:
+        ids = call.values[capture].long().movedim(dim, -1)
         pad = -ids.shape[-1] % SUMMARY_ROWS
         if pad:   # the last group repeats its last id: no id that is not there
             ids = torch.cat([ids, ids[..., -1:].expand(*ids.shape[:-1], pad)], dim=-1)
         groups = ids.reshape(*ids.shape[:-1], -1, SUMMARY_ROWS)
-        low, high = (x.movedim(-1, summary.dim).contiguous() for x in (groups.amin(-1), groups.amax(-1)))
-        call.values.update({f"{summary.capture}_gmin": low, f"{summary.capture}_gmax": high,
-                            f"{summary.capture}_groups": low.shape[summary.dim]})
-        for axis, stride in enumerate(low.stride()):
-            call.values[f"{summary.capture}_sumstride{axis}"] = stride
+        low, high = (x.movedim(-1, dim).contiguous() for x in (groups.amin(-1), groups.amax(-1)))
+        call.put(f"{capture}_gmin", low, "tensor")   # group counts and strides: call.derived_values
+        call.put(f"{capture}_gmax", high, "tensor")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import tuning
 from ..errors import InputError, run_forward_only
 from ..kernels import run as attention_kernels
 from ..kernels.render import source_for
 from ..spec import Spec
 from . import autograd
+from .call import options_for, values_of
 from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, check_options, padded_head_dim,
                      philox_state)
 from .variant_args import variant_call
@@ -45,8 +45,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
         return _varlen_result(out, slots, cu_q, q.shape[0], q.shape[-1], return_lse, return_attn_probs)
     q, k, v, head_dim = padded_head_dim(q, k, v)
-    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
-    out, slots = _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic)
+    options = options_for(q, version=version, causal=causal, key_padding=False, dropout=dropout_p > 0,
+                          deterministic=deterministic, varlen=True, variant_fields=call.spec_fields if call else None,
+                          variant_kinds=call.kinds if call else None)
+    values = values_of(options, seqlens_k=None, rng=philox_state(dropout_p, q.device), varlen=varlen,
+                       softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
+    out, slots = autograd.run(options, q, k, v, values)
     return _varlen_result(out, slots, cu_q, q.shape[0], head_dim, return_lse, return_attn_probs)
 
 
@@ -78,19 +82,6 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
         q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)
         return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
                                                   seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
-                                                  variant=call.values if call else None, varlen=varlen)
+                                                  variant=call.values if call else None,
+                                                  varlen=varlen)
     return run_forward_only("flash_attn_varlen_func with a block_table", run, (q, k, v))
-
-
-@torch.compiler.disable
-def _varlen_run(call, q, k, v, varlen, dropout_p, softmax_scale, causal, version, deterministic):
-    try:
-        spec = Spec(head_dim=q.shape[2], dtype=TORCH_DTYPES[q.dtype], version=version,
-                    mask="causal" if causal else "none", dropout=dropout_p > 0, deterministic=deterministic,
-                    varlen=True, **(call.spec_fields if call else {}))
-    except ValueError as exc:
-        raise InputError(f"fagen: {exc}") from None
-    spec = tuning.lookup(spec, seqlen_q=max(1, varlen[2]), seqlen_k=max(1, varlen[3]),
-                         batch=max(1, varlen[0].numel() - 1), heads=q.shape[1], device=q.device)
-    return autograd.run(source_for(spec), call, q, k, v, None, philox_state(dropout_p, q.device),
-                                 dropout_p, softmax_scale, varlen=varlen)

@@ -4,9 +4,12 @@ q (total_q, H, d) and k, v (total_k, Hk, d) hold B sequences back to back; cu_se
 cu_seqlens_k (int32, (B + 1,)) give where each starts, from 0, non-decreasing, ending at the
 totals; max_seqlen_q / max_seqlen_k bound every length (they size the grid). With a block_table
 (B, max_pages) int32, k and v are a paged cache (num_pages, page_size, Hk, d) instead, and
-cu_seqlens_k counts each sequence's keys in its pages. Every error names the argument. Value
-checks read the tensors (one device sync) and are skipped where values cannot be read: under
-torch.compile and CUDA graph capture.
+cu_seqlens_k counts each sequence's keys in its pages. Every error names the argument. Shapes,
+dtypes and devices are always checked; the values of cu_seqlens and the block table only with
+FAGEN_CHECK_VALUES=1 (a device sync per call; never under torch.compile or CUDA graph capture).
+By default the kernels' guards check them on the device (macros.j2 varlen_views, page_sources):
+a sequence or page out of range is refused, nothing read or written outside the tensors, and
+the call raises lazily (fagen.kernels.run.raise_flagged).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, InputTypeError
-from .common import TORCH_DTYPES, check_dense_tensor, values_checkable
+from .common import TORCH_DTYPES, check_dense_tensor, values_checked
 
 PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
 ROW_CHUNK = 8        # elements in the kernels' 16-byte loads (fp16 / bf16)
@@ -41,7 +44,7 @@ def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> t
         raise InputError(f"{name} must be on q's device {device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise InputError(f"{max_name} must be an int >= 0, got {max_seqlen!r}")
-    if values_checkable(cu):
+    if values_checked(cu):
         values = cu.tolist()   # one device sync
         if values[0] != 0:
             raise InputError(f"{name} must start at 0, got {values[0]}")
@@ -78,6 +81,14 @@ def check_cache_rows(name: str, t: torch.Tensor) -> None:
                          f"(the kernels read 16-byte rows), got strides {t.stride()}")
 
 
+def check_some_pages(k, block_table, name: str) -> None:
+    """A block table needs a page to name: the kernels' guard reads page 0 in place of a page
+    outside the cache (macros.j2 page_sources)."""
+    if k.shape[0] == 0 and block_table.shape[1]:
+        raise InputError(f"{name} has no pages (shape {tuple(k.shape)}) for block_table's {block_table.shape[1]} "
+                         f"per sequence to name")
+
+
 def check_page_size(page_size: int, where: str) -> None:
     if page_size == 0 or page_size % PAGE_MULTIPLE:
         raise InputError(f"a paged cache's page_size ({where}) must be a multiple of {PAGE_MULTIPLE}, "
@@ -97,7 +108,8 @@ def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tens
     if max_seqlen_k > block_table.shape[1] * page_size:
         raise InputError(f"max_seqlen_k = {max_seqlen_k} is more than the block table's {block_table.shape[1]} pages "
                          f"of {page_size} rows hold")
-    if values_checkable(block_table) and block_table.numel():
+    check_some_pages(k, block_table, "k")
+    if values_checked(block_table) and block_table.numel():
         low, high = int(block_table.min()), int(block_table.max())
         if low < 0 or high >= k.shape[0]:
             raise InputError(f"block_table names page {low if low < 0 else high}; k has pages 0..{k.shape[0] - 1}")

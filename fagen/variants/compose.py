@@ -31,17 +31,29 @@ def custom_mod(traced: Traced) -> CustomMod:
     from .language import CAPTURE_DTYPES
 
     captures = tuple((CAPTURE_DTYPES[t.dtype], t.dim()) for t in traced.tensors)
-    grads = tuple(traced.kind == "score" and t.requires_grad and t.is_floating_point() for t in traced.tensors)
-    return CustomMod(traced.kind, sp.srepr(traced.expr), str(traced.expr), captures, grads)
+    grads = tuple(traced.kind == "score" and _wants_grad(t) for t in traced.tensors)
+    return CustomMod(traced.kind, sp.srepr(traced.expr), str(traced.expr), captures, grads,
+                     tuple(kind for _, kind in traced.params))
+
+
+def _wants_grad(t) -> bool:
+    """A captured tensor (or a rebuilt mod's placeholder for one) whose gradient is accumulated."""
+    from .language import CapturePlaceholder
+
+    return t.grad if isinstance(t, CapturePlaceholder) else t.requires_grad and t.is_floating_point()
 
 
 @lru_cache(maxsize=256)
 def mod_expression(mod: CustomMod, prefix: str) -> sp.Basic:
-    """The mod's expression with its captures renamed `<prefix>_cap<i>`."""
-    from .language import FLOAT_DTYPES
+    """The mod's expression with its captures renamed `<prefix>_cap<i>` and its lifted numbers
+    `<prefix>_par<i>`."""
+    from .language import FLOAT_DTYPES, param_symbol
 
-    expr = sp.sympify(mod.expression)
     floating = set(FLOAT_DTYPES.values())
+    # The numbers first: xreplace does not look inside what it puts in, and a capture's index
+    # may hold one (bias[h, q_idx - kv_idx + n]).
+    expr = sp.sympify(mod.expression).xreplace(
+        {param_symbol(i, kind): param_symbol(i, kind, f"{prefix}_") for i, kind in enumerate(mod.params)})
     renames = {}
     for f in expr.atoms(sp.core.function.AppliedUndef):
         name = f.func.__name__
@@ -69,6 +81,7 @@ class VariantMath:
     masks: bool                # whether the mask differs from plain padding + causal
     sinks: bool
     captures: tuple            # Capture, score's then mask's
+    params: tuple              # (name, "int" | "float") of the mods' lifted numbers, score's then mask's
     score_source: str          # the user's expressions, for comments
     mask_source: str
 
@@ -101,11 +114,12 @@ def variant_math(spec: Spec) -> VariantMath:
         score = SOFTCAP * sp.tanh(score / SOFTCAP)
     if spec.alibi:
         score = score - ALIBI_SLOPES(B, H) * sp.Abs(Q_IDX + offset() - KV_IDX)
-    captures = []
+    captures, params = [], []
     for prefix, mod in (("score", spec.score_mod), ("mask", spec.mask_mod)):
         if mod is not None:
             captures += [Capture(f"{prefix}_cap{i}", dtype, ndim, grad)
                          for i, ((dtype, ndim), grad) in enumerate(zip(mod.captures, mod.grads))]
+            params += [(f"{prefix}_par{i}", kind) for i, kind in enumerate(mod.params)]
     if spec.score_mod is not None:
         score = mod_expression(spec.score_mod, "score").xreplace({SCORE: score})
     atoms = [sp.Lt(KV_IDX, KEYS)]
@@ -116,6 +130,6 @@ def variant_math(spec: Spec) -> VariantMath:
     if spec.mask_mod is not None:
         atoms.append(mod_expression(spec.mask_mod, "mask"))
     return VariantMath(score=score, mask=sp.And(*atoms), masks=spec.window or spec.mask_mod is not None,
-                       sinks=spec.sinks, captures=tuple(captures),
+                       sinks=spec.sinks, captures=tuple(captures), params=tuple(params),
                        score_source=spec.score_mod.source if spec.score_mod else "",
                        mask_source=spec.mask_mod.source if spec.mask_mod else "")

@@ -10,6 +10,7 @@ Each function carries the expression it computes in a comment.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -32,6 +33,9 @@ NAMES = {SCORE: "score", B: "b", H: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SEQLE
          WINDOW_RIGHT: "ctx.window_right", Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
 
 
+PARAM_NAME = re.compile(r"(score|mask)_par\d+")   # a mod's lifted number (fagen.variants.free_values)
+
+
 class CudaPrinter(C99CodePrinter):
     """sympy -> CUDA C++ in fp32: float literals and functions (tanhf), integer index math,
     captured tensors read through the Context."""
@@ -41,7 +45,9 @@ class CudaPrinter(C99CodePrinter):
         self.captures = {c.name: c for c in captures}
 
     def _print_Symbol(self, expr):
-        return NAMES.get(expr, expr.name)
+        if expr in NAMES:
+            return NAMES[expr]
+        return f"ctx.{expr.name}" if PARAM_NAME.fullmatch(expr.name) else expr.name
 
     def _print_Function(self, expr):
         name = expr.func.__name__
@@ -204,6 +210,9 @@ def _params(spec: Spec, math: VariantMath):
         params += [("window_left", "int", "int32"), ("window_right", "int", "int32")]
     if spec.alibi:
         params += [("alibi_slopes", "const float* __restrict__", "tensor"), ("alibi_stride_b", "long long", "int64")]
+    # The mods' lifted numbers (closure / global constants): arguments, never part of the kernel.
+    params += [(name, "float" if kind == "float" else "int", "float32" if kind == "float" else "int32")
+               for name, kind in math.params]
     captures, grads = _capture_params(math)
     for s in summaries(math.mask):   # per-group min / max of document ids (tiles.Summary)
         ndim = next(c.ndim for c in math.captures if c.name == s.capture)

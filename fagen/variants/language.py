@@ -15,10 +15,13 @@ it raises a `ModError` that points to `fagen.where`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import sympy as sp
 import torch
+
+from .free_values import describe, has_opaque, rebuild
 
 # The symbols of the language. The score is the scaled score tau * q.k (after softcap and
 # ALiBi when the variant has them); the indices are absolute (batch, head, query, key).
@@ -51,13 +54,14 @@ class _Tracer:
     tensors: list = field(default_factory=list)
     functions: list = field(default_factory=list)
 
-    def load(self, tensor: torch.Tensor, index) -> "Sym":
+    def load(self, tensor, index) -> "Sym":
+        """tensor[index]: a captured torch tensor, or a rebuilt mod's CapturePlaceholder."""
         if tensor.dtype not in CAPTURE_DTYPES:
             raise ModError(f"{self.kind}_mod captures a tensor of dtype {tensor.dtype}; captured tensors must be "
                            f"one of {', '.join(map(str, CAPTURE_DTYPES))}")
         index = index if isinstance(index, tuple) else (index,)
         if len(index) != tensor.dim():
-            raise ModError(f"{self.kind}_mod indexes a captured tensor of shape {tuple(tensor.shape)} with "
+            raise ModError(f"{self.kind}_mod indexes a captured tensor of {tensor.dim()} dims with "
                            f"{len(index)} index(es); index every dimension with an index expression "
                            f"(e.g. bias[h, q_idx - kv_idx])")
         exprs = []
@@ -78,6 +82,33 @@ class _Tracer:
             self.functions.append(sp.Function(f"cap{slot}", real=True) if real else
                                   sp.Function(f"cap{slot}", integer=True))
         return Sym(self.functions[slot](*exprs))
+
+
+class CapturePlaceholder:
+    """A captured tensor in a mod rebuilt from its signature (`free_values.rebuild`): its dtype
+    and dims are known, its values are the kernel's argument. Indexing it is a load."""
+
+    __slots__ = ("slot", "dtype", "ndim", "grad")
+
+    def __init__(self, slot: int, dtype: torch.dtype, ndim: int, grad: bool):
+        self.slot, self.dtype, self.ndim, self.grad = slot, dtype, ndim, grad
+
+    def dim(self) -> int:
+        return self.ndim
+
+    @property
+    def shape(self):
+        raise ModError("a mod read a captured tensor's shape; under torch.compile, and for a kernel that "
+                       "serves every tensor of that dtype, a mod may only index its captured tensors")
+
+    def __getitem__(self, index):
+        if not _active:
+            raise ModError("a captured tensor was indexed outside a trace")
+        return _active[-1].load(self, index)
+
+    def __getattr__(self, name):
+        raise ModError(f"a mod called .{name}() on a captured tensor; under torch.compile, and for a kernel "
+                       f"that serves every tensor of that dtype, a mod may only index its captured tensors")
 
 
 _active: list[_Tracer] = []
@@ -211,6 +242,10 @@ class Sym:
     def __getattr__(self, name):
         if name in UNARY:
             return lambda: Sym(UNARY[name](_number(self.expr)))
+        if name in BOOL_CONSTANTS:   # FlexAttention's and_masks / or_masks / noop_mask
+            return lambda *args, **kwargs: bool_constant(name, self, args, kwargs)
+        if name == "device":   # noop_mask passes device=b.device; a symbol has none
+            return None
         raise ModError(f"unsupported operation in a mod: .{name}() (supported: {', '.join(sorted(UNARY))}, "
                        f"arithmetic, comparisons, & | ~, fagen.where)")
 
@@ -224,6 +259,8 @@ class Sym:
             return _active[-1].load(args[0], args[1])
         if name in UNARY and len(args) == 1 and not kwargs:
             return Sym(UNARY[name](_number(_expr(args[0]))))
+        if name in BOOL_CONSTANTS and args:   # torch.ones_like(b, dtype=torch.bool)
+            return bool_constant(name, args[0], args[1:], kwargs)
         if name == "where" and len(args) == 3:
             return where(*args)
         if name in ("minimum", "maximum", "min", "max") and len(args) == 2 and not kwargs:
@@ -235,6 +272,31 @@ class Sym:
             return minimum(value, high) if high is not None else value
         raise ModError(f"unsupported operation in a mod: torch.{name} (supported: {', '.join(sorted(UNARY))}, "
                        f"where, minimum, maximum, clamp, indexing captured tensors)")
+
+
+# FlexAttention's mask combinators start from a constant made on an index argument:
+# and_masks from b.new_ones((), dtype=torch.bool), or_masks from b.new_zeros(...), noop_mask
+# returns b.new_ones(size=(), dtype=torch.bool, device=b.device) (torch 2.5 to 2.13 alike).
+BOOL_CONSTANTS = {"new_ones": True, "new_zeros": False, "ones_like": True, "zeros_like": False}
+
+
+def bool_constant(name: str, base, args: tuple, kwargs: dict) -> "Sym":
+    """`base.new_ones((), dtype=torch.bool)` and its kin, on an index argument, as the constant
+    True or False; any other shape, dtype or base is refused."""
+    kwargs = dict(kwargs)
+    kwargs.pop("device", None)   # one element has no device
+    if name.startswith("new_") and args and "size" not in kwargs:
+        size, rest = args[0], args[1:]
+    else:   # ones_like(b) has b's shape: () for FlexAttention's index arguments
+        size, rest = kwargs.pop("size", None if name.startswith("new_") else ()), args
+    scalar = isinstance(size, (tuple, list)) and len(size) == 0   # torch.Size is a tuple
+    index = isinstance(base, Sym) and base.expr in INDEX_SYMBOLS
+    if not (index and scalar) or rest or kwargs.pop("dtype", None) is not torch.bool or kwargs:
+        usage = f"b.{name}((), dtype=torch.bool)" if name.startswith("new_") else f"torch.{name}(b, dtype=torch.bool)"
+        raise ModError(f"unsupported operation in a mod: {name}(): a mod may call it only as FlexAttention's "
+                       f"and_masks / or_masks / noop_mask do, {usage} on an index argument (a constant True "
+                       f"or False)")
+    return Sym(sp.true if BOOL_CONSTANTS[name] else sp.false)
 
 
 def where(condition, a, b):
@@ -272,24 +334,39 @@ exp, log, tanh, sigmoid, sqrt = (_unary(n) for n in ("exp", "log", "tanh", "sigm
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced mod: its expression (in SCORE, B, H, Q_IDX, KV_IDX and the loads cap0(...),
-    cap1(...)) and the tensors it captured, in the order of their cap numbers."""
+    """A traced mod: its expression (in SCORE, B, H, Q_IDX, KV_IDX, the loads cap0(...), cap1(...)
+    and the lifted numbers par0, par1, ...) and the tensors it captured, in the order of their
+    cap numbers. `capture_slots` and `params` say where each capture and each par<i> comes from
+    among the mod's free values (`free_values.free_values`): a capture reached some other way (an
+    attribute of an object) has slot -1. `baked` holds the free numbers when the mod uses one as
+    Python control flow or a Python index: then they are part of the expression instead."""
 
     kind: str
     expr: sp.Basic
     tensors: tuple
     functions: tuple
+    capture_slots: tuple = ()
+    params: tuple = ()        # per par<i>: (its slot among the free values, "int" or "float")
+    baked: tuple = ()
 
 
-def _trace(kind: str, fn, args) -> Traced:
-    if not callable(fn):
-        raise TypeError(f"{kind}_mod must be a callable, got {type(fn).__name__}")
+def param_symbol(index: int, kind: str, prefix: str = "") -> sp.Symbol:
+    """The symbol of a lifted free number (`<prefix>par<index>`): an integer one keeps index
+    arithmetic exact."""
+    name = f"{prefix}par{index}"
+    return sp.Symbol(name, integer=True) if kind == "int" else sp.Symbol(name, real=True)
+
+
+def _call(kind: str, fn, args):
     tracer = _Tracer(kind)
     _active.append(tracer)
     try:
-        result = fn(*args)
+        return fn(*args), tracer
     finally:
         _active.pop()
+
+
+def _checked_result(kind: str, result) -> sp.Basic:
     if isinstance(result, torch.Tensor):
         raise ModError(f"{kind}_mod returned a tensor of shape {tuple(result.shape)}; it must return one "
                        f"{'score' if kind == 'score' else 'condition'} computed from its arguments")
@@ -298,23 +375,110 @@ def _trace(kind: str, fn, args) -> Traced:
         if _is_bool(expr):
             raise ModError(f"score_mod returned the condition {expr}; it must return a score (use "
                            f"fagen.where(cond, score, -inf) in a score_mod, or put masks in a mask_mod)")
-        if expr.free_symbols - {SCORE, *INDEX_SYMBOLS}:
+        if {s for s in expr.free_symbols if not s.name.startswith("par")} - {SCORE, *INDEX_SYMBOLS}:
             raise ModError(f"score_mod returned {expr}, which uses unknown symbols")
-    else:
-        if not _is_bool(expr):
-            is_load = isinstance(expr, sp.core.function.AppliedUndef) and expr.is_integer
-            if not is_load:   # a captured bool/int tensor's element is a mask; anything else is not
-                raise ModError(f"mask_mod returned {expr}, not a boolean; return a comparison or a "
-                               f"combination with & | ~ (e.g. q_idx >= kv_idx)")
-            expr = _condition(expr)
-    return Traced(kind, expr, tuple(tracer.tensors), tuple(tracer.functions))
+        return expr
+    if not _is_bool(expr):
+        is_load = isinstance(expr, sp.core.function.AppliedUndef) and expr.is_integer
+        if not is_load:   # a captured bool/int tensor's element is a mask; anything else is not
+            raise ModError(f"mask_mod returned {expr}, not a boolean; return a comparison or a "
+                           f"combination with & | ~ (e.g. q_idx >= kv_idx)")
+        expr = _condition(expr)
+    return expr
+
+
+def _placeholders(signature_values: list) -> list:
+    """Symbols par<slot> for the free numbers, capture placeholders for the free tensors."""
+    out = []
+    for slot, (kind, detail) in enumerate(signature_values):
+        if kind == "number":
+            out.append(Sym(param_symbol(slot, detail)))
+        else:
+            dtype, ndim, grad = detail
+            out.append(CapturePlaceholder(slot, getattr(torch, dtype.split(".")[-1]), ndim, grad))
+    return out
+
+
+def _leaves(signature) -> list:
+    """(kind, detail) of each free value of a signature, in order: ("number", "int"|"float") or
+    ("tensor", (dtype, ndim, grad))."""
+    found = []
+    if isinstance(signature, tuple) and signature and signature[0] == "number":
+        return [("number", signature[1])]
+    if isinstance(signature, tuple) and signature and signature[0] == "tensor":
+        return [("tensor", signature[1:])]
+    if isinstance(signature, tuple):
+        for part in signature:
+            found.extend(_leaves(part))
+    return found
+
+
+def _finish(kind: str, result, tracer: _Tracer, number_kinds: dict, slots_of, baked=()) -> Traced:
+    """The Traced of a call's result: lifted numbers renumbered par0.. in slot order, the ones the
+    expression does not use dropped."""
+    expr = _checked_result(kind, result)
+    symbols = {slot: param_symbol(slot, k) for slot, k in number_kinds.items()}
+    used = [s for s in symbols if symbols[s] in expr.free_symbols]
+    expr = expr.xreplace({symbols[s]: param_symbol(i, number_kinds[s]) for i, s in enumerate(used)})
+    return Traced(kind, expr, tuple(tracer.tensors), tuple(tracer.functions), tuple(slots_of(t) for t in tracer.tensors),
+                  tuple((s, number_kinds[s]) for s in used), baked)
+
+
+@lru_cache(maxsize=512)
+def traced_structure(kind: str, signature: tuple) -> Traced | None:
+    """The mod a signature describes (free_values.describe), traced with its free numbers as
+    symbols and its tensors as capture slots: what any closure of that code with values of
+    those kinds computes. None where that cannot stand for every such closure: the mod uses a
+    free value as Python control flow or a Python index, transforms a captured tensor, or
+    makes a tensor of its own (`trace_mod` then traces the real function)."""
+    leaves = _leaves(signature)
+    try:
+        fn = rebuild(signature, _placeholders(leaves))
+        result, tracer = _call(kind, fn, _ARGS[kind])
+    except ModError:
+        return None
+    if any(not isinstance(t, CapturePlaceholder) for t in tracer.tensors):
+        return None
+    number_kinds = {slot: detail for slot, (k, detail) in enumerate(leaves) if k == "number"}
+    return _finish(kind, result, tracer, number_kinds, lambda t: t.slot)
+
+
+def trace_mod(kind: str, fn) -> tuple[Traced, list]:
+    """(Traced, the free values) of a mod: traced once per signature; a mod that uses a free value
+    structurally is traced as it is, its numbers baked (once per signature and values)."""
+    if not callable(fn):
+        raise TypeError(f"{kind}_mod must be a callable, got {type(fn).__name__}")
+    signature, values = describe(fn)
+    if not has_opaque(signature) and _hashable(signature):
+        traced = traced_structure(kind, signature)
+        if traced is not None:
+            return replace(traced, tensors=tuple(values[slot] for slot in traced.capture_slots)), values
+    numbers = tuple(v for v in values if not isinstance(v, torch.Tensor))
+    return _traced_as_is(kind, fn, numbers), values
+
+
+def _hashable(signature) -> bool:
+    try:
+        hash(signature)
+    except TypeError:   # e.g. a default argument that is a list
+        return False
+    return True
+
+
+def _traced_as_is(kind: str, fn, numbers: tuple) -> Traced:
+    result, tracer = _call(kind, fn, _ARGS[kind])
+    _, values = describe(fn)
+    return _finish(kind, result, tracer, {}, lambda t: next((s for s, v in enumerate(values) if v is t), -1), numbers)
+
+
+_ARGS = {"score": (Sym(SCORE), Sym(B), Sym(H), Sym(Q_IDX), Sym(KV_IDX)), "mask": (Sym(B), Sym(H), Sym(Q_IDX), Sym(KV_IDX))}
 
 
 def trace_score_mod(fn) -> Traced:
     """Trace `score_mod(score, b, h, q_idx, kv_idx)` into an expression of the score."""
-    return _trace("score", fn, (Sym(SCORE), Sym(B), Sym(H), Sym(Q_IDX), Sym(KV_IDX)))
+    return trace_mod("score", fn)[0]
 
 
 def trace_mask_mod(fn) -> Traced:
     """Trace `mask_mod(b, h, q_idx, kv_idx)` into a condition."""
-    return _trace("mask", fn, (Sym(B), Sym(H), Sym(Q_IDX), Sym(KV_IDX)))
+    return trace_mod("mask", fn)[0]

@@ -1,0 +1,208 @@
+"""A call's options and values: the one place a Spec is built from call arguments, and the flat
+form in which every attention call (dense, variant, packed sequences) reaches the kernels.
+
+`CallOptions` (frozen) holds what selects kernels and nothing else; `spec()` builds the Spec,
+and `source_for_call` adds the tiles the tuning cache (or the fallback table) gives the call's
+shapes. `CallValues` holds the rest, in the forms a torch custom op takes:
+
+  tensors   seqlens_k, the Philox pair, cu_seqlens_q / _k (each an empty tensor when absent),
+            then the variant's tensors (ALiBi slopes, sinks, captured tensors, summaries)
+  floats    softmax_scale, dropout_p, then the variant's floats (softcap)
+  ints      max_seqlen_q / _k of packed sequences (0 otherwise), then the variant's ints (window)
+  params    the mods' lifted numbers (closure and global constants), one float64 CPU tensor: a
+            changed constant is a new value, never a recompile (Dynamo specializes a custom op's
+            float and int arguments, not tensors)
+
+The variant's values are named by `CallOptions.variant_names`, in the order above; strides and
+the other values derived from its tensors are computed from them (`derived_values`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .. import tuning
+from ..errors import InputError
+from ..kernels import sources as generated_sources
+from ..kernels.render import Source, source_for
+from ..spec import CustomMod, Spec
+from .common import TORCH_DTYPES
+
+NOTHING = torch.empty(0)
+NO_NAMES = ((), (), (), ())   # CallOptions.variant_names of a call without a variant   # the tensors list's stand-in for an absent tensor (on the CPU: never read)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    head_dim: int                  # the kernels' (padded to a multiple of 8)
+    dtype: str
+    version: int = 2
+    causal: bool = False
+    key_padding: bool = False
+    dropout: bool = False
+    deterministic: bool = False
+    varlen: bool = False
+    variant: tuple = ()            # sorted (Spec field, value): flags, and mods as their JSON
+    variant_names: tuple = NO_NAMES   # names of the variant's tensors, floats, ints, params
+    module_source: str = ""        # a generated op module's .cu (its own, fixed spec)
+
+    def spec(self) -> Spec:
+        return _spec_of(self)
+
+    def key(self) -> str:
+        """The options as one string: the compiled path's custom ops take this."""
+        return call_key(_key_parts(self))
+
+    @staticmethod
+    def from_key(key: str) -> "CallOptions":
+        return _options_of(key)
+
+
+def _key_parts(options: CallOptions) -> tuple:
+    return (options.head_dim, options.dtype, options.version, options.causal, options.key_padding,
+            options.dropout, options.deterministic, options.varlen, options.variant, options.variant_names,
+            options.module_source)
+
+
+@torch._dynamo.assume_constant_result
+def call_key(parts: tuple) -> str:
+    """JSON of an options tuple (`_key_parts`): a constant to torch.compile, so the key is
+    built at trace time, never in the graph."""
+    return json.dumps(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _options_of(key: str) -> CallOptions:
+    (head_dim, dtype, version, causal, key_padding, dropout, deterministic, varlen, variant, names,
+     module_source) = json.loads(key)
+    return CallOptions(head_dim, dtype, version, causal, key_padding, dropout, deterministic, varlen,
+                       tuple(tuple(item) for item in variant), tuple(tuple(group) for group in names), module_source)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_of(options: CallOptions) -> Spec:
+    """The only place a Spec is built from a call (tiles unset: source_for_call picks them)."""
+    fields = {name: (CustomMod.from_dict(json.loads(value)) if isinstance(value, str) else value)
+              for name, value in options.variant}
+    try:
+        return Spec(head_dim=options.head_dim, dtype=options.dtype, version=options.version,
+                    mask="causal" if options.causal else "none", key_padding=options.key_padding,
+                    dropout=options.dropout, deterministic=options.deterministic, varlen=options.varlen, **fields)
+    except ValueError as exc:   # e.g. deterministic=True with a captured tensor's gradient
+        raise InputError(f"fagen: {exc}") from None
+
+
+_call_sources: dict[tuple, tuple[int, Source]] = {}
+MAX_CALL_SHAPES = 4096
+
+
+def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
+    """The kernels for a call: its Spec with the tiles the tuning cache (or the fallback table)
+    gives its shapes; a dict lookup once a call of this shape has been seen."""
+    if options.module_source:   # a generated op module: its own .cu file, its fixed spec
+        return generated_sources.source_of(options.module_source)
+    on_gpu = q.device.type == "cuda"
+    # A new tuning result invalidates the memo; CPU calls never read the tuning cache.
+    generation = tuning.cache.INDEX.current_generation() if on_gpu else 0
+    key = (options, q.shape, k.shape, q.device, varlen_sizes)
+    hit = _call_sources.get(key)
+    if hit is not None and hit[0] == generation:
+        return hit[1]
+    if varlen_sizes is None:   # empty problems (batch, Nq or Nk of 0) pick tiles of the smallest bucket
+        sizes = dict(seqlen_q=max(1, q.shape[1]), seqlen_k=max(1, k.shape[1]), batch=max(1, q.shape[0]),
+                     heads=q.shape[2])
+    else:
+        batch, max_q, max_k = varlen_sizes
+        sizes = dict(seqlen_q=max(1, max_q), seqlen_k=max(1, max_k), batch=max(1, batch), heads=q.shape[1])
+    source = source_for(tuning.lookup(options.spec(), **sizes, device=q.device))
+    if len(_call_sources) >= MAX_CALL_SHAPES:   # many distinct shapes: start over, stay bounded
+        _call_sources.clear()
+    _call_sources[key] = (generation, source)
+    return source
+
+
+@dataclass
+class CallValues:
+    tensors: list       # seqlens_k, rng, cu_seqlens_q, cu_seqlens_k, then the variant's
+    floats: list        # softmax_scale, dropout_p, then the variant's
+    ints: list          # max_seqlen_q, max_seqlen_k, then the variant's
+    params: list        # the mods' lifted numbers (Python numbers eagerly; graph values when traced)
+
+
+def values_of(options: CallOptions, *, seqlens_k, rng, varlen, softmax_scale: float, dropout_p: float,
+              variant: dict | None) -> CallValues:
+    """A call's values in the order `options` names them."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    tensor_names, float_names, int_names, param_names = options.variant_names
+    variant = variant or {}
+    return CallValues(
+        [NOTHING if t is None else t for t in (seqlens_k, rng, cu_q, cu_k)] + [variant[n] for n in tensor_names],
+        [softmax_scale, dropout_p] + [variant[n] for n in float_names],
+        [max_q, max_k] + [variant[n] for n in int_names],
+        [variant[n] for n in param_names])
+
+
+def params_tensor(params: list) -> torch.Tensor:
+    """The lifted numbers as one float64 CPU tensor, built by tensor arithmetic, so that
+    torch.compile keeps them graph values (`torch.tensor(list)` would specialize each)."""
+    if not params:
+        return NOTHING
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.stack([zero + p for p in params])
+
+
+def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params) -> dict:
+    """The kernels' view of a call's values: seqlens_k, rng, varlen, softmax_scale, dropout_p
+    and the variant's arguments by kernel parameter name (`run.forward`'s keywords)."""
+    seqlens_k, rng, cu_q, cu_k, *variant_tensors = tensors
+    softmax_scale, dropout_p, *variant_floats = floats
+    max_q, max_k, *variant_ints = ints
+    if options.variant_names == NO_NAMES:   # no variant: the common call, kept short
+        return dict(seqlens_k=seqlens_k if options.key_padding else None, rng=rng if options.dropout else None,
+                    varlen=(cu_q, cu_k, max_q, max_k) if options.varlen else None,
+                    softmax_scale=softmax_scale, dropout_p=dropout_p, variant=None)
+    tensor_names, float_names, int_names, param_names = options.variant_names
+    if isinstance(params, torch.Tensor):
+        params = params.tolist()   # a CPU tensor: no device sync
+    variant = {**dict(zip(tensor_names, variant_tensors)), **dict(zip(float_names, variant_floats)),
+               **dict(zip(int_names, variant_ints)), **dict(zip(param_names, params))}
+    spec = options.spec()
+    for name in param_names:   # an int parameter crosses as float64: exact below 2**53
+        prefix, index = name.split("_par")
+        kind = (spec.score_mod if prefix == "score" else spec.mask_mod).params[int(index)]
+        variant[name] = int(variant[name]) if kind == "int" else float(variant[name])
+    return dict(seqlens_k=seqlens_k if options.key_padding else None, rng=rng if options.dropout else None,
+                varlen=(cu_q, cu_k, max_q, max_k) if options.varlen else None,
+                softmax_scale=softmax_scale, dropout_p=dropout_p, variant=variant or None)
+
+
+def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bool, deterministic: bool,
+                varlen: bool = False, variant_fields: dict | None = None, variant_kinds: dict | None = None,
+                module_source: str = "") -> CallOptions:
+    """The options of a call: its variant's Spec fields (mods as JSON) and value names by kind."""
+    return _options(int(q.shape[-1]), TORCH_DTYPES[q.dtype], int(version), _flag(causal), _flag(key_padding),
+                    _flag(dropout), _flag(deterministic), _flag(varlen),
+                    tuple(sorted(variant_fields.items())) if variant_fields else (),
+                    _names_by_kind(variant_kinds) if variant_kinds else NO_NAMES, module_source)
+
+
+@functools.lru_cache(maxsize=1024)
+def _options(*fields) -> CallOptions:
+    """One CallOptions per distinct call: a warm call builds none (a frozen dataclass costs a
+    few microseconds), and equal options are one object (dict lookups compare by identity)."""
+    return CallOptions(*fields)
+
+
+def _flag(value) -> bool:
+    """A flag as a Python bool. Under torch.compile a flag computed from a graph value
+    (dropout_p > 0) is symbolic, and bool() of it stays so; a branch specializes it (a guard):
+    what selects kernels is never a graph value."""
+    return True if value else False
+
+
+def _names_by_kind(kinds: dict) -> tuple:
+    return tuple(tuple(sorted(n for n, k in kinds.items() if k == kind)) for kind in ("tensor", "float", "int", "param"))
