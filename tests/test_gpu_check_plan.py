@@ -22,8 +22,11 @@ import pytest
 
 from fagen.bench import gpu_check, schedule
 from fagen.bench.gpu_check import _Run
-from fagen.bench.plan import FAGEN_SYSTEMS, GPU_TEST_KERNELS, SECTIONS, ModelsConfig, Plan, full_plan, quick_plan
+from fagen.bench.models.config import ModelsConfig
+from fagen.bench.plan import SECTIONS, Plan, full_plan, quick_plan
 from fagen.bench.plan_text import describe
+from fagen.bench.precompile import GPU_TEST_KERNELS
+from fagen.bench.speed.config import FAGEN_SYSTEMS
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = {"full": full_plan, "quick": quick_plan}
@@ -145,7 +148,7 @@ def _open_deadline():
 
 def _sweep(plan: Plan) -> None:
     from fagen.bench.peers import make_system
-    from fagen.bench.sweep import run_speed_sweep
+    from fagen.bench.speed.run import run_speed_sweep
 
     small = dataclasses.replace(plan, seqlens=(64,), tokens_per_batch=64)
     run_speed_sweep(small, [make_system(n) for n in plan.systems if n in FAGEN_SYSTEMS], _open_deadline(),
@@ -153,7 +156,7 @@ def _sweep(plan: Plan) -> None:
 
 
 def _variants(plan: Plan) -> None:
-    from fagen.bench.variants import run_variant_sweep
+    from fagen.bench.variants.run import run_variant_sweep
 
     small = dataclasses.replace(plan.variants, seqlen=128, systems=("fagen_v2", "fagen_v2_nomod"))
     run_variant_sweep(dataclasses.replace(plan, variants=small), _open_deadline(), device="cpu", timer=_one_call,
@@ -161,11 +164,12 @@ def _variants(plan: Plan) -> None:
 
 
 def _decode(plan: Plan) -> None:
-    from fagen.bench.decode import run_decode_section
+    from fagen.bench.decode.run import run_decode_section
 
     d = plan.decode
     small = dataclasses.replace(d, batch=1, cache_len=d.page_size, sanity_shape=(1, d.page_size), varlen_tokens=192,
-                                documents=3, decode_systems=tuple(s for s in d.decode_systems if s.startswith("fagen")),
+                                documents=3, graph_shape=(1, d.page_size) if d.graph_shape else (),
+                                decode_systems=tuple(s for s in d.decode_systems if s.startswith("fagen")),
                                 varlen_systems=tuple(s for s in d.varlen_systems if s.startswith("fagen")))
     run_decode_section(dataclasses.replace(plan, decode=small), _open_deadline(), device="cpu", timer=_one_call,
                        log=lambda line: None, copy_tb_per_s=1.0)
@@ -177,7 +181,7 @@ def _models(plan: Plan) -> None:
         import fagen.integrations.transformers  # noqa: F401
     except ImportError:
         return   # the section skips itself, and precompile records no kernel for it
-    from fagen.bench.models import run_models_section
+    from fagen.bench.models.run import run_models_section
 
     m = plan.models
     tiny = ModelsConfig(hidden_size=128, intermediate_size=128, layers=1, heads=m.heads, kv_heads=m.kv_heads,
@@ -189,7 +193,7 @@ def _models(plan: Plan) -> None:
 
 
 def _ring(plan: Plan) -> None:
-    from fagen.bench.ring import run_ring_section
+    from fagen.bench.ring.run import run_ring_section
 
     small = dataclasses.replace(plan.ring, seqlen=256)
     run_ring_section(dataclasses.replace(plan, ring=small), _open_deadline(), device="cpu", timer=_one_call,
@@ -200,7 +204,7 @@ def _memory(plan: Plan) -> None:
     """The memory section's systems as its peak_memory calls them (its runner needs CUDA's
     allocator statistics)."""
     from fagen.bench.peers import make_system
-    from fagen.bench.sweep import make_inputs
+    from fagen.bench.measure import make_inputs
 
     m = plan.memory
     for name in (s for s in m.systems if s in FAGEN_SYSTEMS):
@@ -276,14 +280,15 @@ def test_precompile_builds_the_kernels_the_gpu_tests_and_the_sections_load_on_an
 def test_precompile_compiles_what_it_records(tmp_path, monkeypatch):
     """The section itself (spawned recorders and compilers) on a plan of one sweep kernel and the
     document-mask variant: each kernel its recorder reports, compiled for the H200's target."""
-    from fagen.bench.plan import DecodeConfig, VariantsConfig
+    from fagen.bench.decode.config import DecodeConfig
     from fagen.bench.precompile import precompile
-    from fagen.bench.ring_report import RingConfig
+    from fagen.bench.ring.config import RingConfig
+    from fagen.bench.variants.config import VariantsConfig
 
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
     small = Plan(systems=("fagen_v2",), dtypes=("bf16",), head_dims=(128,), causal=(True,),
                  variants=VariantsConfig(cases=("document",), systems=("fagen_v2",)),
-                 decode=DecodeConfig(decode_systems=(), varlen_systems=()),
+                 decode=DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=()),
                  models=ModelsConfig(train_systems=(), decode_systems=()), ring=RingConfig(layouts=()),
                  memory=dataclasses.replace(full_plan().memory, systems=()))
     section = precompile(small, H200, timeout_s=300, workers=2, include_tests=False)
@@ -318,9 +323,9 @@ def test_an_older_transformers_than_fagens_pin_is_not_refused(monkeypatch):
 
 
 def test_the_readme_quotes_the_dry_runs_estimate():
-    """README's "Checking on a GPU" gives each run's time in minutes: the dry run's estimate
+    """docs/gpu-check.md's "Checking on a GPU" gives each run's time in minutes: the dry run's estimate
     (with compute-sanitizer's runs, as on the H200 machine), rounded to the minute."""
-    text = (REPO / "README.md").read_text().split("## Checking on a GPU")[1].split("\n## ")[0]
+    text = (REPO / "docs" / "gpu-check.md").read_text().split("## Checking on a GPU")[1].split("\n## ")[0]
     for name, quoted in (("full", r"the full run \(~(\d+) min\)"), ("quick", r"a subset \(~(\d+) min\)")):
         minutes = int(re.search(quoted, text).group(1))
         assert minutes == round(schedule.replay(PLANS[name](), sanitizers=True)["total"] / 60), name
