@@ -1,4 +1,5 @@
-"""Suite-wide settings: the fuzz seed (tests/test_kernels_fuzz.py).
+"""Suite-wide settings: the helpers' folder (tests/support) on sys.path, and the fuzz seed
+(tests/kernels/test_kernels_fuzz.py).
 
 Each run draws a fresh seed unless FAGEN_FUZZ_SEED gives one; pytest prints it in its
 header, and FAGEN_FUZZ_SEED=<that seed> replays the run's draws exactly.
@@ -6,6 +7,12 @@ header, and FAGEN_FUZZ_SEED=<that seed> replays the run's draws exactly.
 
 import os
 import secrets
+import sys
+from pathlib import Path
+
+# The tests import their shared helpers (kernel_cases, bench_stand_ins, ...) as top-level modules
+# from tests/support/, whatever pytest's import mode and whichever test folder runs.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 os.environ.setdefault("FAGEN_FUZZ_SEED", str(secrets.randbits(32)))
 

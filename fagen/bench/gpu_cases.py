@@ -1,5 +1,5 @@
-"""The gpu tests' parameter tables, shared by the tests (tests/test_gpu_kernels.py,
-tests/test_gpu_decode.py, tests/test_gpu_distributed.py) and by the precompile section's calls
+"""The gpu tests' parameter tables, shared by the tests (tests/gpu/test_gpu_kernels.py,
+tests/gpu/test_gpu_decode.py, tests/gpu/test_gpu_distributed.py) and by the precompile section's calls
 (kernel_calls.gpu_test_calls), so that what precompile builds follows the tests' own cases.
 Plain data, no torch: the tests import it at collection.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-# -- tests/test_gpu_kernels.py ----------------------------------------------------------------
+# -- tests/gpu/test_gpu_kernels.py ----------------------------------------------------------------
 
 # (batch, seqlen_q, seqlen_k, heads, kv_heads): square; ragged with GQA; more queries than keys,
 # where causal rows i < Nq - Nk see no key at all.
@@ -22,7 +22,7 @@ DROPOUT_CASES = [(2, "fp16", 64), (2, "bf16", 128), (1, "fp16", 128), (1, "bf16"
 SEEDED_DROPOUT = ("fp16", 64)
 # (version, causal, head_dim) of the deterministic backward, bf16.
 DETERMINISTIC_CASES = list(itertools.product((2, 1), (False, True), (64, 128)))
-# tests/kernel_cases.run_and_check on CUDA tensors: (Spec flags, shape), bf16, versions 2 and 1,
+# tests/support/kernel_cases.run_and_check on CUDA tensors: (Spec flags, shape), bf16, versions 2 and 1,
 # at the head dims of KERNEL_CASE_HEAD_DIMS (d=128 is in the matrix above; keep compiles few).
 KERNEL_CASES = [({"mask": "causal"}, (1, 300, 40, 2, 1)), ({"key_padding": True}, (2, 70, 90, 2, 2)),
                 ({"key_padding": True, "mask": "causal", "dropout": True}, (2, 130, 130, 4, 1)),
@@ -38,9 +38,9 @@ SINGLE_STAGE_CASES = [({"block_n": 32, "bwd_stages": 1, "mask": "causal", "key_p
                       ({"block_n": 32, "bwd_stages": 1, "mask": "causal", "dropout": True, "deterministic": True},
                        (1, 150, 190, 2, 2))]
 
-# -- tests/test_gpu_decode.py -----------------------------------------------------------------
+# -- tests/gpu/test_gpu_decode.py -----------------------------------------------------------------
 
-# name: (tests/kvcache_cases.Case arguments, check_call arguments); dtype as fagen names it
+# name: (tests/support/kvcache_cases.Case arguments, check_call arguments); dtype as fagen names it
 # (fp16 when absent). The cache: B = 3 entries, H = 4 query heads over HK = 2, d = 64.
 DECODE_CASES = {
     "contiguous, no append, split 3": (dict(), dict(num_splits=3)),
@@ -54,7 +54,7 @@ DECODE_SHAPE = {"batch": 3, "heads": 4, "kv_heads": 2, "head_dim": 64, "capacity
 # The decoding step captured in a CUDA graph: one new token, pages of 16, two splits.
 DECODE_GRAPH_CASE = (dict(new=1, page=16, seed=5), dict(num_splits=2))
 
-# -- tests/test_gpu_distributed.py ------------------------------------------------------------
+# -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 
 RING_LAYOUTS = ("zigzag", "contiguous")
 RING_DROPOUT_PS = (0.0, 0.2)

@@ -5,7 +5,7 @@ Each entry is (label, call): a function of no arguments that makes one of the ch
 small CPU tensors, through the object the section itself uses (its System, decode step,
 Documents, the ring section's own runner) or the op the gpu test calls, with the arguments that
 decide a kernel (dtype, head dim, heads and K/V heads, mask, flags, mods, page size) kept and the
-sizes shrunk; or a Spec, where a gpu test renders that Spec itself. tests/test_gpu_check_plan.py
+sizes shrunk; or a Spec, where a gpu test renders that Spec itself. tests/bench/test_gpu_check_plan.py
 checks the gpu tests' part against the kernels a record run of those tests loads.
 """
 
@@ -193,7 +193,7 @@ def sanitizer_workload(device: str) -> list[str]:
 # -- the gpu tests ----------------------------------------------------------------------------
 
 def gpu_test_calls() -> list[tuple[str, object]]:
-    """The fagen calls of tests/test_gpu_kernels.py, test_gpu_decode.py and
+    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py and
     test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
     return _kernel_test_calls() + _decode_test_calls() + _ring_test_calls()
 
@@ -242,7 +242,7 @@ def _kernel_test_calls() -> list:
 
 
 def _decode_case(case: dict, call: dict) -> None:
-    """flash_attn_with_kvcache as tests/kvcache_cases.check_call makes it (without rotary
+    """flash_attn_with_kvcache as tests/support/kvcache_cases.check_call makes it (without rotary
     tables: they change no kernel)."""
     import torch
 

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 # Distinct kernels the gpu tests launch on an H200 (the precompile forecast counts them;
-# tests/test_gpu_check_plan.py checks the number against the kernels recorded from the tests).
+# tests/bench/test_gpu_check_plan.py checks the number against the kernels recorded from the tests).
 GPU_TEST_KERNELS = 72
 # The GPU machine's cores, less one for the parent (precompile's compile workers).
 GPU_MACHINE_WORKERS = 15

@@ -7,7 +7,7 @@ Every test runs under kernel_record's recording: tiles looked up for the arch, k
 nothing. So the tests fail after their first kernel (their outputs are garbage), and that is
 expected: what the run leaves is the JSON file, {"names": [...], "by_test": {nodeid: [...]}}, the
 kernels each test loaded. The gpu tests read FAGEN_RECORD_KERNELS too, to run their CUDA-only
-tests as far as their first (eager) call. tests/test_gpu_check_plan.py holds what precompile
+tests as far as their first (eager) call. tests/bench/test_gpu_check_plan.py holds what precompile
 builds against this record.
 """
 

@@ -8,7 +8,7 @@ A section's deadline is min(its start + its cap, the budget's end - the reserves
 section) (`deadline_s`, as `timing.Budget.deadline` computes it for the run). So when the
 reserves add up to at most the budget (`fits`), every section gets its whole cap as long as the
 ones before it kept to theirs (setup and peak, which run unguarded, included), and the run ends
-inside the budget. tests/test_gpu_check_plan.py replays the forecast with a fake clock through
+inside the budget. tests/bench/test_gpu_check_plan.py replays the forecast with a fake clock through
 the run's own deadlines.
 
 Pure arithmetic on a Plan (no torch, no clock), so --dry-run and CPU tests use the same numbers

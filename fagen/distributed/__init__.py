@@ -4,7 +4,7 @@
   ring     ring_attention: K/V blocks around the ring, partial results merged by L
            (fagen.merge_attention), dropout on global coordinates
 
-Nothing in fagen imports this package but `fagen` itself (tests/test_layering.py).
+Nothing in fagen imports this package but `fagen` itself (tests/top/test_layering.py).
 """
 
 from .layout import LAYOUTS, shard, unshard

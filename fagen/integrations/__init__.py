@@ -3,5 +3,5 @@
   transformers   `import fagen.integrations.transformers` registers attn_implementation="fagen"
                  with Hugging Face transformers (needs the `transformers` extra)
 
-Nothing in fagen imports this package (tests/test_layering.py).
+Nothing in fagen imports this package (tests/top/test_layering.py).
 """

@@ -15,6 +15,6 @@ markdown  its lines in the plan, its derived ratios, its short-table rows and re
 
 config and markdown are torch-free (markdown works from the section's dict alone); run imports
 torch and fagen inside its functions. fagen.distributed is reached through the front door
-(`import fagen`): only fagen itself imports it (tests/test_layering.py). Fails soft: every
+(`import fagen`): only fagen itself imports it (tests/top/test_layering.py). Fails soft: every
 failure is a recorded reason.
 """

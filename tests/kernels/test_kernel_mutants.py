@@ -1,0 +1,54 @@
+"""A test of the tests: named wrong kernels (tests/support/kernel_mutants.py), each killed by the
+checks that claim to cover it (tests/support/kernel_checks.py).
+
+CI runs a sample of the kernel mutants and, as a positive control, every check on the
+unmutated kernels (a check that fails there would "kill" any mutant). The slow tier
+(`python -m pytest -q -m slow tests/kernels/test_kernel_mutants.py`) runs every kernel mutant and
+prints the mutation score over them and the barrier deletions of tests/support/barrier_mutations.py;
+the target is 100%.
+"""
+
+import os
+from unittest import mock
+
+import pytest
+
+import kernel_mutants as km
+from fagen.kernels import run as ops
+from kernel_cases import poisoned_empty
+
+BY_NAME = {m.name: m for m in km.MUTANTS}
+CHECKS = sorted({(m.spec, check) for m in km.MUTANTS for check in m.checks},
+                key=lambda pair: (pair[0].name, pair[1].__name__))
+
+
+def test_the_mutants_cover_what_the_issue_lists_and_their_edits_apply():
+    assert len(BY_NAME) == len(km.MUTANTS) and set(km.SAMPLE) <= set(BY_NAME)
+    for mutant in km.MUTANTS:
+        assert mutant.source().code != km.render(mutant.spec).code, mutant.name
+
+
+@pytest.mark.parametrize("spec, check", CHECKS, ids=[f"{s.name}-{c.__name__}" for s, c in CHECKS])
+def test_every_check_passes_on_the_unmutated_kernel(spec, check):
+    with mock.patch.object(ops, "_empty", poisoned_empty), mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+        check(spec, None)
+
+
+@pytest.mark.parametrize("name", km.SAMPLE)
+def test_sampled_mutants_are_killed(name):
+    assert km.killed_by(BY_NAME[name]) is not None, f"mutant {name!r} survives its checks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m.name for m in km.MUTANTS])
+def test_every_kernel_mutant_is_killed(name):
+    assert km.killed_by(BY_NAME[name]) is not None, f"mutant {name!r} survives its checks"
+
+
+@pytest.mark.slow
+def test_mutation_score_is_100_percent(capsys):
+    killed, total, survivors = km.mutation_score()
+    with capsys.disabled():
+        print(f"\nmutation score: {killed}/{total} = {100 * killed / total:.1f}% "
+              f"({len(km.MUTANTS)} kernel mutants, {total - len(km.MUTANTS)} barrier deletions)")
+    assert not survivors, f"surviving mutants: {survivors}"

@@ -1,0 +1,190 @@
+"""Static checks of the generated kernels: NVRTC for sm_80 and sm_90, no spills,
+and the machine code uses what the design says (tensor cores in the main
+loops, ldmatrix, 128-bit global accesses). No GPU needed; SASS comes from
+cuobjdump (PyPI's nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm)."""
+
+import re
+
+import pytest
+
+from fagen.kernels.build import default_specs
+from fagen.kernels.render import render
+from fagen.kernels.compile import compile_source
+from fagen.sass.facts import sass_reports
+from fagen.sass.listing import disassemble, find_cuobjdump
+from fagen.sass.report import report_for_spec
+from fagen.spec import SMEM_LIMIT_BYTES, Spec
+
+ARCHS = ("sm_80", "sm_90")
+# The default set plus every head dim, both versions, and the flags that change the code.
+FLAG_SETS = ({}, {"mask": "causal", "dropout": True}, {"mask": "causal", "key_padding": True, "dropout": True},
+             {"mask": "causal", "key_padding": True, "dropout": True, "deterministic": True})
+WIDE_SET = [Spec(d, version=v, **flags) for v in (1, 2) for d in (32, 64, 96, 128, 160, 192, 256)
+            for flags in FLAG_SETS]
+SPECS = default_specs() + [Spec(s.head_dim, version=1, mask=s.mask, dtype=s.dtype) for s in default_specs()]
+# The wide set beyond the shipped specs: 54 more specs per arch, the slow tier (CI compiles the
+# shipped set, its FlashAttention-1 twins, every variant at once and packed sequences).
+WIDE_ONLY = [s for s in WIDE_SET if s not in SPECS]
+
+
+def _custom_mods():
+    import torch
+
+    from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
+
+    bias = torch.zeros(8, 4096, requires_grad=True)
+    doc = torch.zeros(2, 4096, dtype=torch.int32)
+    return {"score_mod": custom_mod(trace_score_mod(lambda s, b, h, q, k: s * torch.sigmoid(s) + bias[h, q - k])),
+            "mask_mod": custom_mod(trace_mask_mod(lambda b, h, q, k: doc[b, q] == doc[b, k]))}
+
+
+# Every built-in variant at once (the heaviest combination): spill-free like plain attention.
+SPECS += [Spec(d, version=v, mask="causal", window=True, softcap=True, alibi=True, sinks=True, dropout=True,
+               key_padding=True, deterministic=det)
+          for d in (64, 128, 256) for v in (1, 2) for det in (False, True)]
+# Packed sequences (flash_attn_varlen_func), with and without the built-ins.
+SPECS += [Spec(d, version=v, mask="causal", dropout=True, varlen=True, **extra)
+          for d in (64, 128, 256) for v in (1, 2)
+          for extra in ({}, {"deterministic": True, "window": True, "softcap": True, "sinks": True})]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    import os
+
+    old = os.environ.get("FAGEN_CACHE_DIR")
+    os.environ["FAGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("cubins"))
+    yield
+    if old is None:
+        os.environ.pop("FAGEN_CACHE_DIR")
+    else:
+        os.environ["FAGEN_CACHE_DIR"] = old
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", SPECS + [pytest.param(s, marks=pytest.mark.slow) for s in WIDE_ONLY],
+                         ids=lambda s: s.name)
+def test_compiles_without_spills(spec, arch):
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    assert set(compiled.resources) == {e.name for e in source.entries}
+    for name, report in compiled.resources.items():
+        assert report.spill_bytes == 0, f"{name} on {arch} spills {report.spill_bytes} bytes"
+        assert report.stack_bytes == 0, f"{name} on {arch} uses a {report.stack_bytes}-byte stack frame"
+        assert report.registers <= 255
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_custom_mods_compile(head_dim, arch):
+    """A custom score_mod with a captured tensor's gradient (atomics) beside a document mask
+    compiles for both archs. (Per-element loads cost registers: at some tiles such mods spill,
+    which `fagen build` reports; the built-ins never do.)"""
+    spec = Spec(head_dim, mask="causal", dropout=True, **_custom_mods())
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    assert set(compiled.resources) == {e.name for e in source.entries}
+    assert "atomicAdd(ctx.score_cap0_grad" in source.code
+
+
+# One arch per fallback family (163, 99 and 227 KB per block; sm_89 also 99 KB): the tiles an
+# untuned call runs with there, and the backward depth fitted to them.
+FALLBACK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+
+
+@pytest.mark.parametrize("arch", FALLBACK_ARCHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fallback_tiles_compile_without_spills_and_fit(head_dim, arch):
+    from fagen.tuning import fallback_spec
+
+    spec = fallback_spec(Spec(head_dim, mask="causal", dropout=True, deterministic=True), arch)
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    for entry in source.entries:
+        report = compiled.resources[entry.name]
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
+        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
+
+
+needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", default_specs() + [Spec(64, version=1, mask="causal"),
+                                                  Spec(128, version=1, dtype="bf16")], ids=lambda s: s.name)
+def test_sass_uses_tensor_cores_ldmatrix_and_wide_accesses(spec, arch):
+    source = render(spec)
+    reports = sass_reports(disassemble(compile_source(source, arch).cubin))
+    kernels = source.kernels
+    forward = reports[kernels.forward.name]
+    assert forward.tensor_core_in_loop > 0, "forward: no HMMA inside a loop"
+    assert forward.ldmatrix_ops > 0, "forward: no LDSM"
+    assert forward.global_loads_128 > 0, "forward: no 128-bit global loads"
+    assert forward.global_stores_128 > 0, "forward: O is not written with 128-bit stores"
+    backward = reports[kernels.bwd_main.name]
+    assert backward.tensor_core_in_loop > 0 and backward.ldmatrix_ops > 0 and backward.global_loads_128 > 0
+
+
+@needs_cuobjdump
+def test_deterministic_dq_kernel_uses_tensor_cores():
+    source = render(Spec(64, deterministic=True))
+    reports = sass_reports(disassemble(compile_source(source, "sm_90").cubin))
+    assert reports[source.kernels.bwd_dq.name].tensor_core_in_loop > 0
+
+
+def test_sass_report_finds_loops():
+    sass = """
+        Function : k
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/                   LDSM.16.M88.4 R8, [R2] ;
+        /*0030*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0040*/              @P0 BRA 0x20 ;
+        /*0050*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+        /*0070*/                   EXIT ;
+    """
+    (report,) = sass_reports(sass).values()
+    assert (report.tensor_core_ops, report.tensor_core_in_loop, report.ldmatrix_ops) == (2, 1, 1)
+    assert (report.global_loads_128, report.global_stores_128) == (1, 1)
+
+
+# Integer division in SASS: a run-time divisor takes the reciprocal trick (I2F.*.RP, MUFU.RCP,
+# F2I.*.TRUNC), a constant one a multiply-high (IMAD.HI). Philox's rounds multiply-high
+# too, so with dropout only the first kind is looked for.
+RUNTIME_DIVISION = re.compile(r"^(I2F\S*\.RP|F2I\S*\.TRUNC|MUFU\.RCP)")
+CONSTANT_DIVISION = re.compile(r"^IMAD\.HI")
+
+
+def shipped_variants():
+    """(spec, arch): the default set as built, and the fallback tiles untuned calls run with."""
+    from fagen.tuning import fallback_spec
+
+    extra = [Spec(64, mask="causal", deterministic=True, dropout=True)]
+    pairs = [(spec, arch) for arch in ARCHS for spec in default_specs() + extra]
+    for arch in ARCHS:
+        for spec in default_specs() + extra:
+            tuned = fallback_spec(spec, arch)
+            if (tuned, arch) not in pairs:
+                pairs.append((tuned, arch))
+    return pairs
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize(("spec", "arch"), shipped_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
+def test_main_loops_run_only_useful_tensor_core_work_and_no_division(spec, arch):
+    """A structural check of the machine code, not a timing (fagen/sass): each kernel's main
+    loop is straight-line work per iteration (no nested loop; with dropout only the
+    backward's Philox loop, kept rolled on purpose), executes no HMMA beyond the useful
+    count of its tiles, and holds no integer division."""
+    reports = report_for_spec(spec, arch)
+    looped = [r for r in reports.values() if r.loop_address is not None]
+    assert {r.kernel for r in looped} >= {spec.name + "_fwd", spec.name + "_bwd"}
+    for report in looped:
+        rolled_philox = spec.dropout and report.kernel.endswith("_bwd") and len(report.trips) == 1
+        assert not report.trips or rolled_philox, f"{report.kernel}: nested loops in the main loop {report.trips}"
+        assert report.hmma <= report.useful_hmma, f"{report.kernel}: {report.hmma} HMMA for {report.useful_hmma}"
+        divisions = sorted(op for op in report.opcodes if RUNTIME_DIVISION.match(op)
+                           or (not spec.dropout and CONSTANT_DIVISION.match(op)))
+        assert not divisions, f"{report.kernel} on {arch}: integer division in the main loop: {divisions}"

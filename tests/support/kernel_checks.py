@@ -1,0 +1,187 @@
+"""Named kernel checks: the tests run them on fagen's own sources, the mutation harness
+(tests/support/kernel_mutants.py) on mutated ones. Each raises (AssertionError or EmulationError) when
+the kernel is wrong; `source` is a rendered source of `spec` (default: its own render).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from unittest import mock
+
+import torch
+
+from fagen.kernels import run as ops
+from fagen.kernels.render import Source, render
+from fagen.spec import Spec
+from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, assert_no_atomic_calls, make_inputs,
+                          run_and_check, uneven_lengths)
+
+LARGE_LOGITS_QK_SCALE = 12.0   # q and k times 12: |S| reaches ~300 at d = 64
+LARGE_LOGITS_SHAPE = Shape(1, 130, 150, heads=2, kv_heads=2)
+OTHER_SOFTMAX_SCALES = (0.05, 0.4)
+ATOMIC_SASS = re.compile(r"\b(RED|REDG|ATOM|ATOMS|ATOMG)\b")   # sm_90 has REDG and ATOMG
+
+
+def uneven_lengths_check(spec: Spec, source: Source | None = None) -> None:
+    """Key lengths [Nk, Nk - 37, 1, 0]: causal aligns to each entry's own length."""
+    for seqlen_q, seqlen_k in ((100, 150), (150, 100)):
+        run_and_check(spec, Shape(4, seqlen_q, seqlen_k, heads=2, kv_heads=1), lengths=uneven_lengths(seqlen_k),
+                      source=source)
+
+
+def large_logits_check(spec: Spec, source: Source | None = None) -> None:
+    run_and_check(spec, LARGE_LOGITS_SHAPE, qk_scale=LARGE_LOGITS_QK_SCALE, source=source)
+
+
+def softmax_scale_check(spec: Spec, source: Source | None = None, *, backward: bool = True) -> None:
+    for scale in OTHER_SOFTMAX_SCALES:
+        run_and_check(spec, Shape(2, 97, 130, heads=2, kv_heads=1), softmax_scale=scale, backward=backward,
+                      source=source)
+
+
+def softmax_scale_forward_check(spec: Spec, source: Source | None = None) -> None:
+    softmax_scale_check(spec, source, backward=False)
+
+
+def ragged_check(spec: Spec, source: Source | None = None) -> None:
+    """Lengths off every tile size, more keys than queries and fewer."""
+    for shape in (Shape(1, 17, 200), Shape(2, 200, 17), Shape(1, 77, 131)):
+        run_and_check(spec, shape, source=source)
+
+
+def gqa_check(spec: Spec, source: Source | None = None) -> None:
+    run_and_check(spec, Shape(2, 64, 80, heads=6, kv_heads=3), source=source)
+    run_and_check(spec, Shape(1, 64, 80, heads=4, kv_heads=1), source=source)
+
+
+def empty_rows_check(spec: Spec, source: Source | None = None) -> None:
+    """More queries than keys, causal: the first rows see no key (run_and_check holds them to
+    L = +inf exactly, FA-1 to m = -inf and l = 0)."""
+    run_and_check(spec, Shape(1, 70, 20, heads=1, kv_heads=1), source=source)
+
+
+def no_atomics_check(spec: Spec, source: Source | None = None, *, sass_arch: str | None = None) -> None:
+    """A deterministic variant calls no atomic in its source and, with `sass_arch`, has no
+    RED/ATOM instruction in its machine code."""
+    source = render(spec) if source is None else source
+    assert spec.deterministic
+    assert_no_atomic_calls(source)
+    if sass_arch:
+        from fagen.kernels.compile import compile_source
+        from fagen.sass.listing import disassemble
+
+        sass = disassemble(compile_source(source, sass_arch).cubin)
+        found = sorted(set(ATOMIC_SASS.findall(sass)))
+        assert not found, f"{spec.name} on {sass_arch}: atomic instructions {found}"
+
+
+# Orders a repeat runs under: the emulator's block order (reversal reorders float atomics
+# from different blocks into one dq element) with one OS thread, and with all of them.
+# Seven K/V blocks add into each dq row: two addends commute exactly, more do not.
+REPEAT_SHAPE = Shape(1, 150, 400, heads=2, kv_heads=1)
+REPEAT_RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "1"},
+               {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "1"},
+               {"FAGEN_EMULATE_BLOCK_ORDER": "reverse"})
+
+
+def repeat_check(spec: Spec, source: Source | None = None) -> None:
+    """Backward repeats are bit-identical (a deterministic variant), with the blocks run in
+    opposite orders: a variant that accumulates dq with atomics fails it every time."""
+    source = render(spec) if source is None else source
+    q, k, v, dout, _ = make_inputs(spec, REPEAT_SHAPE)
+    drop = ops.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None
+    out, stats = ops.forward(source, q, k, v, dropout_p=DROPOUT_P if spec.dropout else 0.0, seed=SEED,
+                             philox_offset=OFFSET)
+    runs = []
+    for run in REPEAT_RUNS:
+        with mock.patch.dict(os.environ, run):
+            runs.append(ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop))
+    for run, grads in zip(REPEAT_RUNS[1:], runs[1:]):
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
+            assert torch.equal(first.view(torch.int16), again.view(torch.int16)), (
+                f"{spec.name}: {name} differs between block orders ({run})")
+
+
+# -- variants -----------------------------------------------------------------------------------------
+
+VARIANT_SHAPE = Shape(2, 150, 170, heads=2, kv_heads=1)
+# Packed documents whose boundaries fall inside tiles and on them.
+DOCUMENTS = torch.tensor([[0] * 64 + [1] * 7 + [2] * 41 + [3] * 58, [4] * 32 + [5] * 100 + [6] * 38],
+                         dtype=torch.int32)
+
+
+def document_mask(b, h, q_idx, kv_idx):
+    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
+
+
+CUSTOM_MASKS = {"documents": document_mask}
+
+
+def builtin_variant(spec: Spec) -> dict:
+    """flash_attn_func's keywords for a spec's built-ins (values chosen so each one matters)."""
+    variant = {}
+    if spec.window:
+        variant["window_size"] = (20, 7)
+    if spec.softcap:
+        variant["softcap"] = 2.5
+    if spec.alibi:
+        variant["alibi_slopes"] = torch.tensor([0.25, 0.0625])
+    if spec.sinks:
+        variant["sinks"] = torch.tensor([0.5, -1.0])
+    return variant
+
+
+def variant_check(spec: Spec, source: Source | None = None) -> None:
+    """The variant's outputs and gradients (L's too) against the oracle on a ragged GQA shape;
+    a custom mask_mod must be one of CUSTOM_MASKS."""
+    from fagen.variants import custom_mod, trace_mask_mod
+    from variant_cases import run_variant_case
+
+    variant = builtin_variant(spec)
+    if spec.mask_mod is not None:
+        (variant["mask_mod"],) = [fn for fn in CUSTOM_MASKS.values()
+                                  if custom_mod(trace_mask_mod(fn)) == spec.mask_mod]
+    base = spec.replace(window=False, softcap=False, alibi=False, sinks=False, score_mod=None, mask_mod=None)
+    run_variant_case(base, VARIANT_SHAPE, variant, source=source)
+
+
+# -- decoding against a KV cache ----------------------------------------------------------------
+
+def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
+    """A decoding step through `flash_attn_with_kvcache` with `source` as the step's kernels: the
+    append (with rotary), the attention over the cache in three splits merged by the combine
+    kernel, and the cache left behind, against the oracle (tests/support/kvcache_cases.py). A paged spec
+    runs a paged cache of pages of 48 rows (three 16-key tiles each: a tile past a page's first
+    row is read too); a contiguous one takes cache_batch_idx and leftpad."""
+    from fagen.ops import kvcache
+    from kvcache_cases import Case, check_call
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    if spec.kv_cache == "paged":
+        case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11), (32, False)
+    else:
+        case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12), (32, True)
+    with mock.patch.object(kvcache, "source_for", step_source):
+        check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
+
+
+def packed_window_check(spec: Spec, source: Source | None = None) -> None:
+    """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
+    head of an entry sees the same last six keys, whatever row of the tile it was packed into."""
+    from fagen.ops import kvcache
+    from kvcache_cases import Case, check_call
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    with mock.patch.object(kvcache, "source_for", step_source):
+        check_call(Case(nq=1, seed=14), num_splits=2, window_size=(5, 0))

@@ -1,0 +1,215 @@
+"""Kernel mutants: named wrong kernels the suite must kill (tests/kernels/test_kernel_mutants.py).
+
+A mutant is a small patch on a rendered variant's CUDA (or on a header it includes, which
+is then inlined into the source with the patch). Each names the checks that claim to cover
+it (tests/support/kernel_checks.py, the same functions the coverage tests run) and is killed when
+one of them fails. Together with the barrier deletions of tests/support/barrier_mutations.py they
+give the mutation score; the target is 100%.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+from unittest import mock
+
+from fagen.kernels import run as ops
+from fagen.kernels.render import Source, include_dir, render
+from fagen.emulate import EmulationError
+from fagen.spec import Spec
+import barrier_mutations
+import kernel_checks as checks
+from kernel_cases import poisoned_empty
+
+DEFAULT_SCALE_LOG2 = "(1.4426950408889634f * rsqrtf((float)kHeadDim))"   # log2(e) / sqrt(d): the default
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace `old` by `new` (every occurrence), in the rendered source or, with `header`,
+    in that include (templates/include/fagen/<header>), inlined into the source."""
+
+    old: str
+    new: str
+    header: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelMutant:
+    name: str
+    spec: Spec
+    edits: tuple[Edit, ...]
+    checks: tuple[Callable[..., None], ...]
+
+    def source(self) -> Source:
+        correct = render(self.spec)
+        code = correct.code
+        for edit in self.edits:
+            if edit.header is None:
+                if edit.old not in code:
+                    raise ValueError(f"mutant {self.name}: {edit.old!r} is no longer in the source")
+                code = code.replace(edit.old, edit.new)
+                continue
+            include = f"#include <fagen/{edit.header}>"
+            text = (include_dir() / "fagen" / edit.header).read_text()
+            if edit.old not in text or include not in code:
+                raise ValueError(f"mutant {self.name}: {edit.old!r} is no longer in {edit.header}")
+            inlined = text.replace("#pragma once", f"// {edit.header}, inlined with a mutation").replace(edit.old,
+                                                                                                        edit.new)
+            code = code.replace(include, inlined)
+        return Source(spec=self.spec, code=code, kernels=correct.kernels)
+
+
+def killed_by(mutant: KernelMutant) -> str | None:
+    """The first check that fails on the mutant (its name and the failure), or None."""
+    source = mutant.source()
+    with mock.patch.object(ops, "_empty", poisoned_empty), mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+        for check in mutant.checks:
+            try:
+                check(mutant.spec, source)
+            except (AssertionError, EmulationError) as failure:
+                first_line = str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__
+                return f"{check.__name__}: {first_line}"
+    return None
+
+
+FA2 = Spec(64, block_m=64, block_n=32)
+FA2_CAUSAL = FA2.replace(mask="causal")
+FA2_PADDED_CAUSAL = FA2_CAUSAL.replace(key_padding=True)
+FA2_DROPOUT = Spec(64, dropout=True)
+FA2_DETERMINISTIC = Spec(64, mask="causal", deterministic=True)
+
+MUTANTS = [
+    KernelMutant("no max subtraction", FA2,
+                 (Edit("const float new_max = fmaxf(row_max[rt][half], quad_max(tile_max));",
+                       "const float new_max = 0.f;  // mutant: P~ = exp2(S), m pinned at 0", "online_softmax.cuh"),),
+                 (checks.large_logits_check,)),
+    KernelMutant("causal aligned to the padded Nk", FA2_PADDED_CAUSAL,
+                 (Edit("keys - seqlen_q", "seqlen_k - seqlen_q"),), (checks.uneven_lengths_check,)),
+    KernelMutant("softmax_scale ignored in the forward", FA2_CAUSAL,
+                 (Edit("fagen::online_softmax_step(s, row_max, row_sum, rescale, softmax_scale_log2);",
+                       f"fagen::online_softmax_step(s, row_max, row_sum, rescale, {DEFAULT_SCALE_LOG2});"),),
+                 (checks.softmax_scale_forward_check,)),
+    KernelMutant("softmax_scale ignored in the backward", FA2_CAUSAL,
+                 (Edit("fmaf(st[kt][qt][e], softmax_scale_log2, ",
+                       f"fmaf(st[kt][qt][e], {DEFAULT_SCALE_LOG2}, "),),
+                 (checks.softmax_scale_check,)),
+    KernelMutant("the last key tile dropped", FA2,
+                 (Edit("const int num_tiles = (key_limit + kBlockN - 1) / kBlockN;",
+                       "const int num_tiles = key_limit / kBlockN;"),), (checks.ragged_check,)),
+    KernelMutant("the O rescale omitted when the max changes", FA2,
+                 (Edit("fagen::rescale_rows(o, rescale);", "/* mutant: no O rescale */"),), (checks.ragged_check,)),
+    KernelMutant("L written as -inf for empty rows", FA2_CAUSAL,
+                 (Edit("logf(total) : fagen::infinity();", "logf(total) : -fagen::infinity();"),),
+                 (checks.empty_rows_check,)),
+    KernelMutant("the dropout offset shifted in the backward", FA2_DROPOUT,
+                 (Edit("fagen::dropout_words(seed, philox_offset, batch, head, heads, group_row, group_col)",
+                       "fagen::dropout_words(seed, philox_offset + 1u, batch, head, heads, group_row, group_col)"),),
+                 (checks.ragged_check,)),
+    KernelMutant("the GQA head mapping head % kv_heads", FA2,
+                 (Edit("const int kv_head = head / (heads / kv_heads);", "const int kv_head = head % kv_heads;"),),
+                 (checks.gqa_check,)),
+    KernelMutant("D computed from dO * dO", FA2,
+                 (Edit("partial += fagen::to_float(o_row[c]) * fagen::to_float(do_row[c]);",
+                       "partial += fagen::to_float(do_row[c]) * fagen::to_float(do_row[c]);"),),
+                 (checks.ragged_check,)),
+    KernelMutant("an atomic dQ in the deterministic variant", FA2_DETERMINISTIC,
+                 (Edit("        *reinterpret_cast<unsigned*>(dq_row + col) = fagen::pack2<elem_t>(",
+                       "        atomicAdd(reinterpret_cast<float*>(dq_row + col), 0.f);  // mutant\n"
+                       "        *reinterpret_cast<unsigned*>(dq_row + col) = fagen::pack2<elem_t>("),),
+                 (checks.no_atomics_check,)),
+]
+# FA-1's forward is its own kernel (its backward is FA-2's, with L built from m and l).
+FA1 = Spec(64, version=1, block_m=64, block_n=32)
+FA1_PADDED_CAUSAL = FA1.replace(mask="causal", key_padding=True)
+MUTANTS += [
+    KernelMutant("FA-1: no max subtraction", FA1, MUTANTS[0].edits, (checks.large_logits_check,)),
+    KernelMutant("FA-1: causal aligned to the padded Nk", FA1_PADDED_CAUSAL, MUTANTS[1].edits,
+                 (checks.uneven_lengths_check,)),
+    KernelMutant("FA-1: softmax_scale ignored in the forward", FA1_PADDED_CAUSAL,
+                 (Edit("fagen::online_softmax_step(s, tile_max, tile_sum, unused, softmax_scale_log2);",
+                       f"fagen::online_softmax_step(s, tile_max, tile_sum, unused, {DEFAULT_SCALE_LOG2});"),),
+                 (checks.softmax_scale_forward_check,)),
+    KernelMutant("FA-1: the O rescale omitted when the max changes", FA1,
+                 (Edit("a = exp2f(m_old - offset) * l_old,", "a = l_old,  /* mutant: no e^(m_i - m_new) */"),),
+                 (checks.ragged_check,)),
+    KernelMutant("FA-1: m left at 0 for empty rows", FA1_PADDED_CAUSAL,
+                 (Edit("row_max_out[stat0 + row] = -fagen::infinity();", "row_max_out[stat0 + row] = 0.f;"),),
+                 (checks.empty_rows_check,)),
+    KernelMutant("FA-1: L in the backward without log l", FA1,
+                 (Edit("row_max[stat] * fagen::kLog2e + log2f(l)", "row_max[stat] * fagen::kLog2e"),),
+                 (checks.ragged_check,)),
+]
+
+
+def _documents() -> Spec:
+    from fagen.variants import custom_mod, trace_mask_mod
+
+    return FA2.replace(mask_mod=custom_mod(trace_mask_mod(checks.document_mask)))
+
+
+# Variants (fagen/variants): their device functions and the template steps that call them.
+MUTANTS += [
+    KernelMutant("softcap: the chain rule through the score dropped", FA2.replace(softcap=True),
+                 (Edit("dpt[kt][qt][e] = ds * grad;", "dpt[kt][qt][e] = ds;"),), (checks.variant_check,)),
+    KernelMutant("sinks: rows start from -inf, not from the sink", FA2.replace(sinks=True),
+                 (Edit("row_max[rt][half] = sinks[head], row_sum[rt][half] = lane % 4 == 0 ? 1.f : 0.f;",
+                       "row_max[rt][half] = -fagen::infinity(), row_sum[rt][half] = 0.f;"),),
+                 (checks.variant_check,)),
+    KernelMutant("window: one key too many on the right", FA2.replace(window=True),
+                 (Edit("kv_idx <= ctx.keys + q_idx - ctx.seqlen_q + ctx.window_right",
+                       "kv_idx <= ctx.keys + q_idx - ctx.seqlen_q + ctx.window_right + 1"),),
+                 (checks.variant_check,)),
+    KernelMutant("documents: tiles whose id ranges touch skipped as empty", _documents(),
+                 (Edit("mask_cap0_qmax < mask_cap0_kvmin", "mask_cap0_qmax <= mask_cap0_kvmin"),
+                  Edit("mask_cap0_kvmax < mask_cap0_qmin", "mask_cap0_kvmax <= mask_cap0_qmin")),
+                 (checks.variant_check,)),
+]
+# Decoding (Spec.kv_cache): the cache views, the page lookup, the splits, the combine, the update.
+# The cases have two query heads per K/V head, so their steps pack them (Spec.pack_gqa).
+DECODE_PAGED = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48, pack_gqa=True)   # 16-key tiles, 3 per page
+DECODE_CACHE = Spec.for_kv_cache(64, "fp16", causal=True, page_size=None, pack_gqa=True)
+DECODE_WINDOW = Spec.for_kv_cache(64, "fp16", causal=False, page_size=None, window=True, pack_gqa=True)
+MUTANTS += [
+    KernelMutant("paged: every K tile read from its page's first rows", DECODE_PAGED,
+                 (Edit("(long long)page_row * k_stride_n", "0LL"),), (checks.kv_cache_check,)),
+    KernelMutant("paged: the page cursor steps to the next page one tile late", DECODE_PAGED,
+                 (Edit("if (page_row == page_size)", "if (page_row > page_size)"),), (checks.kv_cache_check,)),
+    KernelMutant("cache_leftpad ignored by the keys", DECODE_CACHE,
+                 (Edit("(long long)cache_start[batch] * k_stride_n", "0"),), (checks.kv_cache_check,)),
+    KernelMutant("split-KV: splits overlap by a tile", DECODE_PAGED,
+                 (Edit("min(split_share, num_tiles_all", "min(split_share + 1, num_tiles_all"),),
+                  (checks.kv_cache_check,)),
+    KernelMutant("combine: splits weighed by the largest L, not by L", DECODE_PAGED,
+                 (Edit("expf(split_lse[s] - row_lse) * o_partial", "expf(split_lse[s] - max_lse) * o_partial"),),
+                 (checks.kv_cache_check,)),
+    KernelMutant("rotary: the pair's second member turned the wrong way", DECODE_CACHE,
+                 (Edit(": value * c + other * s;", ": value * c - other * s;"),), (checks.kv_cache_check,)),
+    KernelMutant("GQA packing: the window evaluated at the packed row", DECODE_WINDOW,
+                 (Edit("packed_query[rt][half] = r / pack_group,", "packed_query[rt][half] = r,"),
+                  Edit("const fagen_variant::Context ctx = {query_len,", "const fagen_variant::Context ctx = {seqlen_q,")),
+                 (checks.packed_window_check,)),
+]
+SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
+          "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
+          "softcap: the chain rule through the score dropped",
+          "documents: tiles whose id ranges touch skipped as empty",
+          "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row")
+
+
+def mutation_score() -> tuple[int, int, list[str]]:
+    """(killed, total, the survivors' names) over the kernel mutants and the barrier deletions
+    (justified barriers count as neither)."""
+    survivors, total = [], 0
+    for mutant in MUTANTS:
+        total += 1
+        if killed_by(mutant) is None:
+            survivors.append(mutant.name)
+    for mutant in barrier_mutations.all_mutants():
+        if barrier_mutations.justification(mutant) is not None:
+            continue
+        total += 1
+        if barrier_mutations.verdict(mutant) is None:
+            survivors.append(mutant.name)
+    return total - len(survivors), total, survivors
