@@ -32,10 +32,7 @@ def _check_tensor(name: str, t, dims=FLASH_LAYOUT) -> None:
     check_dense_tensor(name, t)
     if t.dim() != 4:
         raise InputError(f"{name} must have 4 dims ({', '.join(dims)}), got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    check_half_rows(name, t)
 
 
 def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYOUT) -> None:
@@ -213,6 +210,14 @@ def check_flag(name: str, value) -> bool:
                              f"{tuple(value.shape)}): pass a Python bool, e.g. bool({name}) outside the "
                              f"compiled region")
     raise InputTypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_half_rows(name: str, t) -> None:
+    """`t` is fp16 or bf16 with a contiguous last dimension: what every kernel input needs."""
+    if t.dtype not in TORCH_DTYPES:
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
 
 
 def check_dense_tensor(name: str, t) -> None:

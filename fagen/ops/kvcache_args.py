@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM
-from .common import TORCH_DTYPES, check_dense_tensor, check_flag, values_checked
+from .common import check_dense_tensor, check_flag, check_half_rows, values_checked
 from .varlen_args import check_cache_rows, check_page_size, check_some_pages
 
 
@@ -39,10 +39,7 @@ def _check_data(name: str, t, ndim: int, layout: str) -> None:
     check_dense_tensor(name, t)
     if t.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    check_half_rows(name, t)
 
 
 def _check_index(name: str, t, shape: tuple, device, dims: str) -> torch.Tensor:

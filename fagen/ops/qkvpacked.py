@@ -16,7 +16,7 @@ import re
 
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM
-from .common import TORCH_DTYPES, check_dense_tensor
+from .common import check_dense_tensor, check_half_rows
 from .dense import flash_attn_func
 from .varlen import flash_attn_varlen_func
 
@@ -29,10 +29,7 @@ def _unpack(name: str, t, parts: int, dims: tuple[str, ...]):
     if t.dim() != len(dims) or t.shape[-3] != parts:
         raise InputError(f"{name} must have shape ({', '.join(dims)}) with {dims[-3]} = {parts}, got shape "
                          f"{tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    check_half_rows(name, t)
     if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
         raise InputError(f"head_dim ({name}.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {t.shape[-1]}")
     return t.unbind(t.dim() - 3)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, InputTypeError
-from .common import TORCH_DTYPES, check_dense_tensor, values_checked
+from .common import check_dense_tensor, check_half_rows, values_checked
 
 PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's 16 rows
 ROW_CHUNK = 8        # elements in the kernels' 16-byte loads (fp16 / bf16)
@@ -28,10 +28,7 @@ def _check_packed(name: str, t) -> None:
     if t.dim() != 3:
         raise InputError(f"{name} must have 3 dims (total tokens, heads, head_dim) for packed sequences, "
                          f"got shape {tuple(t.shape)}")
-    if t.dtype not in TORCH_DTYPES:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
+    check_half_rows(name, t)
 
 
 def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> torch.Tensor:

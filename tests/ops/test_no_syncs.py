@@ -109,7 +109,13 @@ def test_the_gpu_checks_captured_decoding_step_runs_on_the_emulator(monkeypatch)
     is the step run again with every host read refused): its logic must not fail on the scarce
     GPU for a reason the CPU could have caught (as tests/gpu/test_gpu_suite_emulated.py checks the
     others')."""
-    import test_gpu_decode as gpu
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "test_gpu_decode.py"   # another folder: by path
+    loader = importlib.util.spec_from_file_location("gpu_decode_tests", path)
+    gpu = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(gpu)
 
     monkeypatch.setattr(gpu, "DEVICE", "cpu")
     gpu.test_a_decoding_step_captured_in_a_cuda_graph_replays_new_lengths_as_eager()
