@@ -69,9 +69,8 @@ def _packed(tensors: dict, varlen) -> dict:
 # Index values (cu_seqlens, cache_seqlens, cache_batch_idx, cache_leftpad, block tables) are
 # not read on the host by default: that would be a device sync per call. The kernels check them
 # instead (the guards of macros.j2 and cache_update.cu.j2): a value that would reach outside a
-# tensor is refused, nothing read or written there, and the int32 flag set (a plain store of 1:
-# every writer stores the same value, and an atomic pushed the register-bound packed backward
-# into spills); the call raises from the flag lazily (torch._assert_async: on a GPU an
+# tensor is refused, nothing read or written there, and the int32 flag set (an atomic: refusing
+# blocks run in no defined order; macros.j2 flag_refusal); the call raises from the flag lazily (torch._assert_async: on a GPU an
 # asynchronous device-side assert, on the CPU at once). FAGEN_CHECK_VALUES=1 checks the values
 # on the host first, with exact messages.
 
