@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 from typing import Any, Callable, Iterator, Protocol
 
@@ -34,6 +33,9 @@ import torch
 
 from .render import Entry, Source
 from .compile import compile_source, describe_target, nvrtc_target
+from ..emulate import instrumentation
+from ..environment import setting
+from ..emulate.launch_args import RACECHECK_ENV
 from ..spec import SMEM_LIMIT_BYTES, base_arch
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
@@ -75,7 +77,7 @@ class BoundLaunch:
     supplies by name. Reused across calls of one shape, this skips re-deriving and
     re-converting twenty-odd scalars per kernel on every call."""
 
-    __slots__ = ("functions", "name", "block", "shared_mem", "chunks", "slots")
+    __slots__ = ("functions", "name", "block", "shared_mem", "chunks", "slots", "passed", "converting")
 
     def __init__(self, functions: dict, name: str, block: tuple, shared_mem: int,
                  chunks: list[tuple[tuple, list]], slots: list[tuple[int, str, Callable]]):
@@ -85,6 +87,9 @@ class BoundLaunch:
         self.shared_mem = shared_mem
         self.chunks = chunks         # (grid, argument template) per launch
         self.slots = slots           # (position, value name, converter) of the per-call arguments
+        # The emulator takes tensors as they are: those slots need no conversion, nor its memo.
+        self.passed = [(i, name) for i, name, convert in slots if convert is _as_is]
+        self.converting = [slot for slot in slots if slot[2] is not _as_is]
 
     def __call__(self, values: dict[str, Any], converted: dict[str, Any] | None = None) -> None:
         """Launch with the per-call `values`; `converted` memoizes their C-typed forms across
@@ -93,12 +98,19 @@ class BoundLaunch:
         converted = {} if converted is None else converted
         for grid, template in self.chunks:
             args = template.copy()
-            for i, name, convert in self.slots:
+            for i, name in self.passed:
+                args[i] = values[name]
+            for i, name, convert in self.converting:
                 value = converted.get(name)
                 if value is None:
                     value = converted[name] = convert(values[name])
                 args[i] = value
             function(grid, self.block, tuple(args), self.shared_mem)
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """The emulator's tensor argument: the tensor itself (it reads the pointer and the storage)."""
+    return tensor
 
 
 class LoadedSource:
@@ -246,7 +258,7 @@ def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
 
 def emulate_checked() -> bool:
     """Whether CPU launches use the sanitizer-checked emulator build (FAGEN_EMULATE_CHECKED=1)."""
-    value = os.environ.get(CHECKED_ENV, "")
+    value = setting(CHECKED_ENV)
     if value not in ("", "0", "1"):
         raise ValueError(f"{CHECKED_ENV}={value!r}: expected 0 or 1")
     return value == "1"
@@ -254,13 +266,11 @@ def emulate_checked() -> bool:
 
 def emulator_build() -> str:
     """Which emulator build CPU launches use now: "fast", "checked" (FAGEN_EMULATE_CHECKED=1)
-    or "instrumented" (FAGEN_EMULATE_RACECHECK set, or counters being collected)."""
-    from ..emulate import instrumentation
-    from ..emulate.launch_args import RACECHECK_ENV
-
+    or "instrumented" (FAGEN_EMULATE_RACECHECK set, or counters being collected). Read on
+    every CPU call (tests switch builds between calls), so kept to two environment reads."""
     if emulate_checked():
         return "checked"
-    if os.environ.get(RACECHECK_ENV, "") not in ("", "0") or instrumentation.collecting():
+    if setting(RACECHECK_ENV) not in ("", "0") or instrumentation.collecting():
         return "instrumented"
     return "fast"
 
@@ -279,7 +289,7 @@ def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
     for entry in source.entries:  # counter reports name tensors after the kernel's parameters
         if hasattr(functions[entry.name], "parameter_names"):
             functions[entry.name].parameter_names = [p.name for p in entry.params]
-    return LoadedSource(source, device, functions, pointer=lambda t: t)
+    return LoadedSource(source, device, functions, pointer=_as_is)
 
 
 # -- cache -------------------------------------------------------------------

@@ -27,6 +27,24 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+def new_output(like: torch.Tensor) -> torch.Tensor:
+    """An output of `like`'s shape and dtype, for a caller that hands the kernels a view of it."""
+    return _empty(*like.shape, dtype=like.dtype, device=like.device)
+
+
+_unused_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused(device: torch.device) -> torch.Tensor:
+    """A 0-element fp32 tensor for an argument the kernels never touch in this launch (an
+    unsplit step's split-KV partials): one per device, not an allocation per call (it has no
+    memory, so a CUDA graph that captured it holds nothing of it)."""
+    buffer = _unused_buffers.get(device)
+    if buffer is None:
+        buffer = _unused_buffers[device] = torch.empty(0, dtype=torch.float32, device=device)
+    return buffer
+
+
 def _strides_of(values: dict, **tensors) -> None:
     for name, t in tensors.items():
         if t.dim() == 3:   # packed sequences (total, H, d): the kernels offset rows by cu_seqlens
@@ -90,7 +108,7 @@ def raise_flagged(flag: torch.Tensor, message: str) -> None:
     """Raise `message` (an InputError, + CHECK_HINT) if a guard set `flag`, without a device
     sync: torch._assert_async, at once on the CPU, asynchronously on a GPU (a device-side
     assert that surfaces at the next synchronizing call)."""
-    assert_lazily(flag[0] == 0, f"fagen: {message}{CHECK_HINT}")
+    assert_lazily(flag.logical_not(), f"fagen: {message}{CHECK_HINT}")   # one op: flag is (1,)
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -118,16 +136,40 @@ MAX_PLANS = 1024
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
 
 
-def _run(plan_key, build, tensors: dict, debug, after_first=None) -> None:
-    """Run the bound launches of `plan_key` (built by `build()` on a miss) with `tensors`.
-    Debug renders take instrumentation tensors and are never remembered."""
-    plan = None if debug else _plans.get(plan_key)
+class Launches:
+    """A caller's hold on the bound launches of one call signature: a caller that has keyed the
+    call itself (a decoding step's plan, `ops.kvcache`) passes one, and its warm calls skip
+    building this module's launch-plan key (shapes, strides, backend) and looking it up."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self):
+        self.plan: list[launch.BoundLaunch] | None = None
+
+
+def _planned(plan_key, build, debug, held: Launches | None = None) -> list[launch.BoundLaunch]:
+    """The bound launches of `plan_key` (a callable giving the key, called only when `held` has
+    none yet), built by `build()` on a miss. Debug renders take instrumentation tensors and
+    are never remembered."""
+    if held is not None and held.plan is not None:
+        return held.plan
+    key = None if debug else plan_key()
+    plan = None if debug else _plans.get(key)
     if plan is None:
         plan = build()
         if not debug:
             if len(_plans) >= MAX_PLANS:  # many distinct shapes: start over, stay bounded
                 _plans.clear()
-            _plans[plan_key] = plan
+            _plans[key] = plan
+    if held is not None and not debug:
+        held.plan = plan
+    return plan
+
+
+def _run(plan_key, build, tensors: dict, debug, after_first=None, held: Launches | None = None) -> None:
+    """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
+    guards' flag where the call owns one (REFUSAL)."""
+    plan = _planned(plan_key, build, debug, held)
     converted: dict = {}
     for index, bound in enumerate(plan):
         bound(tensors, converted)
@@ -210,8 +252,9 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
         return [launch.load(source, q.device).bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values,
                                                    PER_CALL_SCALARS)]
 
-    key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-           v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
+    def key():
+        return ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
+                v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
     varlen_scalars = _packed(tensors, varlen)
     _run(key, build, tensors, debug)
     return out, tuple(stats)
@@ -272,8 +315,10 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
                 for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
 
     keep = (drop.get("keep_threshold"), drop.get("keep_scale"))
-    key = ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-           out.stride(), dout.stride(), scale, keep, variant_scalars, None if varlen is None else varlen[2:])
+    def key():
+        return ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(),
+                v.stride(), out.stride(), dout.stride(), scale, keep, variant_scalars,
+                None if varlen is None else varlen[2:])
     delta = tensors["delta"]
     varlen_scalars = _packed(tensors, varlen)
 
@@ -307,7 +352,7 @@ def _flagged(tensors: dict, flag, device) -> None:
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
                      block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
-                     pack_group: int | None = None, flag=None):
+                     pack_group: int | None = None, flag=None, out=None, held: Launches | None = None):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
     q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
@@ -319,17 +364,19 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
     The guards refuse index values that reach outside the cache and set `flag` (int32 (1,),
     `error_flag`); without one the call makes its own and raises from it (`raise_flagged`).
+    `out`, q's shape, is where the output goes (any strides; a packed step's is a view of the
+    caller's unpacked output), else a new tensor. `held` (`Launches`): see `_planned`.
     """
     batch, seqlen_q, heads, head_dim = _geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     f32 = dict(dtype=torch.float32, device=q.device)
-    out = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    out = _empty(*q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = _empty(batch, heads, seqlen_q, **f32)
     split = num_splits > 1   # the partials are (B, H, Nq, splits[, d]); unsplit launches never touch them
     variant_tensors, variant_scalars = _split_variant(source.spec, variant)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
-               "o_partial": _empty(*((batch, heads, seqlen_q, num_splits, head_dim) if split else (0,)), **f32),
-               "lse_partial": _empty(*((batch, heads, seqlen_q, num_splits) if split else (0,)), **f32),
+               "o_partial": _empty(batch, heads, seqlen_q, num_splits, head_dim, **f32) if split else _unused(q.device),
+               "lse_partial": _empty(batch, heads, seqlen_q, num_splits, **f32) if split else _unused(q.device),
                **variant_tensors}
     if block_table is not None:
         tensors["block_table"] = block_table
@@ -357,27 +404,31 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
             plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
         return plan
 
-    key = ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
-           k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
-           None if block_table is None else block_table.shape, None if varlen is None else varlen[2:], pack_group)
+    def key():
+        return ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
+                out.stride(), k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
+                None if block_table is None else block_table.shape, None if varlen is None else varlen[2:],
+                pack_group)
+
     varlen_scalars = _packed(tensors, varlen)
-    _run(key, build, tensors, None)
+    _run(key, build, tensors, None, held=held)
     return out, lse
 
 
 def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seqlens, *, cache_batch=None,
-                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None):
+                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None,
+                    held: Launches | None = None):
     """Append k_new, v_new (B, N_new, Hk, d) to a kv_cache spec's cache in place at rows
     cache_seqlens[b] + t (contiguous: of cache entry cache_batch[b]; paged: through block_table),
     rotating the keys with rotary = (cos, sin, interleaved). Returns q, or with rotary a rotated
     copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b]).
     The guard checks every entry's rows (and a contiguous cache's cache_start, 0 by default)
     before any is written: one value out of range refuses the whole append and sets `flag`
-    (as forward_kv_cache's)."""
+    (as forward_kv_cache's). `held` (`Launches`): see `_planned`."""
     batch, seqlen_q, heads, _ = q.shape
     cos, sin, interleaved = rotary or (None, None, False)
     q_rot = q if rotary is None else _empty(*q.shape, dtype=q.dtype, device=q.device)
-    nothing = torch.empty(0, dtype=q.dtype, device=q.device)
+    nothing = torch.empty(0, dtype=q.dtype, device=q.device) if cos is None else None
     tensors = {"q": q, "k_new": k_new, "v_new": v_new, "q_rot": q_rot, "k_cache": k_cache, "v_cache": v_cache,
                "cache_seqlens": cache_seqlens, "rotary_cos": nothing if cos is None else cos,
                "rotary_sin": nothing if sin is None else sin}
@@ -403,10 +454,12 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
         entry = source.kernels.cache_update
         return [launch.load(source, q.device).bind(entry, (tokens, heads, batch), values)]
 
-    key = ("cache_update", source.hash, launch.backend_key(q.device), q.shape, q.stride(), k_new.shape,
-           k_new.stride(), v_new.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), rotary_dim,
-           interleaved, q_positions_step, None if block_table is None else block_table.shape)
-    _run(key, build, tensors, None)
+    def key():
+        return ("cache_update", source.hash, launch.backend_key(q.device), q.shape, q.stride(), k_new.shape,
+                k_new.stride(), v_new.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), rotary_dim,
+                interleaved, q_positions_step, None if block_table is None else block_table.shape)
+
+    _run(key, build, tensors, None, held=held)
     # The kernel wrote the caches through raw pointers: bump their version counters as torch's
     # own in-place ops do, so that autograd refuses a backward that saved their old values.
     torch.autograd.graph.increment_version((k_cache, v_cache))

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ..environment import setting
 from ..errors import InputError, InputTypeError, assert_lazily
 from ..spec import MAX_HEAD_DIM, check_dropout_p
 
@@ -180,14 +181,12 @@ def values_checked(t: torch.Tensor) -> bool:
     FAGEN_CHECK_VALUES=1 (a device sync per call) and where values can be read. By default
     the kernels' guards refuse an out-of-range index and the call raises lazily from their
     error flag (fagen.kernels.run.raise_flagged)."""
-    import os
-
     if not values_checkable(t):   # first: under torch.compile the environment is never read
         return False
-    setting = os.environ.get("FAGEN_CHECK_VALUES", "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"FAGEN_CHECK_VALUES={setting!r}: expected 0 or 1")
-    return setting == "1"
+    value = setting("FAGEN_CHECK_VALUES")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"FAGEN_CHECK_VALUES={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 # -- flags and tensors ----------------------------------------------------------------------------

@@ -17,13 +17,16 @@ checked by the kernels' guards, which refuse a value out of range (an append tha
 cache is not written at all), and the step raises lazily from their flag (kernels.run
 .raise_flagged); FAGEN_CHECK_VALUES=1 checks them on the host first. Under torch.compile the step
 is one custom op (fagen::flash_attn_with_kvcache) that declares its writes to the caches.
+A serving loop calls this with one signature (shapes, strides, dtypes, devices, options) step
+after step: the first call is checked and planned (`_prepare` → `StepPlan`), and the warm ones
+reuse the plan and its bound launches, so a step's host time is its allocations and launches.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,8 +36,8 @@ from ..kernels import run as attention_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..spec import Spec
-from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag
-from .kvcache_args import check_kvcache, check_rotary
+from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, values_checked
+from .kvcache_args import CacheCall, check_kvcache, check_rotary
 from .variant_args import variant_call
 
 def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int | None, fields: dict) -> Spec:
@@ -100,19 +103,21 @@ class PaddedHeadDim:
     head_dim: int                # the caller's
     k_cache: torch.Tensor        # the caller's caches
     v_cache: torch.Tensor
+    k_cache_copy: torch.Tensor   # their padded copies, which the kernels read and append to
+    v_cache_copy: torch.Tensor
 
 
 def _pad_head_dim(t):
     return None if t is None else torch.nn.functional.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE))
 
 
-def _copy_appended(padded: PaddedHeadDim, cache, k_cache, v_cache, block_table, flag) -> None:
+def _copy_appended(padded: PaddedHeadDim, cache, seqlens, k_cache, v_cache, block_table, flag) -> None:
     """Rows cache_seqlens[b] .. + N_new of each entry, from the padded caches into the caller's
     (index_put_: it bumps their version counters). Where a guard refused an index (`flag`, on a
     GPU still unraised), the indices are clamped into the cache and each row gets its own old
     value back: nothing changes, and no sync decides it."""
     refused = flag[0] != 0
-    rows = (cache.cache_seqlens.long()[:, None] + torch.arange(cache.new_tokens, device=k_cache.device))
+    rows = (seqlens.long()[:, None] + torch.arange(cache.new_tokens, device=k_cache.device))
     rows = rows.clamp(0, cache.capacity - 1)
     if block_table is None:
         first, second = cache.cache_batch.long()[:, None].expand_as(rows), rows
@@ -123,17 +128,6 @@ def _copy_appended(padded: PaddedHeadDim, cache, k_cache, v_cache, block_table, 
         caller[first, second] = torch.where(refused, caller[first, second], source[first, second, :, :padded.head_dim])
 
 
-def _result(out, lse, return_lse: bool, padded, cache, k_cache, v_cache, block_table, flag):
-    """The step's outputs, after its raise from the guards' flag (at once on the CPU: a padded
-    step then leaves the caller's cache as it was)."""
-    attention_kernels.raise_flagged(flag, attention_kernels.DECODE_REFUSED)
-    if padded is not None:
-        if cache.new_tokens:
-            _copy_appended(padded, cache, k_cache, v_cache, block_table, flag)
-        out = out[..., :padded.head_dim]
-    return (out, lse) if return_lse else out
-
-
 def _check_splits(num_splits) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise InputError(f"num_splits must be an int in 0..{MAX_SPLITS} (0: chosen from the SM count), "
@@ -141,62 +135,212 @@ def _check_splits(num_splits) -> int:
     return num_splits
 
 
-def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-          cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-          return_softmax_lse=False):
-    """flash_attn_with_kvcache's eager implementation (the custom op's too)."""
+@dataclass
+class StepPlan:
+    """What a decoding step derives from its arguments' shapes, strides, dtypes, devices, grad
+    flags, alignment and options, which is all that `_prepare` checks: a warm step whose
+    `signature` was seen reuses it (and its bound launches), and only allocates its outputs and
+    launches its kernels. A plan that holds a tensor of its call (ALiBi slopes, padded copies)
+    serves that call only."""
+
+    source: object                       # kernels.render.Source of the step's kv_cache spec
+    cache: CacheCall                     # capacity, page size, new tokens; the index tensors it made
+    given: tuple                         # which of cache_seqlens, cache_batch_idx, cache_leftpad came as tensors
+    rotary_interleaved: bool
+    return_lse: bool
+    softmax_scale: float | None
+    variant: dict | None                 # the variant's kernel arguments (VariantCall.values)
+    q_positions_step: bool               # rotary rotates q at cache_seqlens + i (causal or windowed)
+    pack_group: int | None               # GQA packing: query heads per K/V head
+    num_splits: int
+    padded: PaddedHeadDim | None
+    reusable: bool
+    update: attention_kernels.Launches = field(default_factory=attention_kernels.Launches)
+    attend: attention_kernels.Launches = field(default_factory=attention_kernels.Launches)
+
+    def run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table):
+        """The step on this call's tensors: the append (with rotary), the attention, the raise
+        from the guards' flag."""
+        padded, cache = self.padded, self.cache
+        if padded is not None and not self.reusable:   # the plan of this very call: copies of its tensors
+            k_cache, v_cache = padded.k_cache_copy, padded.v_cache_copy
+            q, k, v = (_pad_head_dim(t) for t in (q, k, v))
+        seqlens_given, batch_given, start_given = self.given
+        seqlens = cache_seqlens.contiguous() if seqlens_given else cache.cache_seqlens
+        cache_batch = cache_batch_idx.contiguous() if batch_given else cache.cache_batch
+        start = cache_leftpad.contiguous() if start_given else cache.cache_start
+        block_table = None if block_table is None else block_table.contiguous()
+        flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once by _result
+        if k is not None:   # rotary and the append: one kernel, in place
+            q = attention_kernels.update_kv_cache(
+                self.source, q, k_cache, v_cache, k, v, seqlens, cache_batch=cache_batch, cache_start=start,
+                block_table=block_table, rotary=None if rotary_cos is None else (
+                    rotary_cos.contiguous(), rotary_sin.contiguous(), self.rotary_interleaved),
+                q_positions_step=self.q_positions_step, flag=flag, held=self.update)
+        batch, seqlen_q, heads, _ = q.shape
+        if batch == 0 or seqlen_q == 0 or heads == 0:
+            out = torch.zeros_like(q)
+            lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
+            return self._result(out, lse, cache, k_cache, v_cache, block_table, flag, seqlens)
+        keys = seqlens
+        if cache.new_tokens:
+            keys = keys + cache.new_tokens
+        if start_given:
+            keys = keys - start
+        out, lse = self._attend(q, k_cache, v_cache, keys, block_table, cache_batch, start, flag)
+        return self._result(out, lse, cache, k_cache, v_cache, block_table, flag, seqlens)
+
+    def _attend(self, q, k_cache, v_cache, keys, block_table, cache_batch, start, flag):
+        """The attention over the cache, its (out, L) in the caller's layout. GQA packing with one
+        query per head packs by views: the kernel reads q and writes the caller's output through
+        strides, and L's (B, Hk, group) is (B, H, 1) as it lies."""
+        batch, seqlen_q, heads, head_dim = q.shape
+        kv_heads, group = k_cache.shape[2], self.pack_group
+        out = None
+        if group is None:
+            q_kernel = aligned_rows(q)
+        elif seqlen_q == 1:
+            out = attention_kernels.new_output(q)
+            q_kernel = aligned_rows(q.view(batch, kv_heads, group, head_dim).transpose(1, 2))
+            out_kernel = out.view(batch, kv_heads, group, head_dim).transpose(1, 2)
+        else:
+            q_kernel = _pack(q, kv_heads)
+        kernel_out, lse = attention_kernels.forward_kv_cache(
+            self.source, q_kernel, k_cache, v_cache, keys, seqlen_k=self.cache.capacity,
+            cache_rows=None if block_table is not None else (cache_batch, start), block_table=block_table,
+            num_splits=self.num_splits, softmax_scale=self.softmax_scale, variant=self.variant, pack_group=group,
+            flag=flag, out=None if out is None else out_kernel, held=self.attend)
+        if group is None:
+            return kernel_out, lse
+        if out is not None:
+            return out, lse.view(batch, heads, 1)
+        return _unpack(kernel_out, lse, q.shape)
+
+    def _result(self, out, lse, cache, k_cache, v_cache, block_table, flag, seqlens):
+        """The step's outputs, after its raise from the guards' flag (at once on the CPU: a padded
+        step then leaves the caller's cache as it was)."""
+        attention_kernels.raise_flagged(flag, attention_kernels.DECODE_REFUSED)
+        padded = self.padded
+        if padded is not None:
+            if cache.new_tokens:
+                _copy_appended(padded, cache, seqlens, k_cache, v_cache, block_table, flag)
+            out = out[..., :padded.head_dim]
+        return (out, lse) if self.return_lse else out
+
+
+def _check_scale(softmax_scale):
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not softmax_scale > 0):
+        raise InputError(f"softmax_scale must be a float > 0 or None, got {softmax_scale!r}")
+
+
+def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_softmax_lse) -> StepPlan:
+    """Check a step's arguments (everything but index values, which the kernels' guards check;
+    FAGEN_CHECK_VALUES=1: here too), find its kernels and load them before the cache is touched."""
     cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
     check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     num_splits = _check_splits(num_splits)
     causal = check_flag("causal", causal)
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not softmax_scale > 0):
-        raise InputError(f"softmax_scale must be a float > 0 or None, got {softmax_scale!r}")
+    _check_scale(softmax_scale)
     padded = None
     if q.shape[-1] % HEAD_DIM_MULTIPLE:   # the step runs on padded copies; the scale keeps the true d
-        padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache)
-        q, k_cache, v_cache, k, v = (_pad_head_dim(t) for t in (q, k_cache, v_cache, k, v))
+        padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache), _pad_head_dim(v_cache))
+        q, k_cache, v_cache = _pad_head_dim(q), padded.k_cache_copy, padded.v_cache_copy
         softmax_scale = 1.0 / math.sqrt(padded.head_dim) if softmax_scale is None else softmax_scale
     batch, seqlen_q, heads, head_dim = q.shape
     call = variant_call(q, k_cache, causal=causal, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, sizes=(batch, seqlen_q, heads, cache.capacity))
-    spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=k_cache.shape[2], causal=causal,
+    kv_heads = k_cache.shape[2]
+    spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=call.spec_fields if call else {})
-    causal, packed = spec.causal, spec.pack_gqa
     source = source_for(spec)
     _load_before_writing(source, q.device)
-    flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once by _result
-    if k is not None:   # rotary and the append: one kernel, in place
-        windowed = bool(call and call.spec_fields.get("window"))
-        q = attention_kernels.update_kv_cache(
-            source, q, k_cache, v_cache, k, v, cache.cache_seqlens, cache_batch=cache.cache_batch,
-            cache_start=cache.cache_start, block_table=None if block_table is None else block_table.contiguous(),
-            rotary=None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(),
-                                                    rotary_interleaved),
-            q_positions_step=causal or windowed, flag=flag)
-    if batch == 0 or seqlen_q == 0 or heads == 0:
-        out = torch.zeros_like(q)
-        lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
-        return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table, flag)
-    keys = (cache.cache_seqlens + cache.new_tokens - cache.cache_start).to(torch.int32)
-    shape, kv_heads = q.shape, k_cache.shape[2]
-    q_kernel = _pack(q, kv_heads) if packed else aligned_rows(q)
     if num_splits == 0:
-        row_blocks = batch * q_kernel.shape[2] * -(-q_kernel.shape[1] // spec.block_m)
-        key_tiles = -(-cache.capacity // spec.block_n)
-        num_splits = choose_splits(row_blocks, key_tiles, processor_count(q.device))
-    out, lse = attention_kernels.forward_kv_cache(
-        source, q_kernel, k_cache, v_cache, keys, seqlen_k=cache.capacity,
-        cache_rows=None if block_table is not None else (cache.cache_batch, cache.cache_start),
-        block_table=None if block_table is None else block_table.contiguous(), num_splits=num_splits,
-        softmax_scale=softmax_scale, variant=call.values if call else None,
-        pack_group=heads // kv_heads if packed else None, flag=flag)
-    if packed:
-        out, lse = _unpack(out, lse, shape)
-    return _result(out, lse, return_softmax_lse, padded, cache, k_cache, v_cache, block_table, flag)
+        packed_rows = seqlen_q * (heads // kv_heads) if spec.pack_gqa else seqlen_q
+        row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * -(-packed_rows // spec.block_m)
+        num_splits = choose_splits(row_blocks, -(-cache.capacity // spec.block_n), processor_count(q.device))
+    given = tuple(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
+    return StepPlan(source, cache, given, rotary_interleaved, return_softmax_lse, softmax_scale,
+                    call.values if call else None, spec.causal or bool(call and call.spec_fields.get("window")),
+                    heads // kv_heads if spec.pack_gqa else None, num_splits, padded,
+                    reusable=padded is None and alibi_slopes is None)
+
+
+# Plans of seen step signatures (`_signature`); bounded: many distinct shapes start it over.
+_plans: dict[tuple, StepPlan] = {}
+MAX_PLANS = 1024
+
+
+def _signature(args) -> tuple | None:
+    """Everything `_prepare` reads of a step's arguments, hashable: per tensor its shape,
+    strides, dtype and device, for the caches (which the checks refuse to write where they
+    require grad or are misaligned) and q (copied when misaligned) also the grad flag and
+    16-byte alignment; other arguments as they are where they are plain Python values. None (no
+    plan reused) for anything else: tensor or NumPy scalars, tensor subclasses, sparse tensors."""
+    parts = []
+    try:
+        for index, a in enumerate(args):
+            kind = type(a)
+            if kind is torch.Tensor:
+                meta = (a.shape, a.stride(), a.dtype, a.device)
+                parts.append(meta + (a.requires_grad, a.data_ptr() % 16) if index < 3 else meta)
+            elif a is None or kind in (int, float, bool):
+                parts.append(a)
+            elif kind in (tuple, list) and all(type(x) is int for x in a):
+                parts.append(tuple(a))
+            else:
+                return None
+    except RuntimeError:   # a layout without strides (sparse): the checks name it
+        return None
+    return tuple(parts)
+
+
+def _caches_overlap(k_cache, v_cache) -> tuple:
+    """What `_check_writable`'s shared-memory test reads beyond shapes and strides: whether the
+    caches start at one address, and whether their byte ranges could meet."""
+    gap = k_cache.data_ptr() - v_cache.data_ptr()
+    return gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size()
+
+
+def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+          cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+          return_softmax_lse=False):
+    """flash_attn_with_kvcache's eager implementation (the custom op's too): the plan of the
+    call's signature (checked once by `_prepare`), run on its tensors."""
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse)
+    key = None if _unplanned(q) else _signature(args)
+    if key is not None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+        key = (key, _caches_overlap(k_cache, v_cache), launch.backend_key(q.device))
+    else:
+        key = None
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        plan = _prepare(*args)
+        if key is not None and plan.reusable:
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table)
+
+
+def _unplanned(q) -> bool:
+    """Steps that check everything every time: FAGEN_CHECK_VALUES=1 (the index values are read),
+    and CUDA graph capture (a plan's index tensors made during a capture hold nothing until a
+    replay, and one made before it would be freed under the graph if its plan were dropped)."""
+    if not isinstance(q, torch.Tensor):
+        return True
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return values_checked(q)
 
 
 @forward_only("flash_attn_with_kvcache")
