@@ -57,7 +57,7 @@ class _ForwardOnly(torch.autograd.Function):
                            f"output cannot be differentiated. Run it under torch.no_grad(), or detach its inputs")
 
 
-def _wanting_grad(values) -> list:
+def wanting_grad(values) -> list:
     """The tensors among `values` that autograd would record a call on (none under no_grad or
     inference_mode: one flag check, no scan)."""
     if not torch.is_grad_enabled():
@@ -69,7 +69,7 @@ def run_forward_only(name: str, run, inputs):
     """`run()`'s outputs (a tensor or a tuple); where autograd would record the call (grad mode
     on and one of `inputs` requires grad) they carry a backward that raises, naming `name`.
     Otherwise the call as is: no Function, no graph."""
-    wanting = _wanting_grad(inputs)
+    wanting = wanting_grad(inputs)
     return _ForwardOnly.apply(name, run, *wanting) if wanting else run()
 
 
@@ -79,7 +79,7 @@ def forward_only(name: str):
     def wrap(function):
         @functools.wraps(function)
         def call(*args, **kwargs):
-            wanting = _wanting_grad((*args, *kwargs.values()))
+            wanting = wanting_grad((*args, *kwargs.values()))
             if not wanting:
                 return function(*args, **kwargs)
             return _ForwardOnly.apply(name, functools.partial(function, *args, **kwargs), *wanting)

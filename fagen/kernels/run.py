@@ -27,25 +27,31 @@ def _empty(*shape, dtype, device) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+def new_buffer(*shape, dtype, device) -> torch.Tensor:
+    """A buffer a kernel writes, for callers outside this module (through `_empty`)."""
+    return _empty(*shape, dtype=dtype, device=device)
+
+
 def new_output(like: torch.Tensor) -> torch.Tensor:
-    """An output of `like`'s shape and dtype, for a caller that hands the kernels a view of it."""
+    """An output of `like`'s shape and dtype (through `_empty`)."""
     return _empty(*like.shape, dtype=like.dtype, device=like.device)
 
 
-_unused_buffers: dict[torch.device, torch.Tensor] = {}
+_unused_buffers: dict[tuple, torch.Tensor] = {}
 
 
-def _unused(device: torch.device) -> torch.Tensor:
-    """A 0-element fp32 tensor for an argument the kernels never touch in this launch (an
-    unsplit step's split-KV partials): one per device, not an allocation per call (it has no
-    memory, so a CUDA graph that captured it holds nothing of it)."""
-    buffer = _unused_buffers.get(device)
+def unused(device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    """A 0-element tensor for an argument the kernels never touch in this launch (an unsplit
+    step's split-KV partials, an append's rotary tables without rotary): one per device and
+    dtype, not an allocation per call (it has no memory, so a CUDA graph that captured it holds
+    nothing of it)."""
+    buffer = _unused_buffers.get((device, dtype))
     if buffer is None:
-        buffer = _unused_buffers[device] = torch.empty(0, dtype=torch.float32, device=device)
+        buffer = _unused_buffers[(device, dtype)] = torch.empty(0, dtype=dtype, device=device)
     return buffer
 
 
-def _strides_of(values: dict, **tensors) -> None:
+def strides_of(values: dict, **tensors) -> None:
     for name, t in tensors.items():
         if t.dim() == 3:   # packed sequences (total, H, d): the kernels offset rows by cu_seqlens
             values.update({f"{name}_stride_b": 0, f"{name}_stride_n": t.stride(0), f"{name}_stride_h": t.stride(1)})
@@ -54,7 +60,7 @@ def _strides_of(values: dict, **tensors) -> None:
                        f"{name}_stride_h": t.stride(2)})
 
 
-def _geometry(q, k, varlen):
+def geometry(q, k, varlen):
     """(batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads); for packed sequences (`varlen` =
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)) the lengths are the maxima."""
     if varlen is None:
@@ -63,9 +69,9 @@ def _geometry(q, k, varlen):
     return cu_q.shape[0] - 1, max_q, q.shape[1], q.shape[2], max_k, k.shape[1]
 
 
-def _packed(tensors: dict, varlen) -> dict:
+def packed_sequences(tensors: dict, varlen) -> dict:
     """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
-    cu_seqlens and the error flag of the kernels' guard (raised after the launches: `_run`), and
+    cu_seqlens and the error flag of the kernels' guard (raised after the launches: `launch_planned`), and
     returns the scalar arguments (the max lengths, the packed totals) to bind."""
     if varlen is None:
         return {}
@@ -92,7 +98,7 @@ def _packed(tensors: dict, varlen) -> dict:
 # asynchronous device-side assert, on the CPU at once). FAGEN_CHECK_VALUES=1 checks the values
 # on the host first, with exact messages.
 
-REFUSAL = "refusal message"   # a `tensors` entry that is no kernel parameter: what _run raises
+REFUSAL = "refusal message"   # a `tensors` entry that is no kernel parameter: what launch_planned raises
 PACKED_REFUSED = ("an index value is out of range in {} (a sequence outside the packed rows, or longer than "
                   "max_seqlen_q / max_seqlen_k{})")
 CHECK_HINT = ("; the kernels refused it, nothing outside the tensors was read or written. "
@@ -136,23 +142,9 @@ MAX_PLANS = 1024
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
 
 
-class Launches:
-    """A caller's hold on the bound launches of one call signature: a caller that has keyed the
-    call itself (a decoding step's plan, `ops.kvcache`) passes one, and its warm calls skip
-    building this module's launch-plan key (shapes, strides, backend) and looking it up."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self):
-        self.plan: list[launch.BoundLaunch] | None = None
-
-
-def _planned(plan_key, build, debug, held: Launches | None = None) -> list[launch.BoundLaunch]:
-    """The bound launches of `plan_key` (a callable giving the key, called only when `held` has
-    none yet), built by `build()` on a miss. Debug renders take instrumentation tensors and
-    are never remembered."""
-    if held is not None and held.plan is not None:
-        return held.plan
+def _planned(plan_key, build, debug) -> list[launch.BoundLaunch]:
+    """The bound launches of `plan_key` (a callable giving the key), built by `build()` on a
+    miss. Debug renders take instrumentation tensors and are never remembered."""
     key = None if debug else plan_key()
     plan = None if debug else _plans.get(key)
     if plan is None:
@@ -161,20 +153,22 @@ def _planned(plan_key, build, debug, held: Launches | None = None) -> list[launc
             if len(_plans) >= MAX_PLANS:  # many distinct shapes: start over, stay bounded
                 _plans.clear()
             _plans[key] = plan
-    if held is not None and not debug:
-        held.plan = plan
     return plan
 
 
-def _run(plan_key, build, tensors: dict, debug, after_first=None, held: Launches | None = None) -> None:
-    """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
-    guards' flag where the call owns one (REFUSAL)."""
-    plan = _planned(plan_key, build, debug, held)
+def launch_all(plan: list[launch.BoundLaunch], tensors: dict, after_first=None) -> None:
+    """Launch a call's bound kernels in order with its tensors (each pointer converted once)."""
     converted: dict = {}
     for index, bound in enumerate(plan):
         bound(tensors, converted)
         if index == 0 and after_first is not None:
             after_first()
+
+
+def launch_planned(plan_key, build, tensors: dict, debug, after_first=None) -> None:
+    """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
+    guards' flag where the call owns one (REFUSAL)."""
+    launch_all(_planned(plan_key, build, debug), tensors, after_first)
     if REFUSAL in tensors:
         raise_flagged(tensors["error_flag"], tensors[REFUSAL])
 
@@ -210,7 +204,7 @@ def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: to
     return -terms.sum(dim=(0, 2)).to(sinks.dtype)
 
 
-def _split_variant(spec, variant: dict | None) -> tuple[dict, tuple]:
+def split_variant(spec, variant: dict | None) -> tuple[dict, tuple]:
     """A variant's kernel arguments (params.variant_arguments) as per-call tensors, and its
     scalars as a hashable part of the launch plan's key (scalars are bound into the plan)."""
     if not variant:   # plain attention: the hot path of most calls
@@ -229,12 +223,12 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
     and the statistics are (B, H, max_seqlen_q) with each sequence's rows first."""
     spec = source.spec
-    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = _geometry(q, k, varlen)
+    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     out = _empty(*q.shape, dtype=q.dtype, device=q.device)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
-    variant_tensors, variant_scalars = _split_variant(spec, variant)
+    variant_tensors, variant_scalars = split_variant(spec, variant)
     tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
                "philox_offset": philox_offset, "row_offset": coord_offsets[0], "col_offset": coord_offsets[1],
                **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
@@ -245,7 +239,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
         values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
         values.update(varlen_scalars)
-        _strides_of(values, q=q, k=k, v=v, o=out)
+        strides_of(values, q=q, k=k, v=v, o=out)
         if spec.dropout:
             values.update(dropout_args(dropout_p, seed, philox_offset))
         entry = source.kernels.forward
@@ -255,8 +249,8 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     def key():
         return ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
                 v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
-    varlen_scalars = _packed(tensors, varlen)
-    _run(key, build, tensors, debug)
+    varlen_scalars = packed_sequences(tensors, varlen)
+    launch_planned(key, build, tensors, debug)
     return out, tuple(stats)
 
 
@@ -271,7 +265,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape).
     """
     spec, kernels = source.spec, source.kernels
-    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = _geometry(q, k, varlen)
+    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
@@ -279,7 +273,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dk = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
     dv = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
     drop = dropout_args or {}
-    variant_tensors, variant_scalars = _split_variant(spec, variant)
+    variant_tensors, variant_scalars = split_variant(spec, variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
     block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
@@ -309,7 +303,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
                   "seqlen_q": seqlen_q,
                   "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
         values.update(varlen_scalars)
-        _strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
+        strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
         loaded = launch.load(source, device)
         return [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
                 for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
@@ -320,12 +314,12 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
                 v.stride(), out.stride(), dout.stride(), scale, keep, variant_scalars,
                 None if varlen is None else varlen[2:])
     delta = tensors["delta"]
-    varlen_scalars = _packed(tensors, varlen)
+    varlen_scalars = packed_sequences(tensors, varlen)
 
     def subtract_dlse():   # after the preprocess kernel: D - dL for every row
         delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
 
-    _run(key, build, tensors, debug, after_first=None if dlse is None else subtract_dlse)
+    launch_planned(key, build, tensors, debug, after_first=None if dlse is None else subtract_dlse)
     if extras is not None:
         extras.update(grads)
         if spec.sinks:
@@ -336,131 +330,3 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
         dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
         dv = dv.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
     return dq, dk, dv
-
-
-DECODE_REFUSED = "an index value is out of range in cache_seqlens, cache_batch_idx, cache_leftpad or block_table"
-
-
-def _flagged(tensors: dict, flag, device) -> None:
-    """A decoding launch's error flag: the caller's (one flag for a whole step, raised by the
-    caller after its last launch), else its own, raised by `_run` after the launch."""
-    if flag is None:
-        flag = error_flag(device)
-        tensors[REFUSAL] = DECODE_REFUSED
-    tensors["error_flag"] = flag
-
-
-def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
-                     block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
-                     pack_group: int | None = None, flag=None, out=None, held: Launches | None = None):
-    """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
-
-    q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
-    capacity). A contiguous cache (B_cache, N_cache, Hk, d) takes cache_rows = (cache_batch,
-    cache_start), int32 (B,): the cache entry and first row of each batch entry; a paged one
-    (pages, page_size, Hk, d) takes block_table (B, max_pages) int32. Returns (out, lse (B, H, Nq)).
-    With `varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) q is packed (total_q,
-    H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
-    A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
-    The guards refuse index values that reach outside the cache and set `flag` (int32 (1,),
-    `error_flag`); without one the call makes its own and raises from it (`raise_flagged`).
-    `out`, q's shape, is where the output goes (any strides; a packed step's is a view of the
-    caller's unpacked output), else a new tensor. `held` (`Launches`): see `_planned`.
-    """
-    batch, seqlen_q, heads, head_dim = _geometry(q, q, varlen)[:4]
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    out = _empty(*q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = _empty(batch, heads, seqlen_q, **f32)
-    split = num_splits > 1   # the partials are (B, H, Nq, splits[, d]); unsplit launches never touch them
-    variant_tensors, variant_scalars = _split_variant(source.spec, variant)
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
-               "o_partial": _empty(batch, heads, seqlen_q, num_splits, head_dim, **f32) if split else _unused(q.device),
-               "lse_partial": _empty(batch, heads, seqlen_q, num_splits, **f32) if split else _unused(q.device),
-               **variant_tensors}
-    if block_table is not None:
-        tensors["block_table"] = block_table
-    else:
-        tensors["cache_batch"], tensors["cache_start"] = cache_rows
-    if varlen is None or flag is not None:   # else _packed makes it, naming cu_seqlens in its message
-        _flagged(tensors, flag, q.device)
-
-    def build():
-        values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": k_cache.shape[2],
-                  "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale,
-                  "softmax_scale_log2": scale * LOG2E, "num_splits": num_splits, "cache_entries": k_cache.shape[0],
-                  "k_cache_stride_b": k_cache.stride(0), "v_cache_stride_b": v_cache.stride(0)}
-        if pack_group is not None:
-            values["pack_group"] = pack_group
-        values.update(varlen_scalars)
-        _strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
-        values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
-        if block_table is not None:
-            values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
-        loaded, entries = launch.load(source, q.device), source.kernels
-        blocks = -(-seqlen_q // entries.forward.rows_per_block)
-        plan = [loaded.bind(entries.forward, (blocks * num_splits, heads, batch), values, PER_CALL_SCALARS)]
-        if split:
-            plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
-        return plan
-
-    def key():
-        return ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
-                out.stride(), k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
-                None if block_table is None else block_table.shape, None if varlen is None else varlen[2:],
-                pack_group)
-
-    varlen_scalars = _packed(tensors, varlen)
-    _run(key, build, tensors, None, held=held)
-    return out, lse
-
-
-def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seqlens, *, cache_batch=None,
-                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None,
-                    held: Launches | None = None):
-    """Append k_new, v_new (B, N_new, Hk, d) to a kv_cache spec's cache in place at rows
-    cache_seqlens[b] + t (contiguous: of cache entry cache_batch[b]; paged: through block_table),
-    rotating the keys with rotary = (cos, sin, interleaved). Returns q, or with rotary a rotated
-    copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b]).
-    The guard checks every entry's rows (and a contiguous cache's cache_start, 0 by default)
-    before any is written: one value out of range refuses the whole append and sets `flag`
-    (as forward_kv_cache's). `held` (`Launches`): see `_planned`."""
-    batch, seqlen_q, heads, _ = q.shape
-    cos, sin, interleaved = rotary or (None, None, False)
-    q_rot = q if rotary is None else _empty(*q.shape, dtype=q.dtype, device=q.device)
-    nothing = torch.empty(0, dtype=q.dtype, device=q.device) if cos is None else None
-    tensors = {"q": q, "k_new": k_new, "v_new": v_new, "q_rot": q_rot, "k_cache": k_cache, "v_cache": v_cache,
-               "cache_seqlens": cache_seqlens, "rotary_cos": nothing if cos is None else cos,
-               "rotary_sin": nothing if sin is None else sin}
-    if block_table is not None:
-        tensors["block_table"] = block_table
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        tensors["cache_batch"] = cache_batch
-        tensors["cache_start"] = torch.zeros_like(cache_seqlens) if cache_start is None else cache_start
-        capacity = k_cache.shape[1]
-    _flagged(tensors, flag, q.device)
-    rotary_dim = 0 if cos is None else 2 * cos.shape[1]
-
-    def build():
-        values = {**tensors, "rotary_dim": rotary_dim, "rotary_interleaved": int(interleaved),
-                  "q_positions_step": int(q_positions_step), "new_tokens": k_new.shape[1], "seqlen_q": seqlen_q,
-                  "heads": heads, "kv_heads": k_cache.shape[2], "batch_size": batch, "capacity": capacity,
-                  "cache_entries": k_cache.shape[0]}
-        _strides_of(values, q=q, kn=k_new, vn=v_new, qr=q_rot, k=k_cache, v=v_cache)
-        if block_table is not None:
-            values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
-        tokens = max(k_new.shape[1], seqlen_q if rotary_dim else 0)
-        entry = source.kernels.cache_update
-        return [launch.load(source, q.device).bind(entry, (tokens, heads, batch), values)]
-
-    def key():
-        return ("cache_update", source.hash, launch.backend_key(q.device), q.shape, q.stride(), k_new.shape,
-                k_new.stride(), v_new.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), rotary_dim,
-                interleaved, q_positions_step, None if block_table is None else block_table.shape)
-
-    _run(key, build, tensors, None, held=held)
-    # The kernel wrote the caches through raw pointers: bump their version counters as torch's
-    # own in-place ops do, so that autograd refuses a backward that saved their old values.
-    torch.autograd.graph.increment_version((k_cache, v_cache))
-    return q_rot

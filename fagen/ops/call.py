@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..kernels import sources as generated_sources
 from ..kernels.render import Source, source_for
 from ..spec import CustomMod, Spec
-from .common import TORCH_DTYPES
+from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES
 
 NOTHING = torch.empty(0)
 NO_NAMES = ((), (), (), ())   # CallOptions.variant_names of a call without a variant   # the tensors list's stand-in for an absent tensor (on the CPU: never read)
@@ -183,8 +183,11 @@ def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params
 def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bool, deterministic: bool,
                 varlen: bool = False, variant_fields: dict | None = None, variant_kinds: dict | None = None,
                 module_source: str = "") -> CallOptions:
-    """The options of a call: its variant's Spec fields (mods as JSON) and value names by kind."""
-    return _options(int(q.shape[-1]), TORCH_DTYPES[q.dtype], int(version), _flag(causal), _flag(key_padding),
+    """The options of a call: its variant's Spec fields (mods as JSON) and value names by kind.
+    The kernels' head dim is q's rounded up to a multiple of 8 (common.padded_head_dim)."""
+    head_dim = int(q.shape[-1])
+    return _options(head_dim + -head_dim % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], int(version), _flag(causal),
+                    _flag(key_padding),
                     _flag(dropout), _flag(deterministic), _flag(varlen),
                     tuple(sorted(variant_fields.items())) if variant_fields else (),
                     _names_by_kind(variant_kinds) if variant_kinds else NO_NAMES, module_source)

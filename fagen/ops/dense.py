@@ -17,24 +17,47 @@ the same as any row that sees no key.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import InputError
 from ..kernels import sources as generated_sources
 from ..spec import Spec, check_dropout_p
 from . import autograd
-from .call import options_for, values_of
+from .call import CallOptions, CallValues, options_for, values_of
 from .common import TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim, philox_state
 from .variant_args import variant_call
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
-               module_source, variant=None):
+@dataclass
+class DenseCall:
+    """A call's checked options and values (call.py), what `_checked_call` derives from its
+    arguments. A call without tensors of its own beyond q, k, v (no seqlens_k, dropout or
+    variant) derives them from its `_signature` alone, so a warm call with a seen signature
+    reuses them and skips the checks."""
+
+    options: CallOptions
+    values: CallValues
+    head_dim: int        # the caller's (the kernels' is padded to a multiple of 8)
+    return_lse: bool
+    reusable: bool
+
+    def run(self, q, k, v):
+        if q.shape[-1] != self.options.head_dim:
+            q, k, v, _ = padded_head_dim(q, k, v)
+        out, lse = autograd.run(self.options, q, k, v, self.values)
+        if out.shape[-1] != self.head_dim:
+            out = out[..., :self.head_dim]
+        return (out, lse) if self.return_lse else out
+
+
+def _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
+                  module_source, variant) -> DenseCall:
     check_inputs(q, k, v, seqlens_k)
     dropout_p, softmax_scale, causal, return_lse, deterministic = check_options(
         dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])  # the true d's scale
     call = variant_call(q, k, causal=causal, **variant) if variant else None
-    q, k, v, head_dim = padded_head_dim(q, k, v)
     if seqlens_k is not None:
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
     options = options_for(q, version=version, causal=causal, key_padding=seqlens_k is not None, dropout=dropout_p > 0,
@@ -42,10 +65,49 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse,
                           variant_kinds=call.kinds if call else None, module_source=module_source)
     values = values_of(options, seqlens_k=seqlens_k, rng=philox_state(dropout_p, q.device), varlen=None,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
-    out, lse = autograd.run(options, q, k, v, values)
-    if out.shape[-1] != head_dim:
-        out = out[..., :head_dim]
-    return (out, lse) if return_lse else out
+    return DenseCall(options, values, q.shape[-1], return_lse,
+                     reusable=call is None and seqlens_k is None and dropout_p == 0)
+
+
+# Checked calls by signature (`_signature`); bounded: many distinct shapes start it over.
+_calls: dict[tuple, DenseCall] = {}
+MAX_CALLS = 4096
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _signature(q, k, v, scalars: tuple) -> tuple | None:
+    """Everything the checks read of a call without tensors of its own: q, k and v's shapes,
+    strides, dtypes and devices, and the other arguments with their types (causal=1 is refused
+    where causal=True is not). None where there is anything else, and under torch.compile
+    (which traces the checks)."""
+    if torch.compiler.is_compiling():
+        return None
+    parts = []
+    for t in (q, k, v):
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
+            return None
+        parts += (t.shape, t.stride(), t.dtype, t.device)
+    for x in scalars:
+        if type(x) not in _SCALARS:
+            return None
+        parts += (type(x), x)
+    return tuple(parts)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
+               module_source, variant=None):
+    key = None
+    if variant is None and seqlens_k is None:
+        key = _signature(q, k, v, (dropout_p, softmax_scale, causal, return_lse, deterministic, version, module_source))
+    call = None if key is None else _calls.get(key)
+    if call is None:
+        call = _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
+                             module_source, variant)
+        if key is not None and call.reusable:
+            if len(_calls) >= MAX_CALLS:
+                _calls.clear()
+            _calls[key] = call
+    return call.run(q, k, v)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

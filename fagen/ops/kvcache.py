@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError, InputTypeError, forward_only
+from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
 from ..kernels import run as attention_kernels
+from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..spec import Spec
@@ -139,94 +140,115 @@ def _check_splits(num_splits) -> int:
 class StepPlan:
     """What a decoding step derives from its arguments' shapes, strides, dtypes, devices, grad
     flags, alignment and options, which is all that `_prepare` checks: a warm step whose
-    `signature` was seen reuses it (and its bound launches), and only allocates its outputs and
-    launches its kernels. A plan that holds a tensor of its call (ALiBi slopes, padded copies)
-    serves that call only."""
+    `_signature` was seen reuses it and its bound launches, so it only allocates its outputs
+    and launches (one frame from here to the launches). A plan that holds tensors of its call
+    (a padded head dim's copies of the caches) serves that call only."""
 
     source: object                       # kernels.render.Source of the step's kv_cache spec
     cache: CacheCall                     # capacity, page size, new tokens; the index tensors it made
     given: tuple                         # which of cache_seqlens, cache_batch_idx, cache_leftpad came as tensors
     rotary_interleaved: bool
     return_lse: bool
-    softmax_scale: float | None
+    scale: float                         # the softmax scale (1 / sqrt of the caller's head_dim by default)
     variant: dict | None                 # the variant's kernel arguments (VariantCall.values)
     q_positions_step: bool               # rotary rotates q at cache_seqlens + i (causal or windowed)
     pack_group: int | None               # GQA packing: query heads per K/V head
     num_splits: int
     padded: PaddedHeadDim | None
     reusable: bool
-    update: attention_kernels.Launches = field(default_factory=attention_kernels.Launches)
-    attend: attention_kernels.Launches = field(default_factory=attention_kernels.Launches)
+    update: list | None = None           # the bound launches (kernels.launch.BoundLaunch), bound by the first step
+    attend: list | None = None
 
     def run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table):
+            block_table, alibi_slopes):
         """The step on this call's tensors: the append (with rotary), the attention, the raise
         from the guards' flag."""
         padded, cache = self.padded, self.cache
-        if padded is not None and not self.reusable:   # the plan of this very call: copies of its tensors
+        if padded is not None:   # the plan of this very call (not reusable): copies of its tensors
             k_cache, v_cache = padded.k_cache_copy, padded.v_cache_copy
             q, k, v = (_pad_head_dim(t) for t in (q, k, v))
         seqlens_given, batch_given, start_given = self.given
         seqlens = cache_seqlens.contiguous() if seqlens_given else cache.cache_seqlens
-        cache_batch = cache_batch_idx.contiguous() if batch_given else cache.cache_batch
-        start = cache_leftpad.contiguous() if start_given else cache.cache_start
+        rows = (cache_batch_idx.contiguous() if batch_given else cache.cache_batch,
+                cache_leftpad.contiguous() if start_given else cache.cache_start)
         block_table = None if block_table is None else block_table.contiguous()
-        flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once by _result
-        if k is not None:   # rotary and the append: one kernel, in place
-            q = attention_kernels.update_kv_cache(
-                self.source, q, k_cache, v_cache, k, v, seqlens, cache_batch=cache_batch, cache_start=start,
-                block_table=block_table, rotary=None if rotary_cos is None else (
-                    rotary_cos.contiguous(), rotary_sin.contiguous(), self.rotary_interleaved),
-                q_positions_step=self.q_positions_step, flag=flag, held=self.update)
+        flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once below
+        if k is not None:
+            q = self._append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag)
         batch, seqlen_q, heads, _ = q.shape
         if batch == 0 or seqlen_q == 0 or heads == 0:
             out = torch.zeros_like(q)
             lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
-            return self._result(out, lse, cache, k_cache, v_cache, block_table, flag, seqlens)
-        keys = seqlens
-        if cache.new_tokens:
-            keys = keys + cache.new_tokens
-        if start_given:
-            keys = keys - start
-        out, lse = self._attend(q, k_cache, v_cache, keys, block_table, cache_batch, start, flag)
-        return self._result(out, lse, cache, k_cache, v_cache, block_table, flag, seqlens)
-
-    def _attend(self, q, k_cache, v_cache, keys, block_table, cache_batch, start, flag):
-        """The attention over the cache, its (out, L) in the caller's layout. GQA packing with one
-        query per head packs by views: the kernel reads q and writes the caller's output through
-        strides, and L's (B, Hk, group) is (B, H, 1) as it lies."""
-        batch, seqlen_q, heads, head_dim = q.shape
-        kv_heads, group = k_cache.shape[2], self.pack_group
-        out = None
-        if group is None:
-            q_kernel = aligned_rows(q)
-        elif seqlen_q == 1:
-            out = attention_kernels.new_output(q)
-            q_kernel = aligned_rows(q.view(batch, kv_heads, group, head_dim).transpose(1, 2))
-            out_kernel = out.view(batch, kv_heads, group, head_dim).transpose(1, 2)
         else:
-            q_kernel = _pack(q, kv_heads)
-        kernel_out, lse = attention_kernels.forward_kv_cache(
-            self.source, q_kernel, k_cache, v_cache, keys, seqlen_k=self.cache.capacity,
-            cache_rows=None if block_table is not None else (cache_batch, start), block_table=block_table,
-            num_splits=self.num_splits, softmax_scale=self.softmax_scale, variant=self.variant, pack_group=group,
-            flag=flag, out=None if out is None else out_kernel, held=self.attend)
-        if group is None:
-            return kernel_out, lse
-        if out is not None:
-            return out, lse.view(batch, heads, 1)
-        return _unpack(kernel_out, lse, q.shape)
-
-    def _result(self, out, lse, cache, k_cache, v_cache, block_table, flag, seqlens):
-        """The step's outputs, after its raise from the guards' flag (at once on the CPU: a padded
-        step then leaves the caller's cache as it was)."""
-        attention_kernels.raise_flagged(flag, attention_kernels.DECODE_REFUSED)
-        padded = self.padded
+            keys = seqlens + cache.new_tokens if cache.new_tokens else seqlens   # each entry's keys after the append
+            if start_given:
+                keys = keys - rows[1]
+            out, lse = self._attend(q, k_cache, v_cache, keys, rows, block_table, alibi_slopes, flag)
+        attention_kernels.raise_flagged(flag, kv_kernels.DECODE_REFUSED)
         if padded is not None:
             if cache.new_tokens:
                 _copy_appended(padded, cache, seqlens, k_cache, v_cache, block_table, flag)
             out = out[..., :padded.head_dim]
         return (out, lse) if self.return_lse else out
+
+    def _append(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag):
+        """Rotary and the append: one kernel, in place. Returns the rotated q (or q)."""
+        if rotary_cos is None:
+            q_rot = q
+            rotary_cos = rotary_sin = attention_kernels.unused(q.device, q.dtype)
+        else:
+            q_rot = attention_kernels.new_output(q)
+            rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+        tensors = kv_kernels.cache_update_arguments(q, q_rot, k, v, k_cache, v_cache, seqlens, rotary_cos, rotary_sin,
+                                                    flag, cache_rows=rows, block_table=block_table)
+        if self.update is None:
+            self.update = kv_kernels.bind_cache_update(self.source, tensors, interleaved=self.rotary_interleaved,
+                                                       q_positions_step=self.q_positions_step)
+        attention_kernels.launch_all(self.update, tensors)
+        # The kernel wrote the caches through raw pointers: bump their version counters as torch's
+        # own in-place ops do, so that autograd refuses a backward that saved their old values.
+        torch.autograd.graph.increment_version((k_cache, v_cache))
+        return q_rot
+
+    def _attend(self, q, k_cache, v_cache, keys, rows, block_table, alibi_slopes, flag):
+        """The attention over the cache, its (out, L) in the caller's layout. GQA packing with one
+        query per head packs by views: the kernel reads q and writes the caller's output through
+        strides, and L's (B, Hk, group) is (B, H, 1) as it lies."""
+        batch, seqlen_q, heads, head_dim = q.shape
+        kv_heads, group = k_cache.shape[2], self.pack_group
+        if group is None:
+            q_kernel = aligned_rows(q)
+            out = out_kernel = attention_kernels.new_output(q)
+        elif seqlen_q == 1:   # packed row g of K/V head j is query head j * group + g
+            packed, (s_b, _, s_h, _) = (batch, group, kv_heads, head_dim), q.stride()
+            q_kernel = aligned_rows(q.as_strided(packed, (s_b, s_h, group * s_h, 1), q.storage_offset()))
+            out = attention_kernels.new_output(q)
+            out_kernel = out.as_strided(packed, (heads * head_dim, head_dim, group * head_dim, 1))
+        else:   # rows i * group + g: copies
+            q_kernel = _pack(q, kv_heads)
+            out_kernel = attention_kernels.new_output(q_kernel)
+        kernel_heads, kernel_rows = q_kernel.shape[2], q_kernel.shape[1]
+        lse = attention_kernels.new_buffer(batch, kernel_heads, kernel_rows, dtype=torch.float32, device=q.device)
+        variant_tensors = None
+        if self.variant:   # the call's own ALiBi slopes (checked by _prepare for this signature)
+            variant = self.variant if alibi_slopes is None else {**self.variant, "alibi_slopes": alibi_slopes.contiguous()}
+            variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant)
+        tensors = kv_kernels.kv_cache_arguments(
+            q_kernel, k_cache, v_cache, out_kernel, lse, keys,
+            *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits), flag,
+            cache_rows=None if block_table is not None else rows, block_table=block_table,
+            variant_tensors=variant_tensors)
+        if self.attend is None:
+            self.attend = kv_kernels.bind_kv_cache(
+                self.source, tensors, batch=batch, seqlen_q=kernel_rows, heads=kernel_heads,
+                seqlen_k=self.cache.capacity, scale=self.scale, num_splits=self.num_splits, pack_group=group,
+                scalars=dict(scalars) if self.variant else {})
+        attention_kernels.launch_all(self.attend, tensors)
+        if group is None:
+            return out, lse
+        if seqlen_q == 1:
+            return out, lse.view(batch, heads, 1)
+        return _unpack(out_kernel, lse, q.shape)
 
 
 def _check_scale(softmax_scale):
@@ -251,7 +273,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if q.shape[-1] % HEAD_DIM_MULTIPLE:   # the step runs on padded copies; the scale keeps the true d
         padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache), _pad_head_dim(v_cache))
         q, k_cache, v_cache = _pad_head_dim(q), padded.k_cache_copy, padded.v_cache_copy
-        softmax_scale = 1.0 / math.sqrt(padded.head_dim) if softmax_scale is None else softmax_scale
+    head_dim_given = q.shape[-1] if padded is None else padded.head_dim   # the scale's d: the caller's
+    scale = 1.0 / math.sqrt(head_dim_given) if softmax_scale is None else float(softmax_scale)
     batch, seqlen_q, heads, head_dim = q.shape
     call = variant_call(q, k_cache, causal=causal, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, sizes=(batch, seqlen_q, heads, cache.capacity))
@@ -265,10 +288,10 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * -(-packed_rows // spec.block_m)
         num_splits = choose_splits(row_blocks, -(-cache.capacity // spec.block_n), processor_count(q.device))
     given = tuple(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
-    return StepPlan(source, cache, given, rotary_interleaved, return_softmax_lse, softmax_scale,
+    return StepPlan(source, cache, given, rotary_interleaved, return_softmax_lse, scale,
                     call.values if call else None, spec.causal or bool(call and call.spec_fields.get("window")),
                     heads // kv_heads if spec.pack_gqa else None, num_splits, padded,
-                    reusable=padded is None and alibi_slopes is None)
+                    reusable=padded is None)
 
 
 # Plans of seen step signatures (`_signature`); bounded: many distinct shapes start it over.
@@ -329,7 +352,7 @@ def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                 _plans.clear()
             _plans[key] = plan
     return plan.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table)
+                    block_table, alibi_slopes)
 
 
 def _unplanned(q) -> bool:
@@ -343,7 +366,6 @@ def _unplanned(q) -> bool:
     return values_checked(q)
 
 
-@forward_only("flash_attn_with_kvcache")
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -364,6 +386,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    # Forward only, as in flash-attn (errors.forward_only, unrolled: a step is a hot path).
+    if wanting_grad(args):
+        return run_forward_only("flash_attn_with_kvcache", functools.partial(_dispatch, args, return_softmax_lse),
+                                args)
+    return _dispatch(args, return_softmax_lse)
+
+
+def _dispatch(args: tuple, return_softmax_lse):
     if torch.compiler.is_compiling():
         return _traced_step(*args, check_flag("return_softmax_lse", return_softmax_lse))
     return _step(*args, return_softmax_lse)

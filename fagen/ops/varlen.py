@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, run_forward_only
-from ..kernels import run as attention_kernels
+from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..spec import Spec
 from . import autograd
@@ -80,7 +80,7 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
 
     def run():
         q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)
-        return attention_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
+        return kv_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
                                                   seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
                                                   variant=call.values if call else None,
                                                   varlen=varlen)

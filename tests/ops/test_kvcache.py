@@ -15,6 +15,7 @@ import torch
 
 import fagen
 from fagen.kernels import run as ops
+from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
 from fagen.kernels.splits import choose_splits
@@ -137,10 +138,10 @@ def test_kv_cache_kernels_are_race_free(monkeypatch):
     case = Case(nq=2, new=2, page=48, capacity=96, seed=10)
     source = render(decode_spec(D, torch.float16, True, 48, {}))
     cos = torch.rand(case.capacity, 16).half()
-    q = ops.update_kv_cache(source, case.q, case.k_cache, case.v_cache, case.k, case.v, case.seqlens,
+    q = kv_kernels.update_kv_cache(source, case.q, case.k_cache, case.v_cache, case.k, case.v, case.seqlens,
                             block_table=case.block_table, rotary=(cos, cos, True), q_positions_step=True)
     keys = (case.seqlens + 2).to(torch.int32)
-    ops.forward_kv_cache(source, q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
+    kv_kernels.forward_kv_cache(source, q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
                          block_table=case.block_table, num_splits=3)
 
 

@@ -14,6 +14,7 @@ import torch
 import fagen
 from fagen.errors import InputError
 from fagen.kernels import run as ops
+from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.spec import Spec
@@ -52,11 +53,11 @@ def test_given_a_flag_the_forward_sets_it_and_reads_page_0_for_a_page_outside_th
     table = bad_index(case, append=False)["block_table"]
     flag = ops.error_flag(case.q.device)
     keys = case.seqlens.clone()
-    out, lse = ops.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
+    out, lse = kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
                                     block_table=table, num_splits=2, flag=flag)
     assert flag.tolist() == [1] and bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse[B - 1]).all())
     with pytest.raises(InputError, match="block_table"):
-        ops.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
+        kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
                              block_table=table, num_splits=2)
 
 

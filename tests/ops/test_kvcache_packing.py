@@ -13,6 +13,7 @@ import torch
 
 import fagen
 from fagen.kernels import run as attention_kernels
+from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
 from fagen.ops.kvcache import decode_spec
@@ -159,7 +160,7 @@ def test_score_and_mask_mods_reading_the_head_and_query_under_packing(causal):
         spec = Spec.for_kv_cache(D, "fp16", causal=causal, page_size=None, pack_gqa=packed, **call.spec_fields)
         q_kernel = q.view(batch, nq, heads_kv, 4, D).transpose(2, 3).reshape(batch, nq * 4, heads_kv, D) \
             if packed else q
-        out, lse = attention_kernels.forward_kv_cache(render(spec), q_kernel, k_cache, v_cache, keys, seqlen_k=128,
+        out, lse = kv_kernels.forward_kv_cache(render(spec), q_kernel, k_cache, v_cache, keys, seqlen_k=128,
                                                       cache_rows=rows, num_splits=2, variant=call.values,
                                                       pack_group=4 if packed else None)
         if packed:   # back to (B, Nq, H, D) and (B, H, Nq)

@@ -89,14 +89,22 @@ def test_checked_values_are_read_on_every_step(prepares, monkeypatch):
         fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs(cache_seqlens=bad))
 
 
-def test_steps_with_a_tensor_of_their_own_in_the_plan_are_not_kept(prepares):
-    """ALiBi slopes ride in the plan's variant arguments, and a padded head dim's plan holds its
-    copies of the caches: neither is reused (each call prepares)."""
-    case = Case(new=1, seed=45)
-    slopes = torch.rand(4, dtype=torch.float32)
-    for _ in range(2):
-        fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, alibi_slopes=slopes, **case.kwargs())
+def test_a_padded_head_dims_plan_is_not_kept(prepares):
+    """Its plan holds copies of the call's caches: each call prepares."""
     padded = Case(new=1, seed=46, head_dim=60)
     for _ in range(2):
         fagen.flash_attn_with_kvcache(padded.q, padded.k_cache, padded.v_cache, **padded.kwargs())
-    assert len(prepares) == 4 and kvcache._plans == {}
+    assert len(prepares) == 2 and kvcache._plans == {}
+
+
+def test_a_warm_alibi_step_takes_its_own_slopes(prepares):
+    """ALiBi slopes are the call's: a warm step with other slopes equals a fresh plan's step."""
+    case = Case(nq=2, seed=45)
+    slopes = [torch.rand(4, dtype=torch.float32, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    warm = [fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, alibi_slopes=a, causal=True,
+                                          **case.kwargs()) for a in slopes]
+    assert len(prepares) == 1
+    kvcache._plans.clear()
+    fresh = fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, alibi_slopes=slopes[1], causal=True,
+                                          **case.kwargs())
+    assert torch.equal(warm[1], fresh) and not torch.equal(warm[0], warm[1])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as attention_kernels
+from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.ops.variant_args import variant_call
 from kvcache_cases import D, Case, check_call
 
@@ -129,7 +129,7 @@ def test_a_failure_after_padding_leaves_the_callers_cache_as_it_was(monkeypatch)
     def fail(*args, **kwargs):
         raise RuntimeError("injected kernel failure")
 
-    monkeypatch.setattr(attention_kernels, "forward_kv_cache", fail)
+    monkeypatch.setattr(kv_kernels, "bind_kv_cache", fail)   # the step's attention, after its append
     case = Case(new=2, head_dim=59, page=16, seed=27)
     before = case.k_cache.clone(), case.v_cache.clone()
     versions = case.k_cache._version, case.v_cache._version

@@ -20,6 +20,7 @@ from unittest import mock
 import torch
 
 from fagen.kernels import run as ops
+from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import Source, render
 from fagen.emulate import EmulationError
 from fagen.spec import Spec
@@ -104,7 +105,7 @@ def run_kv_cache(source: Source, shape: Shape) -> list[torch.Tensor]:
     q = torch.randn(1, shape.seqlen_q, shape.heads, 64, generator=gen).half()
     k, v = (torch.randn(pages + 1, page, shape.kv_heads, 64, generator=gen).half() for _ in range(2))
     keys = torch.tensor([shape.seqlen_k], dtype=torch.int32)
-    return [x for splits in (1, 2) for x in ops.forward_kv_cache(source, q, k, v, keys, seqlen_k=pages * page,
+    return [x for splits in (1, 2) for x in kv_kernels.forward_kv_cache(source, q, k, v, keys, seqlen_k=pages * page,
                                                                   block_table=table, num_splits=splits)]
 
 

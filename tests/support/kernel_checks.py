@@ -167,7 +167,7 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11), (32, False)
     else:
         case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12), (32, True)
-    with mock.patch.object(kvcache, "source_for", step_source):
+    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
 
 
@@ -183,5 +183,5 @@ def packed_window_check(spec: Spec, source: Source | None = None) -> None:
         assert built == spec, f"the case builds {built.name}, not {spec.name}"
         return source
 
-    with mock.patch.object(kvcache, "source_for", step_source):
+    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
         check_call(Case(nq=1, seed=14), num_splits=2, window_size=(5, 0))

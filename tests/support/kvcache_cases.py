@@ -228,7 +228,7 @@ def cache_guard_check(spec, source=None) -> None:
         arenas = in_arena(case)
         cos, sin = rotary_tables(case.capacity, 32, case.dtype)
         rotary = dict(rotary_cos=cos, rotary_sin=sin) if append else {}
-        with mock.patch.object(kvcache, "source_for", step_source):
+        with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
             _refused(lambda: fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, causal=spec.causal,
                                                            num_splits=3, **rotary,
                                                            **case.kwargs(**bad_index(case, append))),

@@ -1,0 +1,79 @@
+"""A warm dense call (issue 26 §5): a call with no tensors of its own beyond q, k, v (no
+seqlens_k, dropout or variant) whose signature was seen reuses its checked options and values
+(ops.dense.DenseCall). These tests pin what that must not change: results equal a fresh call's
+bit for bit, and every argument the checks refuse is refused after a warm call too."""
+
+import pytest
+import torch
+
+import fagen
+from fagen.ops import dense
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """Counts `_checked_call` (the checks, the options and values of a call), from no kept calls."""
+    calls = []
+    real = dense._checked_call
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(dense, "_checked_call", counted)
+    monkeypatch.setattr(dense, "_calls", {})
+    return calls
+
+
+def _inputs(head_dim=64, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 40, 2, head_dim, generator=gen).half().requires_grad_(requires_grad) for _ in range(3)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 60], ids=["d64", "d60-padded"])
+def test_a_warm_call_equals_a_fresh_one_forward_and_backward(checks, head_dim):
+    results = []
+    for _ in range(3):
+        if len(results) == 2:
+            dense._calls.clear()   # the third call checks afresh
+        q, k, v = _inputs(head_dim, requires_grad=True)
+        out, lse = fagen.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        (out.float().square().sum() + lse.sum()).backward()
+        results.append((out, lse, q.grad, k.grad, v.grad))
+    assert len(checks) == 2
+    for warm, fresh in zip(results[1], results[2]):
+        assert torch.equal(warm, fresh)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(causal=1), "causal must be True or False"),
+    (dict(softmax_scale=-1.0), "softmax_scale must be a positive finite float"),
+    (dict(dropout_p=1.5), "dropout_p"),
+    (dict(version=3), "version must be 1 or 2"),
+], ids=["causal-int", "negative-scale", "dropout-p", "version"])
+def test_what_the_checks_refuse_is_refused_after_a_warm_call(checks, change, message):
+    q, k, v = _inputs()
+    fagen.flash_attn_func(q, k, v, causal=True, softmax_scale=0.5)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fagen.flash_attn_func(q, k, v, **{"causal": True, "softmax_scale": 0.5, **change})
+
+
+def test_other_tensors_are_checked_again(checks):
+    q, k, v = _inputs()
+    fagen.flash_attn_func(q, k, v)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        fagen.flash_attn_func(q, k.bfloat16(), v)
+    with pytest.raises(ValueError, match="same head_dim"):
+        fagen.flash_attn_func(q, k[..., :32], v[..., :32])
+    assert len(checks) == 3
+
+
+def test_calls_with_tensors_of_their_own_are_not_kept(checks):
+    """seqlens_k, dropout's Philox pair and a variant's values are the call's: each call checks."""
+    q, k, v = _inputs()
+    lengths = torch.tensor([30], dtype=torch.int32)
+    for _ in range(2):
+        fagen.flash_attn_func(q, k, v, seqlens_k=lengths)
+        fagen.flash_attn_func(q, k, v, dropout_p=0.1)
+        fagen.flash_attn_func(q, k, v, window_size=(8, 0))
+    assert len(checks) == 6 and dense._calls == {}
