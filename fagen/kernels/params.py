@@ -77,9 +77,11 @@ def _kv_cache(spec: Spec) -> list[Param]:
     else:                          # entry b reads cache entry cache_batch[b] from row cache_start[b] on
         rows = [_tensor("cache_batch", "int", const=True), _tensor("cache_start", "int", const=True)]
     group = [Param("pack_group", "int", "int32")] if spec.pack_gqa else []   # query heads per K/V head
+    # An entry's keys end at its seqlens_k (cache_seqlens) plus the new_tokens this step appended.
+    appended = [Param("new_tokens", "int", "int32")] if spec.key_padding else []
     return rows + [Param("k_cache_stride_b", "long long", "int64"), Param("v_cache_stride_b", "long long", "int64"),
                    Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float"),
-                   *group, *_guard()]
+                   *appended, *group, *_guard()]
 
 
 def _guard() -> list[Param]:

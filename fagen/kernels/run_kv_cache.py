@@ -137,14 +137,16 @@ def partials(q, heads: int, seqlen_q: int, num_splits: int) -> tuple[torch.Tenso
 
 
 def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, heads: int, seqlen_k: int,
-                  scale: float, num_splits: int, pack_group: int | None, scalars: dict) -> list[launch.BoundLaunch]:
+                  scale: float, num_splits: int, pack_group: int | None, new_tokens: int,
+                  scalars: dict) -> list[launch.BoundLaunch]:
     """The attention's launches (and with num_splits > 1 the combine's) for `kv_cache_arguments`
     of these shapes and strides; `scalars` are the variant's and packed sequences' own."""
     q, out = (tensors[name + "_packed"] if name + "_packed" in tensors else tensors[name] for name in ("q", "out"))
     k_cache, v_cache, block_table = tensors["k_cache"], tensors["v_cache"], tensors.get("block_table")
     values = {**tensors, **scalars, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_q": seqlen_q,
               "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * run.LOG2E,
-              "num_splits": num_splits, "cache_entries": k_cache.shape[0], "k_cache_stride_b": k_cache.stride(0),
+              "num_splits": num_splits, "new_tokens": new_tokens, "cache_entries": k_cache.shape[0],
+              "k_cache_stride_b": k_cache.stride(0),
               "v_cache_stride_b": v_cache.stride(0)}
     if pack_group is not None:
         values["pack_group"] = pack_group
@@ -162,13 +164,15 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
                      block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
-                     pack_group: int | None = None, flag=None):
+                     pack_group: int | None = None, flag=None, new_tokens: int = 0):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
-    q (B, Nq, H, d); seqlens_k (B,) int32, each entry's keys; seqlen_k bounds them (the cache's
-    capacity). A contiguous cache (B_cache, N_cache, Hk, d) takes cache_rows = (cache_batch,
-    cache_start), int32 (B,): the cache entry and first row of each batch entry; a paged one
-    (pages, page_size, Hk, d) takes block_table (B, max_pages) int32. Returns (out, lse (B, H, Nq)).
+    q (B, Nq, H, d); seqlens_k (B,) int32 and new_tokens: entry b's keys end at cache row
+    seqlens_k[b] + new_tokens (a step's cache_seqlens, and the rows it appended); seqlen_k bounds
+    them (the cache's capacity). A contiguous cache (B_cache, N_cache, Hk, d) takes cache_rows =
+    (cache_batch, cache_start), int32 (B,): the cache entry and first row of each batch entry (its
+    keys are rows cache_start[b] .. that end); a paged one (pages, page_size, Hk, d) takes
+    block_table (B, max_pages) int32. Returns (out, lse (B, H, Nq)).
     With `varlen` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) q is packed (total_q,
     H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
     A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
@@ -188,11 +192,11 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
 
     def key():
         return ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
-                k_cache.stride(), v_cache.stride(), scale, num_splits, seqlen_k, variant_scalars,
+                k_cache.stride(), v_cache.stride(), scale, num_splits, new_tokens, seqlen_k, variant_scalars,
                 None if block_table is None else block_table.shape, None if varlen is None else varlen[2:],
                 pack_group)
 
     run.launch_planned(key, lambda: bind_kv_cache(source, tensors, batch=batch, seqlen_q=seqlen_q, heads=heads, seqlen_k=seqlen_k,
                                         scale=scale, num_splits=num_splits, pack_group=pack_group,
-                                        scalars={**dict(variant_scalars), **varlen_scalars}), tensors, None)
+                                        new_tokens=new_tokens, scalars={**dict(variant_scalars), **varlen_scalars}), tensors, None)
     return out, lse

@@ -180,10 +180,7 @@ class StepPlan:
             out = torch.zeros_like(q)
             lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
         else:
-            keys = seqlens + cache.new_tokens if cache.new_tokens else seqlens   # each entry's keys after the append
-            if start_given:
-                keys = keys - rows[1]
-            out, lse = self._attend(q, k_cache, v_cache, keys, rows, block_table, alibi_slopes, flag)
+            out, lse = self._attend(q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag)
         attention_kernels.raise_flagged(flag, kv_kernels.DECODE_REFUSED)
         if padded is not None:
             if cache.new_tokens:
@@ -210,8 +207,9 @@ class StepPlan:
         torch.autograd.graph.increment_version((k_cache, v_cache))
         return q_rot
 
-    def _attend(self, q, k_cache, v_cache, keys, rows, block_table, alibi_slopes, flag):
-        """The attention over the cache, its (out, L) in the caller's layout. GQA packing with one
+    def _attend(self, q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag):
+        """The attention over the cache (each entry's keys end at row seqlens[b] + new_tokens:
+        the kernel adds the append), its (out, L) in the caller's layout. GQA packing with one
         query per head packs by views: the kernel reads q and writes the caller's output through
         strides, and L's (B, Hk, group) is (B, H, 1) as it lies."""
         batch, seqlen_q, heads, head_dim = q.shape
@@ -234,7 +232,7 @@ class StepPlan:
             variant = self.variant if alibi_slopes is None else {**self.variant, "alibi_slopes": alibi_slopes.contiguous()}
             variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant)
         tensors = kv_kernels.kv_cache_arguments(
-            q_kernel, k_cache, v_cache, out_kernel, lse, keys,
+            q_kernel, k_cache, v_cache, out_kernel, lse, seqlens,
             *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits), flag,
             cache_rows=None if block_table is not None else rows, block_table=block_table,
             variant_tensors=variant_tensors)
@@ -242,7 +240,7 @@ class StepPlan:
             self.attend = kv_kernels.bind_kv_cache(
                 self.source, tensors, batch=batch, seqlen_q=kernel_rows, heads=kernel_heads,
                 seqlen_k=self.cache.capacity, scale=self.scale, num_splits=self.num_splits, pack_group=group,
-                scalars=dict(scalars) if self.variant else {})
+                new_tokens=self.cache.new_tokens, scalars=dict(scalars) if self.variant else {})
         attention_kernels.launch_all(self.attend, tensors)
         if group is None:
             return out, lse
@@ -300,18 +298,24 @@ MAX_PLANS = 1024
 
 
 def _signature(args) -> tuple | None:
-    """Everything `_prepare` reads of a step's arguments, hashable: per tensor its shape,
-    strides, dtype and device, for the caches (which the checks refuse to write where they
-    require grad or are misaligned) and q (copied when misaligned) also the grad flag and
-    16-byte alignment; other arguments as they are where they are plain Python values. None (no
-    plan reused) for anything else: tensor or NumPy scalars, tensor subclasses, sparse tensors."""
+    """Everything `_prepare` reads of a step's arguments, as one flat tuple: per tensor its shape,
+    strides, dtype and device; for q and the caches also the grad flag and 16-byte alignment (the
+    checks refuse to write a cache that requires grad or is misaligned, and q is copied when
+    misaligned), and whether the caches could share memory; other arguments as they are where
+    they are plain Python values; the launch backend. None (checked in full) for anything else
+    (tensor or NumPy scalars, tensor subclasses, sparse tensors) and for `_unplanned` steps."""
+    q, k_cache, v_cache = args[0], args[1], args[2]
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor \
+            or _unplanned(q):
+        return None
     parts = []
     try:
-        for index, a in enumerate(args):
+        for t in (q, k_cache, v_cache):
+            parts += (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16)
+        for a in args[3:]:
             kind = type(a)
             if kind is torch.Tensor:
-                meta = (a.shape, a.stride(), a.dtype, a.device)
-                parts.append(meta + (a.requires_grad, a.data_ptr() % 16) if index < 3 else meta)
+                parts += (a.shape, a.stride(), a.dtype, a.device)
             elif a is None or kind in (int, float, bool):
                 parts.append(a)
             elif kind in (tuple, list) and all(type(x) is int for x in a):
@@ -320,14 +324,18 @@ def _signature(args) -> tuple | None:
                 return None
     except RuntimeError:   # a layout without strides (sparse): the checks name it
         return None
+    gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
+    parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), launch.backend_key(q.device))
     return tuple(parts)
 
 
-def _caches_overlap(k_cache, v_cache) -> tuple:
-    """What `_check_writable`'s shared-memory test reads beyond shapes and strides: whether the
-    caches start at one address, and whether their byte ranges could meet."""
-    gap = k_cache.data_ptr() - v_cache.data_ptr()
-    return gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size()
+def _unplanned(q) -> bool:
+    """Steps that check everything every time: FAGEN_CHECK_VALUES=1 (the index values are read),
+    and CUDA graph capture (a plan's index tensors made during a capture hold nothing until a
+    replay, and one made before it would be freed under the graph if its plan were dropped)."""
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return values_checked(q)
 
 
 def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -339,11 +347,7 @@ def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse)
-    key = None if _unplanned(q) else _signature(args)
-    if key is not None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor):
-        key = (key, _caches_overlap(k_cache, v_cache), launch.backend_key(q.device))
-    else:
-        key = None
+    key = _signature(args)
     plan = None if key is None else _plans.get(key)
     if plan is None:
         plan = _prepare(*args)
@@ -353,17 +357,6 @@ def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
             _plans[key] = plan
     return plan.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, alibi_slopes)
-
-
-def _unplanned(q) -> bool:
-    """Steps that check everything every time: FAGEN_CHECK_VALUES=1 (the index values are read),
-    and CUDA graph capture (a plan's index tensors made during a capture hold nothing until a
-    replay, and one made before it would be freed under the graph if its plan were dropped)."""
-    if not isinstance(q, torch.Tensor):
-        return True
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return True
-    return values_checked(q)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -386,8 +379,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
-    # Forward only, as in flash-attn (errors.forward_only, unrolled: a step is a hot path).
-    if wanting_grad(args):
+    # Forward only, as in flash-attn (errors.forward_only, unrolled: a step is a hot path). The
+    # index tensors are integers, which cannot require grad.
+    if wanting_grad((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes)):
         return run_forward_only("flash_attn_with_kvcache", functools.partial(_dispatch, args, return_softmax_lse),
                                 args)
     return _dispatch(args, return_softmax_lse)
