@@ -211,7 +211,7 @@ class StepPlan:
         """The attention over the cache (each entry's keys end at row seqlens[b] + new_tokens:
         the kernel adds the append), its (out, L) in the caller's layout. GQA packing with one
         query per head packs by views: the kernel reads q and writes the caller's output through
-        strides, and L's (B, Hk, group) is (B, H, 1) as it lies."""
+        strides."""
         batch, seqlen_q, heads, head_dim = q.shape
         kv_heads, group = k_cache.shape[2], self.pack_group
         if group is None:
@@ -226,7 +226,10 @@ class StepPlan:
             q_kernel = _pack(q, kv_heads)
             out_kernel = attention_kernels.new_output(q_kernel)
         kernel_heads, kernel_rows = q_kernel.shape[2], q_kernel.shape[1]
-        lse = attention_kernels.new_buffer(batch, kernel_heads, kernel_rows, dtype=torch.float32, device=q.device)
+        # L in the caller's (B, H, Nq) where one query packs: the kernel writes it by row index,
+        # and the (B, Hk, group) rows it indexes lie as (B, H, 1)'s do.
+        lse_shape = (batch, heads, 1) if group is not None and seqlen_q == 1 else (batch, kernel_heads, kernel_rows)
+        lse = attention_kernels.new_buffer(*lse_shape, dtype=torch.float32, device=q.device)
         variant_tensors = None
         if self.variant:   # the call's own ALiBi slopes (checked by _prepare for this signature)
             variant = self.variant if alibi_slopes is None else {**self.variant, "alibi_slopes": alibi_slopes.contiguous()}
@@ -242,10 +245,8 @@ class StepPlan:
                 seqlen_k=self.cache.capacity, scale=self.scale, num_splits=self.num_splits, pack_group=group,
                 new_tokens=self.cache.new_tokens, scalars=dict(scalars) if self.variant else {})
         attention_kernels.launch_all(self.attend, tensors)
-        if group is None:
+        if group is None or seqlen_q == 1:
             return out, lse
-        if seqlen_q == 1:
-            return out, lse.view(batch, heads, 1)
         return _unpack(out_kernel, lse, q.shape)
 
 
@@ -308,17 +309,19 @@ def _signature(args) -> tuple | None:
     if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor \
             or _unplanned(q):
         return None
-    parts = []
+    parts = [q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
+             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
+             k_cache.data_ptr() % 16,
+             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.requires_grad,
+             v_cache.data_ptr() % 16]
     try:
-        for t in (q, k_cache, v_cache):
-            parts += (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() % 16)
         for a in args[3:]:
             kind = type(a)
-            if kind is torch.Tensor:
-                parts += (a.shape, a.stride(), a.dtype, a.device)
-            elif a is None or kind in (int, float, bool):
+            if a is None or kind is int or kind is float or kind is bool:
                 parts.append(a)
-            elif kind in (tuple, list) and all(type(x) is int for x in a):
+            elif kind is torch.Tensor:
+                parts += (a.shape, a.stride(), a.dtype, a.device)
+            elif (kind is tuple or kind is list) and all(type(x) is int for x in a):
                 parts.append(tuple(a))
             else:
                 return None
