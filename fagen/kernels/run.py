@@ -71,8 +71,8 @@ def geometry(q, k, varlen):
 
 def packed_sequences(tensors: dict, varlen) -> dict:
     """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
-    cu_seqlens and the error flag of the kernels' guard (raised after the launches: `launch_planned`), and
-    returns the scalar arguments (the max lengths, the packed totals) to bind."""
+    cu_seqlens and the error flag of the kernels' guard (raised after the launches:
+    `launch_planned`), and returns the scalar arguments (the max lengths, the packed totals)."""
     if varlen is None:
         return {}
     for name in VARLEN_PACKED:
@@ -94,9 +94,9 @@ def packed_sequences(tensors: dict, varlen) -> dict:
 # not read on the host by default: that would be a device sync per call. The kernels check them
 # instead (the guards of macros.j2 and cache_update.cu.j2): a value that would reach outside a
 # tensor is refused, nothing read or written there, and the int32 flag set (an atomic: refusing
-# blocks run in no defined order; macros.j2 flag_refusal); the call raises from the flag lazily (torch._assert_async: on a GPU an
-# asynchronous device-side assert, on the CPU at once). FAGEN_CHECK_VALUES=1 checks the values
-# on the host first, with exact messages.
+# blocks run in no defined order; macros.j2 flag_refusal); the call raises from the flag lazily
+# (torch._assert_async: on a GPU an asynchronous device-side assert, on the CPU at once).
+# FAGEN_CHECK_VALUES=1 checks the values on the host first, with exact messages.
 
 REFUSAL = "refusal message"   # a `tensors` entry that is no kernel parameter: what launch_planned raises
 PACKED_REFUSED = ("an index value is out of range in {} (a sequence outside the packed rows, or longer than "

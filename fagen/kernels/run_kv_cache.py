@@ -196,7 +196,10 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
                 None if block_table is None else block_table.shape, None if varlen is None else varlen[2:],
                 pack_group)
 
-    run.launch_planned(key, lambda: bind_kv_cache(source, tensors, batch=batch, seqlen_q=seqlen_q, heads=heads, seqlen_k=seqlen_k,
-                                        scale=scale, num_splits=num_splits, pack_group=pack_group,
-                                        new_tokens=new_tokens, scalars={**dict(variant_scalars), **varlen_scalars}), tensors, None)
+    def bind():
+        return bind_kv_cache(source, tensors, batch=batch, seqlen_q=seqlen_q, heads=heads, seqlen_k=seqlen_k,
+                             scale=scale, num_splits=num_splits, pack_group=pack_group, new_tokens=new_tokens,
+                             scalars={**dict(variant_scalars), **varlen_scalars})
+
+    run.launch_planned(key, bind, tensors, None)
     return out, lse

@@ -232,7 +232,9 @@ class StepPlan:
         lse = attention_kernels.new_buffer(*lse_shape, dtype=torch.float32, device=q.device)
         variant_tensors = None
         if self.variant:   # the call's own ALiBi slopes (checked by _prepare for this signature)
-            variant = self.variant if alibi_slopes is None else {**self.variant, "alibi_slopes": alibi_slopes.contiguous()}
+            variant = self.variant
+            if alibi_slopes is not None:
+                variant = {**variant, "alibi_slopes": alibi_slopes.contiguous()}
             variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant)
         tensors = kv_kernels.kv_cache_arguments(
             q_kernel, k_cache, v_cache, out_kernel, lse, seqlens,

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as ops
 from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as attention_kernels
 from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
