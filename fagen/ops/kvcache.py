@@ -311,12 +311,12 @@ def _signature(args) -> tuple | None:
     if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor \
             or _unplanned(q):
         return None
-    parts = [q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
-             k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
-             k_cache.data_ptr() % 16,
-             v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.requires_grad,
-             v_cache.data_ptr() % 16]
     try:
+        parts = [q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
+                 k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, k_cache.requires_grad,
+                 k_cache.data_ptr() % 16,
+                 v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, v_cache.requires_grad,
+                 v_cache.data_ptr() % 16]
         for a in args[3:]:
             kind = type(a)
             if a is None or kind is int or kind is float or kind is bool:
@@ -327,7 +327,7 @@ def _signature(args) -> tuple | None:
                 parts.append(tuple(a))
             else:
                 return None
-    except RuntimeError:   # a layout without strides (sparse): the checks name it
+    except RuntimeError:   # a layout without strides or storage (sparse): the checks name it
         return None
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
     parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), launch.backend_key(q.device))
