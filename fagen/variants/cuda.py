@@ -62,6 +62,15 @@ class CudaPrinter(C99CodePrinter):
                 (load if self.captures[name].dtype == "float32" else f"(long long)({load})")
         return super()._print_Function(expr)
 
+    def _print_tanh(self, expr):
+        """The softcap's tanh (its argument holds the softcap, which no user mod can name) on the
+        special-function unit (fagen::tanh_approx, FlashAttention-2's choice); any other tanh
+        (a score_mod's own) as tanhf, within a few ulp of tanh."""
+        arg = expr.args[0]
+        if SOFTCAP in arg.free_symbols:
+            return f"fagen::tanh_approx({self._print(arg)})"
+        return f"tanhf({self._print(arg)})"
+
     def _print_Piecewise(self, expr):
         *cases, (last, cond) = expr.args
         text = self._print(last) if cond == sp.true else \

@@ -12,6 +12,7 @@ import torch
 
 from fagen.emulate import EmulationError, load_module
 from fagen.emulate import build as emulate_build
+from nvrtc_ptx import nvrtc_ptx
 
 KERNELS = Path(__file__).parent / "kernels"
 I32 = np.int32
@@ -208,30 +209,9 @@ PTX_INSTRUCTIONS = [
 ]
 
 
-def _nvrtc_ptx(source: str, arch: str) -> str:
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
-    from fagen.kernels.render import include_dir
-    from fagen.kernels.compile import cuda_header_dir
-
-    _, program = nvrtc.nvrtcCreateProgram(source.encode(), b"layouts.cu", 0, [], [])
-    options = [f"-arch={arch}".encode(), b"-std=c++17", f"-I{include_dir()}".encode(),
-               f"-I{cuda_header_dir()}".encode()]
-    (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-    # Fresh buffers, never `b" " * size`: for size 1 that is CPython's shared b" " object, which
-    # NVRTC would overwrite (fagen/kernels/compile.py's `_fetch`).
-    _, size = nvrtc.nvrtcGetProgramLogSize(program)
-    log = bytearray(size)
-    nvrtc.nvrtcGetProgramLog(program, log)
-    assert int(status) == 0, bytes(log).decode(errors="replace")
-    _, size = nvrtc.nvrtcGetPTXSize(program)
-    ptx = bytearray(size)
-    nvrtc.nvrtcGetPTX(program, ptx)
-    return bytes(ptx).decode(errors="replace")
-
-
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_wrappers_compile_to_the_ptx_instructions_with_nvrtc(arch):
-    ptx = _nvrtc_ptx((KERNELS / "warp_layouts.cu").read_text() + (KERNELS / "tiled_gemm.cu").read_text(), arch)
+    ptx = nvrtc_ptx((KERNELS / "warp_layouts.cu").read_text() + (KERNELS / "tiled_gemm.cu").read_text(), arch)
     for instruction in PTX_INSTRUCTIONS:
         assert instruction in ptx, instruction
 

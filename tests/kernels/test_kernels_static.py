@@ -6,6 +6,7 @@ cuobjdump (PyPI's nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm)."""
 import re
 
 import pytest
+import torch
 
 from fagen.kernels.build import default_specs
 from fagen.kernels.render import render
@@ -188,3 +189,19 @@ def test_main_loops_run_only_useful_tensor_core_work_and_no_division(spec, arch)
         divisions = sorted(op for op in report.opcodes if RUNTIME_DIVISION.match(op)
                            or (not spec.dropout and CONSTANT_DIVISION.match(op)))
         assert not divisions, f"{report.kernel} on {arch}: integer division in the main loop: {divisions}"
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_softcaps_tanh_is_the_hardwares_and_a_score_mods_is_not(arch):
+    """The softcap's tanh is tanh.approx.f32 (MUFU.TANH, one per score in both main loops: no
+    tanhf's twenty-odd instructions); a score_mod's own tanh stays tanhf (no MUFU.TANH)."""
+    from fagen.variants.compose import custom_mod
+    from fagen.variants.language import trace_score_mod
+
+    softcap = report_for_spec(Spec(64, softcap=True), arch)
+    for kernel in ("fa2_d64_softcap_fp16_fwd", "fa2_d64_softcap_fp16_bwd"):
+        assert softcap[kernel].opcodes.get("MUFU.TANH", 0) > 0, f"{kernel} on {arch}: no MUFU.TANH in the main loop"
+    mod = custom_mod(trace_score_mod(lambda score, b, h, q_idx, kv_idx: 30.0 * torch.tanh(score / 30.0)))
+    own = report_for_spec(Spec(64, score_mod=mod), arch)
+    assert all(r.opcodes.get("MUFU.TANH", 0) == 0 for r in own.values()), f"a score_mod's tanh on {arch}"

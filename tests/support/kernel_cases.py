@@ -24,6 +24,16 @@ from fagen.spec import Spec
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR = 2.0, 3.0
 ABS_FLOOR = 1e-5
+# The PTX ISA's maximum relative error of tanh.approx.f32, which the softcap's tanh runs on
+# (fagen/numeric.cuh tanh_approx; its emulated twin errs by as much).
+TANH_APPROX_BOUND = 2.0 ** -10.987
+
+
+def lse_tolerance(softcap: float = 0.0) -> float:
+    """L's tolerance against the float64 oracle: 1e-3 and, with a softcap c, c times
+    tanh.approx.f32's bound (every score c tanh(s / c) moves by at most that much, and L, a
+    logsumexp, by at most the largest move of a score)."""
+    return 1e-3 + softcap * TANH_APPROX_BOUND
 SEED, OFFSET, DROPOUT_P = 0x1234_5678_9ABC, 3, 0.25
 # CUDA's atomics (atomicAdd, ...) and fagen's own wrappers (fagen/global_reduce.cuh: atomic_add_pair).
 ATOMIC_CALL = re.compile(r"\batomic(?:[A-Z]\w*|_\w+)\s*\(")

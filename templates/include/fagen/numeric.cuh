@@ -40,6 +40,26 @@ __device__ __forceinline__ float exp2_approx(float x) {
 #endif
 }
 
+// tanh on the special-function unit: tanh.approx.f32, one MUFU.TANH (sm_75 on), where tanhf
+// costs some twenty instructions. The PTX ISA bounds its relative error by 2^-10.987 (about
+// 4.93e-4); the softcap (c tanh(s / c)) uses it, as FlashAttention-2's does. Emulated twin: the
+// host's tanhf moved by that whole bound, up or down by the input's last bit, and kept within
+// [-1, 1]. It errs as much as the ISA allows, so a tolerance that holds on the emulator holds on
+// any GPU that meets the ISA (one measured on sm_75 stays within 1.2e-5).
+constexpr float kTanhApproxRelError = 4.92701e-4f;  // 2^-10.987, the PTX ISA's bound for tanh.approx.f32
+
+__device__ __forceinline__ float tanh_approx(float x) {
+#ifdef FAGEN_EMULATE
+  const float exact = tanhf(x);
+  const float moved = exact * (1.f + ((__float_as_uint(x) & 1u) ? kTanhApproxRelError : -kTanhApproxRelError));
+  return fabsf(moved) > 1.f ? copysignf(1.f, moved) : moved;  // NaN stays NaN
+#else
+  float result;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(result) : "f"(x));
+  return result;
+#endif
+}
+
 // +infinity without <math.h>, which NVRTC does not provide.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
