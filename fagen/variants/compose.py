@@ -107,13 +107,17 @@ def offset() -> sp.Basic:
     return KEYS - SEQLEN_Q
 
 
+# ALiBi's distance |i + Nk - Nq - j| (variants.cuda prints it in 32-bit integers).
+ALIBI_DISTANCE = sp.Abs(Q_IDX + offset() - KV_IDX)
+
+
 @lru_cache(maxsize=256)
 def variant_math(spec: Spec) -> VariantMath:
     score = SCORE
     if spec.softcap:
         score = SOFTCAP * sp.tanh(score / SOFTCAP)
     if spec.alibi:
-        score = score - ALIBI_SLOPES(B, H) * sp.Abs(Q_IDX + offset() - KV_IDX)
+        score = score - ALIBI_SLOPES(B, H) * ALIBI_DISTANCE
     captures, params = [], []
     for prefix, mod in (("score", spec.score_mod), ("mask", spec.mask_mod)):
         if mod is not None:

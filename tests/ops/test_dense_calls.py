@@ -8,21 +8,14 @@ import torch
 
 import fagen
 from fagen.ops import dense
+from call_counts import count_calls
 
 
 @pytest.fixture
 def checks(monkeypatch):
     """Counts `_checked_call` (the checks, the options and values of a call), from no kept calls."""
-    calls = []
-    real = dense._checked_call
-
-    def counted(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(dense, "_checked_call", counted)
     monkeypatch.setattr(dense, "_calls", {})
-    return calls
+    return count_calls(monkeypatch, dense, "_checked_call")
 
 
 def _inputs(head_dim=64, seed=0, requires_grad=False):

@@ -10,21 +10,14 @@ import torch
 import fagen
 from fagen.ops import kvcache
 from kvcache_cases import Case, check_call
+from call_counts import count_calls
 
 
 @pytest.fixture
 def prepares(monkeypatch):
     """Counts `_prepare` calls (the checks and kernel lookup of a step), from empty plans."""
-    calls = []
-    real = kvcache._prepare
-
-    def counted(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(kvcache, "_prepare", counted)
     monkeypatch.setattr(kvcache, "_plans", {})
-    return calls
+    return count_calls(monkeypatch, kvcache, "_prepare")
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(page=16), dict(batch_idx=True, leftpad=True)],
