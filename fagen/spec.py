@@ -145,12 +145,19 @@ class BackwardTiles:
     dq_block_n: int  # keys per K/V tile of the deterministic dQ kernel
     key_tiles: int = 1  # 16-key mma tiles per warp
     head_dim: int = 0  # d (set by Spec.backward_tiles)
+    head_dim_v: int = 0  # d_v (set by Spec.backward_tiles)
 
     @property
     def head_dim_pad(self) -> int:
         """d rounded up so that each of the dim_split slices is whole 16-wide mma steps."""
         step = 16 * self.dim_split
         return -(-self.head_dim // step) * step
+
+    @property
+    def head_dim_v_pad(self) -> int:
+        """d_v rounded up as d is: dV's dim_split slices are whole mma steps too."""
+        step = 16 * self.dim_split
+        return -(-self.head_dim_v // step) * step
 
     @property
     def key_groups(self) -> int:
@@ -258,7 +265,7 @@ class CustomMod:
 class Spec:
     """One attention kernel variant.
 
-    head_dim     d, a multiple of 8 up to 256
+    head_dim     d, a multiple of 8 up to 256 (Q's and K's head dim)
     dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32)
     version      1 = FlashAttention-1 (m, l statistics), 2 = FlashAttention-2 (L)
     block_m      rows of Q per tile (B_r)
@@ -290,6 +297,8 @@ class Spec:
     pack_gqa     kv_cache only: the query heads that share a K/V head fill one tile's rows (row
                  i * group + g holds query i of head kv_head * group + g); masks and mods see
                  each row's own query and head (the group size is a run-time argument)
+    head_dim_v   d_v, V's (and O's) head dim: a multiple of 8 up to head_dim; unset means
+                 head_dim (DeepSeek-V3's training shape is head_dim=192, head_dim_v=128)
     """
 
     head_dim: int
@@ -315,9 +324,11 @@ class Spec:
     kv_cache: str | None = None
     coord_offsets: bool = False
     pack_gqa: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         self._check_head_dim()
+        self._check_head_dim_v()
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {DTYPES}")
         if self.mask not in MASKS:
@@ -405,6 +416,23 @@ class Spec:
         if d > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
 
+    def _check_head_dim_v(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        dv = self.head_dim_v
+        if isinstance(dv, bool) or not isinstance(dv, int) or dv <= 0 or dv % 8 != 0:
+            raise ValueError(f"head_dim_v must be a positive multiple of 8, got {dv!r}")
+        if dv == self.head_dim:
+            return
+        if dv > self.head_dim:
+            raise ValueError(f"head_dim_v={dv} is larger than head_dim={self.head_dim}: the kernels stage V in "
+                             f"K's shared-memory rows, so V's head dim can be at most Q's and K's")
+        if self.version != 2:
+            raise ValueError(f"head_dim_v={dv} != head_dim={self.head_dim} needs version=2 "
+                             f"(FlashAttention-1 keeps one head dim)")
+        if self.kv_cache is not None:
+            raise ValueError(f"head_dim_v={dv} != head_dim={self.head_dim}: the kv_cache kernels keep one head dim")
+
     def _check_tiles(self):
         for key in ("block_m", "block_n", "num_warps", "num_stages"):
             value = getattr(self, key)
@@ -486,6 +514,11 @@ class Spec:
         return -(-self.head_dim // MMA_K) * MMA_K
 
     @property
+    def head_dim_v_pad(self) -> int:
+        """head_dim_v rounded up to the mma k-step (16)."""
+        return -(-self.head_dim_v // MMA_K) * MMA_K
+
+    @property
     def shared_layout(self) -> SharedLayout:
         row = self.head_dim_pad + SMEM_ROW_PAD
         q_stages, kv_stages = (1, self.num_stages) if self.version == 2 else (self.num_stages, 1)
@@ -501,7 +534,7 @@ class Spec:
         """Backward tiles by head dim, sized so dK, dV, S^T and dP^T stay in registers;
         the pipeline depth is the spec's `bwd_stages`."""
         return dataclasses.replace(self._backward_tile_table(), head_dim=self.head_dim,
-                                   num_stages=self.bwd_stages)
+                                   head_dim_v=self.head_dim_v, num_stages=self.bwd_stages)
 
     @property
     def backward_shared_bytes(self) -> int:
@@ -555,6 +588,8 @@ class Spec:
     def family(self) -> str:
         """The name without tile sizes: `fa2_d64_causal_bf16`."""
         parts = [f"fa{self.version}", f"d{self.head_dim}"]
+        if self.head_dim_v != self.head_dim:
+            parts[1] += f"v{self.head_dim_v}"
         if self.causal:
             parts.append("causal")
         parts.extend(flag for flag in BUILTIN_MODS if getattr(self, flag))
@@ -599,6 +634,8 @@ class Spec:
         for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa"):
             if not data[flag]:
                 del data[flag]
+        if data["head_dim_v"] == data["head_dim"]:
+            del data["head_dim_v"]
         for field in ("score_mod", "mask_mod", "kv_cache"):
             if data[field] is None:
                 del data[field]
@@ -636,9 +673,12 @@ class Spec:
         if tiles:
             parts.pop()
             fields.update(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, tiles.groups())))
-        if len(parts) < 3 or not re.fullmatch(r"fa[12]", parts[0]) or not re.fullmatch(r"d\d+", parts[1]):
+        dims = re.fullmatch(r"d(\d+)(?:v(\d+))?", parts[1]) if len(parts) > 1 else None
+        if len(parts) < 3 or not re.fullmatch(r"fa[12]", parts[0]) or not dims:
             raise ValueError(f"not a spec name: {name!r} (expected e.g. fa2_d64_causal_bf16)")
-        fields.update(version=int(parts[0][2]), head_dim=int(parts[1][1:]))
+        fields.update(version=int(parts[0][2]), head_dim=int(dims.group(1)))
+        if dims.group(2):
+            fields["head_dim_v"] = int(dims.group(2))
         for part in parts[2:]:
             if part in DTYPES:
                 fields["dtype"] = part

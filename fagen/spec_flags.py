@@ -33,6 +33,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--softcap", action="store_true", help="logit softcapping c tanh(s / c), c at run time")
     parser.add_argument("--alibi", action="store_true", help="ALiBi biases, slopes at run time")
     parser.add_argument("--sinks", action="store_true", help="a learnable sink logit per head")
+    parser.add_argument("--dv", "--head-dim-v", dest="head_dim_v", type=int, default=None,
+                        help="V's head dim d_v, at most --d (default: --d), e.g. --d 192 --dv 128")
     parser.add_argument("--version", type=int, choices=(1, 2), default=None,
                         help=f"1 = FlashAttention-1, 2 = FlashAttention-2 (default {DEFAULT_VERSION})")
 
@@ -51,6 +53,7 @@ def spec_fields(args: argparse.Namespace) -> dict:
     return {"version": DEFAULT_VERSION if args.version is None else args.version,
             "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
             "dropout": args.dropout, "deterministic": args.deterministic, "window": window is not None,
+            "head_dim_v": getattr(args, "head_dim_v", None),
             **{flag: getattr(args, flag, False) for flag in ("softcap", "alibi", "sinks")}}
 
 
@@ -58,12 +61,15 @@ def spec_flags_given(args: argparse.Namespace) -> list[str]:
     """The spec options set on the command line, as the user spelled them."""
     given = [flag for field, flag in _FLAGS if getattr(args, field, False)]
     given += ["--window"] if getattr(args, "window", None) is not None else []
+    given += ["--dv"] if getattr(args, "head_dim_v", None) is not None else []
     return given + (["--version"] if args.version is not None else [])
 
 
 def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
     """The `fagen build` command line that writes `spec`'s kernels (into `out_dir`)."""
     parts = ["fagen", "build", "--d", str(spec.head_dim)]
+    if spec.head_dim_v != spec.head_dim:
+        parts += ["--dv", str(spec.head_dim_v)]
     if spec.dtype != "fp16":
         parts += ["--dtype", spec.dtype]
     if spec.version != DEFAULT_VERSION:

@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_bf16.cu")
-SOURCE_SHA256 = "93f21c56bee9d6ee266e8bd2b77f312257db4083449e26d98fa704d9565ce60d"
+SOURCE_SHA256 = "b0f39a4a76f70afdcabd66398faabe0fa840ee4d4966dc57dcc6c55bb83ef49d"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

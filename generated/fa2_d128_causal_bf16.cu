@@ -356,6 +356,8 @@ fa2_d128_causal_bf16_bwd(
     float* __restrict__ dq_accum,
     __nv_bfloat16* __restrict__ dk_out,
     __nv_bfloat16* __restrict__ dv_out,
+    float* __restrict__ dk_out_fp32,
+    float* __restrict__ dv_out_fp32,
     int heads,
     int kv_heads,
     int seqlen_q,
@@ -546,24 +548,26 @@ fa2_d128_causal_bf16_bwd(
   fagen::cp_async_wait_all();
 
   // Line 24: write dK_j = tau * dK~_j and dV_j to HBM (per query head; the op
-  // sums the heads that share a K/V head). Under dropout dV_j takes its 1/(1-p) here.
+  // sums the heads that share a K/V head, from fp32 copies). Under dropout dV_j takes its
+  // 1/(1-p) here.
   const float dv_scale = 1.f;
+  const bool grads_fp32 = heads != kv_heads;
   FAGEN_UNROLL
   for (int kt = 0; kt < kKeyTiles; ++kt)
     FAGEN_UNROLL
     for (int half = 0; half < 2; ++half) {
       const int key = n0 + key_row0 + kt * 16 + lane / 4 + half * 8;
       if (key >= seqlen_k) continue;
-      elem_t* dk_row = dk_out + batch * dk_stride_b + (long long)key * dk_stride_n + head * dk_stride_h;
-      elem_t* dv_row = dv_out + batch * dv_stride_b + (long long)key * dv_stride_n + head * dv_stride_h;
+      const long long dk_row = batch * dk_stride_b + (long long)key * dk_stride_n + head * dk_stride_h;
+      const long long dv_row = batch * dv_stride_b + (long long)key * dv_stride_n + head * dv_stride_h;
       FAGEN_UNROLL
       for (int dt = 0; dt < kSliceTiles; ++dt) {
         const int col = col0 + dt * 8 + 2 * (lane % 4);
         if (col >= kHeadDim) continue;
-        *reinterpret_cast<unsigned*>(dk_row + col) = fagen::pack2<elem_t>(dk[kt][dt][2 * half] * softmax_scale,
-                                                                          dk[kt][dt][2 * half + 1] * softmax_scale);
-        *reinterpret_cast<unsigned*>(dv_row + col) =
-            fagen::pack2<elem_t>(dv[kt][dt][2 * half] * dv_scale, dv[kt][dt][2 * half + 1] * dv_scale);
+        fagen::store_pair(dk_out, dk_out_fp32, dk_row + col, grads_fp32, dk[kt][dt][2 * half] * softmax_scale,
+                          dk[kt][dt][2 * half + 1] * softmax_scale);
+        fagen::store_pair(dv_out, dv_out_fp32, dv_row + col, grads_fp32, dv[kt][dt][2 * half] * dv_scale,
+                          dv[kt][dt][2 * half + 1] * dv_scale);
       }
     }
 }

@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_bf16.cu")
-SOURCE_SHA256 = "b9ebd9761a8587d30bfe3bce2fc34c86d6b7d41bab33a5557f70aa4d6549c5ef"
+SOURCE_SHA256 = "d4083aa0698d6f4e8c4ba2a3cf40ddb0573d5a70f40d89551c19409a058cef26"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

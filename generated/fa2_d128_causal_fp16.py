@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_causal_fp16.cu")
-SOURCE_SHA256 = "f5b26580d34282f264335ab2dd30f8bb55f292182c9663b2ad94d4b16dc5e333"
+SOURCE_SHA256 = "06b2e02feaf746339148b5d75403a2329d8dfa79c2b6f980a25d4957ba94c20a"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 8,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d128_fp16.cu")
-SOURCE_SHA256 = "059320a51ed08b600eb22e080f0c62fe9d6205b3bf44d386c177bb6a6051194d"
+SOURCE_SHA256 = "dede9f4cedef60875a469915da1f28471e5bc8727e32270a68c9cad53bb3d41e"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_bf16.cu")
-SOURCE_SHA256 = "ab13d1633b983ae88b4a22dffbbd082f16957f8554c3acec429d92b6858fd598"
+SOURCE_SHA256 = "adb7d3df5456be830568b47a814d8aa7aeb550ce287bb45a7719ab95105360ce"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

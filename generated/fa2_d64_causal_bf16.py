@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_bf16.cu")
-SOURCE_SHA256 = "2af510b0e48dbdf36dc2e584336daf3e5148981b0ab7d66734f2c089081a1dc7"
+SOURCE_SHA256 = "d0132eeeb7413dc8a2c537e22541354b69740f1600a16641c93097770dfb3e8b"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

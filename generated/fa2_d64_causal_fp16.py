@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_causal_fp16.cu")
-SOURCE_SHA256 = "4e3a60d4369128c05956662e60abf212352d7e1f603b268e0159ad15cfc23c52"
+SOURCE_SHA256 = "4104815e71b637f51ff74c14def89c07e277a48a313aee6b2238e5cfa80e26ee"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

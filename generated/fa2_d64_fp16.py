@@ -28,7 +28,7 @@ SPEC = Spec.from_dict({'block_m': 128,
  'num_warps': 4,
  'version': 2})
 SOURCE_PATH = Path(__file__).with_name("fa2_d64_fp16.cu")
-SOURCE_SHA256 = "fb35cffb3dc3088cf68d1e44c59304de73d5c5fa1e09085bd2d023062f1874c8"
+SOURCE_SHA256 = "d3ba617f9dfe6a82bea18148a5aeba8d19dd2e62c10b5e8c870d844dea04c6c5"
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0, return_lse=False):

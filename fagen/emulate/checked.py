@@ -208,6 +208,8 @@ class CheckedFunction:
             raise EmulationError(result["error"])
         for i in result["written"]:
             arg = args[i]
+            if arg.numel() == 0:   # a writable argument this launch does not use: nothing came back
+                continue
             data = torch.frombuffer(bytearray(result["storages"][described[i][1]]), dtype=torch.uint8)
             arg.copy_(data.view(arg.dtype).as_strided(arg.size(), arg.stride(), arg.storage_offset()))
 

@@ -140,16 +140,16 @@ def _split_columns(n: int, sizes: tuple) -> list[list[int]]:
 # ---------------------------------------------------------------- gradients of O = P V
 
 
-def pv_gradients(n: int, d: int) -> bool:
-    """O = P V, loss = <dO, O>: dV = P^T dO and dP = dO V^T."""
-    P, V, dO = matrix("P", n, n), matrix("V", n, d), matrix("dO", n, d)
+def pv_gradients(n: int, d_v: int) -> bool:
+    """O = P V, loss = <dO, O>: dV = P^T dO and dP = dO V^T (V, O and dO have d_v columns)."""
+    P, V, dO = matrix("P", n, n), matrix("V", n, d_v), matrix("dO", n, d_v)
     loss = frobenius(dO, P * V)
     return equal(gradient(loss, V), P.T * dO) and equal(gradient(loss, P), dO * V.T)
 
 
 def pv_gradients_symbolic() -> bool:
-    n, d = sp.symbols("n d", integer=True, positive=True)
-    P, V, dO = sp.MatrixSymbol("P", n, n), sp.MatrixSymbol("V", n, d), sp.MatrixSymbol("dO", n, d)
+    n, d_v = sp.symbols("n d_v", integer=True, positive=True)
+    P, V, dO = sp.MatrixSymbol("P", n, n), sp.MatrixSymbol("V", n, d_v), sp.MatrixSymbol("dO", n, d_v)
     loss = sp.Trace(dO.T * P * V)
     return loss.diff(V) == P.T * dO and loss.diff(P) == dO * V.T
 
@@ -166,21 +166,21 @@ def softmax_jacobian(n: int) -> bool:
     return equal(gradient(frobenius(dP, P), S), claimed)
 
 
-def delta_from_output(n: int, d: int) -> bool:
-    """With O = P V and dP = dO V^T: rowsum(P o dP) = rowsum(dO o O), for any P."""
-    P, V, dO = matrix("P", n, n), matrix("V", n, d), matrix("dO", n, d)
+def delta_from_output(n: int, d_v: int) -> bool:
+    """With O = P V and dP = dO V^T: rowsum(P o dP) = rowsum(dO o O), for any P (d_v columns)."""
+    P, V, dO = matrix("P", n, n), matrix("V", n, d_v), matrix("dO", n, d_v)
     return equal(rowsum(P.multiply_elementwise(dO * V.T)), rowsum(dO.multiply_elementwise(P * V)))
 
 
 def delta_from_output_symbolic() -> bool:
     """rowsum(A o B) = diag(A B^T), and P dP^T = P V dO^T = (dO O^T)^T, so the diagonals agree."""
-    n, d = sp.symbols("n d", integer=True, positive=True)
+    n, d_v = sp.symbols("n d_v", integer=True, positive=True)
     i = sp.Symbol("i", integer=True)
-    A, B = sp.MatrixSymbol("A", n, d), sp.MatrixSymbol("B", n, d)
+    A, B = sp.MatrixSymbol("A", n, d_v), sp.MatrixSymbol("B", n, d_v)
     diagonal = (A * B.T)[i, i]  # sympy writes it as a Sum over a dummy index k
     k = diagonal.variables[0]
-    rowsum_is_diagonal = diagonal == sp.Sum(sp.HadamardProduct(A, B)[i, k], (k, 0, d - 1))
-    P, V, dO = sp.MatrixSymbol("P", n, n), sp.MatrixSymbol("V", n, d), sp.MatrixSymbol("dO", n, d)
+    rowsum_is_diagonal = diagonal == sp.Sum(sp.HadamardProduct(A, B)[i, k], (k, 0, d_v - 1))
+    P, V, dO = sp.MatrixSymbol("P", n, n), sp.MatrixSymbol("V", n, d_v), sp.MatrixSymbol("dO", n, d_v)
     dP, O = dO * V.T, P * V
     same_matrix = (P * dP.T) == (dO * O.T).T
     return bool(rowsum_is_diagonal) and bool(same_matrix)
@@ -205,12 +205,13 @@ def score_gradients_symbolic() -> bool:
     return loss.diff(Q) == tau * dS * K and loss.diff(K) == tau * dS.T * Q
 
 
-def blocked_accumulation(sizes: tuple, d: int) -> bool:
+def blocked_accumulation(sizes: tuple, d: int, d_v: int) -> bool:
     """Per-block sums give the full products: dQ_i = sum_j tau dS_ij K_j,
-    dK_j = sum_i tau dS_ij^T Q_i, dV_j = sum_i P_ij^T dO_i (ragged blocks)."""
+    dK_j = sum_i tau dS_ij^T Q_i, dV_j = sum_i P_ij^T dO_i (ragged blocks; Q, K have d
+    columns, dO has d_v)."""
     n = sum(sizes)
     tau = sp.Symbol("tau", positive=True)
-    Q, K, dO = matrix("Q", n, d), matrix("K", n, d), matrix("dO", n, d)
+    Q, K, dO = matrix("Q", n, d), matrix("K", n, d), matrix("dO", n, d_v)
     dS, P = matrix("dS", n, n), matrix("P", n, n)
     parts = _split_columns(n, sizes)
     sub = lambda m, r, c: m.extract(r, c)  # noqa: E731
@@ -222,7 +223,7 @@ def blocked_accumulation(sizes: tuple, d: int) -> bool:
         sum((tau * sub(dS, rows, cols).T * sub(Q, rows, all_d) for rows in parts), sp.zeros(len(cols), d))
         for cols in parts])
     dv = sp.Matrix.vstack(*[
-        sum((sub(P, rows, cols).T * sub(dO, rows, all_d) for rows in parts), sp.zeros(len(cols), d))
+        sum((sub(P, rows, cols).T * sub(dO, rows, list(range(d_v))) for rows in parts), sp.zeros(len(cols), d_v))
         for cols in parts])
     return equal(dq, tau * dS * K) and equal(dk, tau * dS.T * Q) and equal(dv, P.T * dO)
 
@@ -503,16 +504,20 @@ def _always(spec: Spec) -> bool:
     return True
 
 
-_SYMBOLIC = "symbolic n, d"
+def _head_dim_v(spec: Spec) -> bool:
+    """V's head dim differs from Q's and K's."""
+    return spec.head_dim_v != spec.head_dim
+
+
 BASE_IDENTITIES: list[Identity] = [
-    Identity("dV = P^T dO, dP = dO V^T (O = P V)", "N=2, d=2", partial(pv_gradients, 2, 2), _always),
-    Identity("dV = P^T dO, dP = dO V^T (O = P V)", "N=3, d=2", partial(pv_gradients, 3, 2), _always),
-    Identity("dV = P^T dO, dP = dO V^T (O = P V)", _SYMBOLIC, pv_gradients_symbolic, _always),
+    Identity("dV = P^T dO, dP = dO V^T (O = P V)", "N=2, d_v=2", partial(pv_gradients, 2, 2), _always),
+    Identity("dV = P^T dO, dP = dO V^T (O = P V)", "N=3, d_v=2", partial(pv_gradients, 3, 2), _always),
+    Identity("dV = P^T dO, dP = dO V^T (O = P V)", "symbolic n, d_v", pv_gradients_symbolic, _always),
     Identity("softmax Jacobian: dS = P o (dP - D 1^T)", "N=2", partial(softmax_jacobian, 2), _always),
     Identity("softmax Jacobian: dS = P o (dP - D 1^T)", "N=3", partial(softmax_jacobian, 3), _always),
-    Identity("D = rowsum(P o dP) = rowsum(dO o O)", "N=2, d=2", partial(delta_from_output, 2, 2), _always),
-    Identity("D = rowsum(P o dP) = rowsum(dO o O)", "N=3, d=2", partial(delta_from_output, 3, 2), _always),
-    Identity("D = rowsum(P o dP) = rowsum(dO o O)", _SYMBOLIC, delta_from_output_symbolic, _always),
+    Identity("D = rowsum(P o dP) = rowsum(dO o O)", "N=2, d_v=2", partial(delta_from_output, 2, 2), _always),
+    Identity("D = rowsum(P o dP) = rowsum(dO o O)", "N=3, d_v=2", partial(delta_from_output, 3, 2), _always),
+    Identity("D = rowsum(P o dP) = rowsum(dO o O)", "symbolic n, d_v", delta_from_output_symbolic, _always),
     Identity("dQ = tau dS K, dK = tau dS^T Q (S = tau Q K^T)", "N=2, d=2",
              partial(score_gradients, 2, 2, 2), _always),
     Identity("dQ = tau dS K, dK = tau dS^T Q (S = tau Q K^T)", "Nq=3, Nk=2, d=2",
@@ -520,20 +525,22 @@ BASE_IDENTITIES: list[Identity] = [
     Identity("dQ = tau dS K, dK = tau dS^T Q (S = tau Q K^T)", "symbolic Nq, Nk, d",
              score_gradients_symbolic, _always),
     Identity("dQ, dK, dV accumulate block by block", "blocks 2+1, d=2",
-             partial(blocked_accumulation, (2, 1), 2), _always),
+             partial(blocked_accumulation, (2, 1), 2, 2), _always),
+    Identity("dQ, dK, dV accumulate block by block", "blocks 2+1, d=3, d_v=2",
+             partial(blocked_accumulation, (2, 1), 3, 2), _head_dim_v),
     Identity("online softmax: merged (m, l) = row max, row sum", "2 blocks (2+1)",
              partial(online_softmax, (2, 1)), _always),
     Identity("online softmax: merged (m, l) = row max, row sum", "3 blocks (2+2+1), any order",
              partial(online_softmax, (2, 2, 1)), _always),
     Identity("online softmax: merged (m, l) = row max, row sum", "any number and size of blocks, any order",
              online_softmax_symbolic, _always),
-    Identity("FA1 rescaled O update = softmax(S) V", "2 blocks (2+1), 3 rows, d=2",
+    Identity("FA1 rescaled O update = softmax(S) V", "2 blocks (2+1), 3 rows, d_v=2",
              partial(fa1_rescaled_output, 3, (2, 1), 2), _v1),
-    Identity("FA1 rescaled O update = softmax(S) V", "3 blocks (2+2+1), 2 rows, d=2",
+    Identity("FA1 rescaled O update = softmax(S) V", "3 blocks (2+2+1), 2 rows, d_v=2",
              partial(fa1_rescaled_output, 2, (2, 2, 1), 2), _v1),
-    Identity("FA2 unscaled O, final rescale = softmax(S) V", "2 blocks (2+1), 3 rows, d=2",
+    Identity("FA2 unscaled O, final rescale = softmax(S) V", "2 blocks (2+1), 3 rows, d_v=2",
              partial(fa2_unscaled_output, 3, (2, 1), 2), _v2),
-    Identity("FA2 unscaled O, final rescale = softmax(S) V", "3 blocks (2+2+1), 2 rows, d=2",
+    Identity("FA2 unscaled O, final rescale = softmax(S) V", "3 blocks (2+2+1), 2 rows, d_v=2",
              partial(fa2_unscaled_output, 2, (2, 2, 1), 2), _v2),
     Identity("P from (m, l) = P from L = m + log l", "N=2", partial(p_from_stats_and_lse, 2), _always),
     Identity("P from (m, l) = P from L = m + log l", "N=3", partial(p_from_stats_and_lse, 3), _always),

@@ -152,7 +152,10 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
                           + _stats(spec, const=True) + [_tensor("delta", "float"), _tensor("lse_log2", "float")]
                           + dq_accum + [Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")]
                           + _strides("o", "do"),
-        "bwd_main": inputs + dq_accum + [_tensor("dk_out", elem), _tensor("dv_out", elem)] + _sizes(spec)
+        # dK/dV per query head: in the element type, or in fp32 under GQA (the op sums a
+        # group's heads before it rounds); the kernel writes one pair, by heads != kv_heads.
+        "bwd_main": inputs + dq_accum + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
+                    + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")] + _sizes(spec)
                     + _strides("q", "k", "v", "do", "dk", "dv") + scales + _dropout(spec)
                     + _variant(spec, grads=True) + _debug(spec, debug),
     }
@@ -171,7 +174,7 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
 # templates index as for a padded batch. Q-side rows start at cu_seqlens_q[b], K-side rows at
 # cu_seqlens_k[b]; statistics and workspaces are (B, H, max_seqlen_q[, d]) slots.
 VARLEN_Q_ROWS = {"q": "q", "out": "o", "dout": "do", "dq": "dq"}
-VARLEN_K_ROWS = {"k": "k", "v": "v", "dk_out": "dk", "dv_out": "dv"}
+VARLEN_K_ROWS = {"k": "k", "v": "v", "dk_out": "dk", "dv_out": "dv", "dk_out_fp32": "dk", "dv_out_fp32": "dv"}
 VARLEN_STATS = ("lse", "row_max", "row_sum", "row_max_out", "row_sum_out")
 VARLEN_ROW_WORKSPACES = ("o_accum", "dq_accum")      # (B, H, max_seqlen_q, d)
 VARLEN_PADDED = ("delta", "lse_log2")                # (B, H, padded max_seqlen_q)

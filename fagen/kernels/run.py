@@ -225,7 +225,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     spec = source.spec
     batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    out = _empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)   # d_v columns
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
     variant_tensors, variant_scalars = split_variant(spec, variant)
@@ -258,8 +258,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
              dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None, coord_offsets=(0, 0)):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
-    dK and dV are computed per query head; with GQA/MQA the query heads that
-    share a K/V head are summed here (in fp32). `dlse` (B, H, Nq), the gradient of the
+    dK and dV are computed per query head; with GQA/MQA the kernel writes them in fp32 and
+    the query heads that share a K/V head are summed here, then rounded once. `dlse` (B, H, Nq), the gradient of the
     returned L, enters as D - dL (dS = P (dP - (D - dL))). With `extras` (a dict), a
     variant's other gradients are filled in: "dsinks" (H,) and, per captured tensor whose
     gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape).
@@ -270,15 +270,21 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
     dq = _empty(*q.shape, dtype=q.dtype, device=device)
-    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
-    dv = _empty(*k.shape[:-2], heads, head_dim, dtype=q.dtype, device=device)
+    # Per query head; under GQA in fp32, so that a group's heads are summed before the one
+    # rounding to q's dtype (as FlashAttention-3 does; FlashAttention-2 rounds every head's).
+    grouped = heads != kv_heads
+    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=torch.float32 if grouped else q.dtype, device=device)
+    dv = _empty(*k.shape[:-2], heads, v.shape[-1], dtype=torch.float32 if grouped else q.dtype, device=device)
+    unused_elem, unused_fp32 = unused(device, q.dtype), unused(device)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = split_variant(spec, variant)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
     block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
     padded_rows = -(-seqlen_q // block_m) * block_m
-    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq, "dk_out": dk, "dv_out": dv,
+    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq,
+               "dk_out": unused_elem if grouped else dk, "dv_out": unused_elem if grouped else dv,
+               "dk_out_fp32": dk if grouped else unused_fp32, "dv_out_fp32": dv if grouped else unused_fp32,
                "delta": _empty(batch, heads, padded_rows, **f32),
                "lse_log2": _empty(batch, heads, padded_rows, **f32), "seqlens_k": seqlens_k,
                "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0),
@@ -325,8 +331,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
         if spec.sinks:
             extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q],
                                              None if varlen is None else sequence_rows(varlen))
-    if heads != kv_heads:
+    if grouped:
         group = heads // kv_heads
-        dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
-        dv = dv.view(*k.shape[:-2], kv_heads, group, head_dim).float().sum(-2).to(q.dtype)
+        dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).sum(-2).to(q.dtype)
+        dv = dv.view(*k.shape[:-2], kv_heads, group, v.shape[-1]).sum(-2).to(q.dtype)
     return dq, dk, dv

@@ -115,7 +115,8 @@ def _(q, k, v, tensors, floats, ints, params, key):
         rows = (q.shape[0], q.shape[2], q.shape[1])
     f32 = dict(dtype=torch.float32)
     fa1 = q.new_empty(2, *rows, **f32) if options.version == 1 else q.new_empty(0, **f32)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(*rows, **f32), fa1
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])   # d_v columns (contiguous, as the kernels write it)
+    return out, q.new_empty(*rows, **f32), fa1
 
 
 @torch.library.custom_op("fagen::attention_bwd", mutates_args=())

@@ -49,6 +49,7 @@ class CallOptions:
     variant: tuple = ()            # sorted (Spec field, value): flags, and mods as their JSON
     variant_names: tuple = NO_NAMES   # names of the variant's tensors, floats, ints, params
     module_source: str = ""        # a generated op module's .cu (its own, fixed spec)
+    head_dim_v: int = 0            # v's, padded as head_dim is; 0: head_dim's
 
     def spec(self) -> Spec:
         return _spec_of(self)
@@ -65,7 +66,7 @@ class CallOptions:
 def _key_parts(options: CallOptions) -> tuple:
     return (options.head_dim, options.dtype, options.version, options.causal, options.key_padding,
             options.dropout, options.deterministic, options.varlen, options.variant, options.variant_names,
-            options.module_source)
+            options.module_source, options.head_dim_v)
 
 
 @torch._dynamo.assume_constant_result
@@ -78,9 +79,10 @@ def call_key(parts: tuple) -> str:
 @functools.lru_cache(maxsize=1024)
 def _options_of(key: str) -> CallOptions:
     (head_dim, dtype, version, causal, key_padding, dropout, deterministic, varlen, variant, names,
-     module_source) = json.loads(key)
+     module_source, head_dim_v) = json.loads(key)
     return CallOptions(head_dim, dtype, version, causal, key_padding, dropout, deterministic, varlen,
-                       tuple(tuple(item) for item in variant), tuple(tuple(group) for group in names), module_source)
+                       tuple(tuple(item) for item in variant), tuple(tuple(group) for group in names), module_source,
+                       head_dim_v)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -91,7 +93,8 @@ def _spec_of(options: CallOptions) -> Spec:
     try:
         return Spec(head_dim=options.head_dim, dtype=options.dtype, version=options.version,
                     mask="causal" if options.causal else "none", key_padding=options.key_padding,
-                    dropout=options.dropout, deterministic=options.deterministic, varlen=options.varlen, **fields)
+                    dropout=options.dropout, deterministic=options.deterministic, varlen=options.varlen,
+                    head_dim_v=options.head_dim_v or None, **fields)
     except ValueError as exc:   # e.g. deterministic=True with a captured tensor's gradient
         raise InputError(f"fagen: {exc}") from None
 
@@ -182,15 +185,21 @@ def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params
 
 def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bool, deterministic: bool,
                 varlen: bool = False, variant_fields: dict | None = None, variant_kinds: dict | None = None,
-                module_source: str = "") -> CallOptions:
+                module_source: str = "", v=None) -> CallOptions:
     """The options of a call: its variant's Spec fields (mods as JSON) and value names by kind.
-    The kernels' head dim is q's rounded up to a multiple of 8 (common.padded_head_dim)."""
-    head_dim = int(q.shape[-1])
-    return _options(head_dim + -head_dim % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], int(version), _flag(causal),
+    The kernels' head dims are q's and v's rounded up to a multiple of 8 (common.padded_head_dim)."""
+    head_dim = _padded(int(q.shape[-1]))
+    head_dim_v = 0 if v is None else _padded(int(v.shape[-1]))
+    return _options(head_dim, TORCH_DTYPES[q.dtype], int(version), _flag(causal),
                     _flag(key_padding),
                     _flag(dropout), _flag(deterministic), _flag(varlen),
                     tuple(sorted(variant_fields.items())) if variant_fields else (),
-                    _names_by_kind(variant_kinds) if variant_kinds else NO_NAMES, module_source)
+                    _names_by_kind(variant_kinds) if variant_kinds else NO_NAMES, module_source,
+                    0 if head_dim_v == head_dim else head_dim_v)
+
+
+def _padded(head_dim: int) -> int:
+    return head_dim + -head_dim % HEAD_DIM_MULTIPLE
 
 
 @functools.lru_cache(maxsize=1024)

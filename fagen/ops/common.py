@@ -50,8 +50,9 @@ def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYO
     if not q.device == k.device == v.device:
         raise InputError(f"{nq}, {nk} and {nv} must be on one device, got {nq} {q.device}, {nk} {k.device}, "
                          f"{nv} {v.device}")
-    if k_shape != v.shape:
-        raise InputError(f"{nk} and {nv} must have the same shape, got {nk} {tuple(k_shape)} and {nv} {tuple(v.shape)}")
+    if k_shape[:-1] != v.shape[:-1]:   # v's head dim (d_v) may differ: checked below
+        raise InputError(f"{nk} and {nv} must have the same shape but for the head dim, got {nk} {tuple(k_shape)} "
+                         f"and {nv} {tuple(v.shape)}")
     heads_axis, seq_axis = dims.index("heads"), dims.index("seqlen")
     batch, heads, head_dim = q_shape[0], q_shape[heads_axis], q_shape[3]
     if batch != k_shape[0]:
@@ -60,6 +61,9 @@ def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYO
         raise InputError(f"{nq} and {nk} must have the same head_dim, got {head_dim} and {k_shape[3]}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise InputError(f"head_dim ({nq}.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= v.shape[-1] <= head_dim:
+        raise InputError(f"{nv}'s head dim ({nv}.shape[-1] = {v.shape[-1]}) must be from 1 to {nq}'s ({head_dim}): "
+                         f"the kernels stage V in K's shared-memory rows")
     if k_shape[heads_axis] == 0 or heads % k_shape[heads_axis]:
         raise InputError(f"{nq}'s number of heads ({heads}) must be a multiple of {nk}'s ({k_shape[heads_axis]})")
     if max(batch, q_shape[seq_axis], heads, k_shape[seq_axis]) > MAX_INT32:
@@ -157,14 +161,14 @@ def philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
 
 
 def padded_head_dim(q, k, v):
-    """q, k, v with d zero-padded up to a multiple of 8 (the kernels' 16-byte rows), and the
-    true d. Zero columns add nothing to Q K^T, and the output's extra columns are dropped."""
-    head_dim = q.shape[-1]
-    pad = -head_dim % HEAD_DIM_MULTIPLE
-    if pad == 0:
-        return q, k, v, head_dim
-    padded = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-    return *padded, head_dim
+    """q, k, v with their head dims zero-padded up to a multiple of 8 (the kernels' 16-byte
+    rows), and v's true head dim (the output's). Zero columns add nothing to Q K^T, and the
+    output's extra columns are dropped."""
+    head_dim_v = v.shape[-1]
+    if not (q.shape[-1] % HEAD_DIM_MULTIPLE or head_dim_v % HEAD_DIM_MULTIPLE):
+        return q, k, v, head_dim_v
+    q, k, v = (torch.nn.functional.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE)) for t in (q, k, v))
+    return q, k, v, head_dim_v
 
 
 def values_checkable(t: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from ..kernels import sources as generated_sources
 from ..spec import Spec, check_dropout_p
 from . import autograd
 from .call import CallOptions, CallValues, options_for, values_of
-from .common import TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim, philox_state
+from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim, philox_state
 from .variant_args import variant_call
 
 
@@ -39,16 +39,16 @@ class DenseCall:
 
     options: CallOptions
     values: CallValues
-    head_dim: int        # the caller's (the kernels' is padded to a multiple of 8)
+    head_dim_v: int      # v's, the caller's (the kernels' is padded to a multiple of 8)
     return_lse: bool
     reusable: bool
 
     def run(self, q, k, v):
-        if q.shape[-1] != self.options.head_dim:
+        if q.shape[-1] != self.options.head_dim or v.shape[-1] % HEAD_DIM_MULTIPLE:
             q, k, v, _ = padded_head_dim(q, k, v)
         out, lse = autograd.run(self.options, q, k, v, self.values)
-        if out.shape[-1] != self.head_dim:
-            out = out[..., :self.head_dim]
+        if out.shape[-1] != self.head_dim_v:
+            out = out[..., :self.head_dim_v]
         return (out, lse) if self.return_lse else out
 
 
@@ -62,10 +62,10 @@ def _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_l
         seqlens_k = seqlens_k.contiguous()  # the kernels index it as a plain array
     options = options_for(q, version=version, causal=causal, key_padding=seqlens_k is not None, dropout=dropout_p > 0,
                           deterministic=deterministic, variant_fields=call.spec_fields if call else None,
-                          variant_kinds=call.kinds if call else None, module_source=module_source)
+                          variant_kinds=call.kinds if call else None, module_source=module_source, v=v)
     values = values_of(options, seqlens_k=seqlens_k, rng=philox_state(dropout_p, q.device), varlen=None,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
-    return DenseCall(options, values, q.shape[-1], return_lse,
+    return DenseCall(options, values, v.shape[-1], return_lse,
                      reusable=call is None and seqlens_k is None and dropout_p == 0)
 
 

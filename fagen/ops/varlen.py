@@ -43,11 +43,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     if table is not None:
         out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
-        return _varlen_result(out, slots, cu_q, q.shape[0], q.shape[-1], return_lse, return_attn_probs)
+        return _varlen_result(out, slots, cu_q, q.shape[0], v.shape[-1], return_lse, return_attn_probs)
     q, k, v, head_dim = padded_head_dim(q, k, v)
     options = options_for(q, version=version, causal=causal, key_padding=False, dropout=dropout_p > 0,
                           deterministic=deterministic, varlen=True, variant_fields=call.spec_fields if call else None,
-                          variant_kinds=call.kinds if call else None)
+                          variant_kinds=call.kinds if call else None, v=v)
     values = values_of(options, seqlens_k=None, rng=philox_state(dropout_p, q.device), varlen=varlen,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
     out, slots = autograd.run(options, q, k, v, values)

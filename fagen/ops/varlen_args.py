@@ -126,10 +126,14 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise InputTypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not q.device == k.device == v.device:
         raise InputError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise InputError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:   # v's head dim (d_v) may differ: checked below
+        raise InputError(f"k and v must have the same shape but for the head dim, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     if q.shape[2] != k_rows.shape[2]:
         raise InputError(f"q and k must have the same head_dim, got {q.shape[2]} and {k_rows.shape[2]}")
+    if not 1 <= v.shape[-1] <= q.shape[2]:
+        raise InputError(f"v's head dim (v.shape[-1] = {v.shape[-1]}) must be from 1 to q's ({q.shape[2]}): the "
+                         f"kernels stage V in K's shared-memory rows")
     if k_rows.shape[1] == 0 or q.shape[1] % k_rows.shape[1]:
         raise InputError(f"q's number of heads ({q.shape[1]}) must be a multiple of k's ({k_rows.shape[1]})")
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)

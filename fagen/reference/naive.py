@@ -75,7 +75,7 @@ def attention_backward(q, k, v, out, dout, *, softmax_scale=None, causal=False, 
     """
     prob = make_problem(q, k, v, softmax_scale=softmax_scale, causal=causal,
                         seqlens_k=seqlens_k, dropout_p=dropout_p, keep_mask=keep_mask)
-    expected = (prob.batch, prob.nq, prob.heads, prob.head_dim)
+    expected = (prob.batch, prob.nq, prob.heads, prob.head_dim_v)
     for name, t in (("out", out), ("dout", dout)):
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")

@@ -94,6 +94,11 @@ class Problem:
     def head_dim(self) -> int:
         return self.q.shape[3]
 
+    @property
+    def head_dim_v(self) -> int:
+        """d_v, v's (and the output's) head dim."""
+        return self.v.shape[3]
+
     def kv_head(self, h: int) -> int:
         return h // self.group
 
@@ -259,8 +264,8 @@ def make_problem(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None,
             raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim)")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:   # v's head dim (d_v) may differ from k's
+        raise ValueError(f"k and v must agree on batch, keys and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     B, Nq, H, d = q.shape
     Bk, Nk, Hk, dk = k.shape
     if Bk != B or dk != d:

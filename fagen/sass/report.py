@@ -6,7 +6,8 @@ in it runs inside its iterations). One steady-state iteration of it
 
     useful = gemms * block_m * block_n * d / 2048 / warps
 
-(2 GEMMs forward, S = Q K^T and O += P V; 5 backward, S, dP, dV, dK and dQ; an m16n8k16
+(2 GEMMs forward, S = Q K^T and O += P V; 5 backward, S, dP, dV, dK and dQ; those of V's
+side, O, dP and dV, step over d_v where V's head dim differs; an m16n8k16
 HMMA does 16 * 8 * 16 = 2048 multiply-adds), so kernels with different tiles compare on
 FlashAttention-2's own measure: non-matmul instructions per tensor-core instruction.
 """
@@ -46,11 +47,14 @@ class KernelGeometry:
     warps: int
     copied_bytes: int
     executed_hmma: int | None = None   # the kernel's own mma per warp and iteration, if it differs
-
+    v_gemms: int = 0                   # of the gemms, those over V's head dim (O, dP, dV) ...
+    head_dim_v: int = 0                # ... d_v, padded as head_dim is (0: head_dim)
 
     @property
     def useful_hmma(self) -> float:
-        return self.gemms * self.rows * self.cols * self.head_dim / MMA_MACS / self.warps
+        d_v = self.head_dim_v or self.head_dim
+        width = (self.gemms - self.v_gemms) * self.head_dim + self.v_gemms * d_v
+        return self.rows * self.cols * width / MMA_MACS / self.warps
 
     @property
     def expected_ldgsts(self) -> int:
@@ -153,29 +157,29 @@ def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
     """Each kernel of a rendered spec and its main loop's geometry (None: no tensor-core loop
     to measure, e.g. the backward's pre-pass and dQ conversion)."""
     geometries: dict[str, KernelGeometry | None] = {e.name: None for e in entries.all}
-    d = spec.head_dim_pad
+    d, dv = spec.head_dim_pad, spec.head_dim_v_pad
     if spec.version == 2:   # the K/V loop: K_j and V_j arrive per iteration
         geometries[entries.forward.name] = KernelGeometry(2, spec.block_m, spec.block_n, d, spec.num_warps,
-                                                          2 * spec.block_n * d * 2)
+                                                          spec.block_n * (d + dv) * 2, v_gemms=1, head_dim_v=dv)
     else:                   # FA-1's inner Q loop: Q_i arrives per iteration, K_j and V_j stay
         geometries[entries.forward.name] = KernelGeometry(2, spec.block_m, spec.block_n, d, spec.num_warps,
                                                           spec.block_m * d * 2)
     if entries.bwd_main is None:   # kv_cache specs: forward only (their other kernels have no mma)
         return geometries
     t = spec.backward_tiles
-    bd = t.head_dim_pad
-    # The backward's own mma per warp: S^T and dP^T over the full d by every warp of a key
-    # group (dim_split warps share one), dV and dK over the warp's d slice, and dQ (not in
-    # the deterministic spec's main kernel) shared by all warps.
+    bd, bdv = t.head_dim_pad, t.head_dim_v_pad
+    # The backward's own mma per warp: S^T (over d) and dP^T (over d_v) by every warp of a key
+    # group (dim_split warps share one), dK and dV over the warp's d and d_v slices, and dQ
+    # (not in the deterministic spec's main kernel) shared by all warps.
     gemms = 4 if spec.deterministic else 5
-    executed = 2 * t.block_m * bd * t.key_tiles // 128 + 2 * t.block_m * bd * t.key_tiles // (128 * t.dim_split)
+    executed = t.block_m * (bd + bdv) * t.key_tiles // 128 + t.block_m * (bd + bdv) * t.key_tiles // (128 * t.dim_split)
     if not spec.deterministic:
         executed += t.block_m * t.block_n * bd // (MMA_MACS * t.num_warps)
     geometries[entries.bwd_main.name] = KernelGeometry(gemms, t.block_m, t.block_n, bd, t.num_warps,
-                                                       2 * t.block_m * bd * 2, executed)
+                                                       t.block_m * (bd + bdv) * 2, executed, v_gemms=2, head_dim_v=bdv)
     if entries.bwd_dq is not None:   # the deterministic dQ pass: K_j, V_j per iteration; S, dP and dQ
-        geometries[entries.bwd_dq.name] = KernelGeometry(3, t.block_m, t.dq_block_n, spec.head_dim_pad,
-                                                         t.block_m // 16, 2 * t.dq_block_n * spec.head_dim_pad * 2)
+        geometries[entries.bwd_dq.name] = KernelGeometry(3, t.block_m, t.dq_block_n, d, t.block_m // 16,
+                                                         t.dq_block_n * (d + dv) * 2, v_gemms=1, head_dim_v=dv)
     return geometries
 
 

@@ -34,7 +34,17 @@ def test_registry_covers_the_issue_and_names_are_unique():
     assert IDENTITIES == [*BASE_IDENTITIES, *VARIANT_IDENTITIES, *MERGE_IDENTITIES]
     # Concrete shapes N = 2 and 3, and symbolic shapes where sympy can.
     shapes = {i.shapes for i in IDENTITIES}
-    assert {"N=2, d=2", "N=3, d=2", "symbolic n, d"} <= shapes
+    assert {"N=2, d=2", "N=3, d=2", "symbolic n, d_v", "symbolic Nq, Nk, d"} <= shapes
+
+
+def test_a_value_head_dim_of_its_own_has_its_identity():
+    """V's head dim below Q's (Spec.head_dim_v): the blocked gradients are proved with dO's
+    d_v columns apart from Q's and K's d, and only such specs rely on that proof."""
+    from fagen.spec import Spec
+
+    split = [i for i in IDENTITIES if "d_v=" in i.shapes and "d=3" in i.shapes]
+    assert [i.name for i in split] == ["dQ, dK, dV accumulate block by block"] and split[0].check()
+    assert split[0].relied_on_by(Spec(192, head_dim_v=128)) and not split[0].relied_on_by(Spec(128))
 
 
 def _dq_without_tau() -> bool:

@@ -49,6 +49,17 @@ SPECS += [Spec(d, version=v, mask="causal", dropout=True, varlen=True, **extra)
           for extra in ({}, {"deterministic": True, "window": True, "softcap": True, "sinks": True})]
 
 
+# V's head dim below Q's (DeepSeek-V3's 192/128, and 128/64): plain, every built-in, deterministic,
+# packed sequences.
+SPECS += [Spec(d, head_dim_v=dv, mask="causal", dropout=True, **extra)
+          for d, dv in ((192, 128), (128, 64))
+          for extra in ({"key_padding": True},
+                        {"key_padding": True, "window": True, "softcap": True, "alibi": True, "sinks": True},
+                        {"key_padding": True, "window": True, "softcap": True, "alibi": True, "sinks": True,
+                         "deterministic": True},
+                        {"varlen": True, "deterministic": True, "window": True, "softcap": True, "sinks": True})]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory):
     import os

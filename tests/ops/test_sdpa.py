@@ -125,8 +125,10 @@ def test_bad_arguments(kwargs, error, message):
 @pytest.mark.parametrize("change, error, message", [
     (dict(query=lambda q: q.float()), TypeError, "query must be float16 or bfloat16"),
     (dict(key=lambda k: k.bfloat16()), TypeError, "query, key and value must share a dtype"),
-    (dict(value=lambda v: v[..., :16]), ValueError,
-     r"key and value must have the same shape, got key \(2, 4, 56, 32\)"),
+    (dict(value=lambda v: v[:, :, :40]), ValueError,
+     r"key and value must have the same shape but for the head dim, got key \(2, 4, 56, 32\)"),
+    (dict(value=lambda v: torch.cat([v, v], -1)), ValueError,
+     r"value's head dim \(value.shape\[-1\] = 64\) must be from 1 to query's \(32\)"),
     (dict(key=lambda k: k[:1], value=lambda v: v[:1]), ValueError, "query and key must have the same batch size"),
     (dict(query=lambda q: q[..., ::2]), ValueError, "query must have a contiguous last dimension"),
     (dict(key=lambda k: k.to_sparse()), TypeError, r"key must be a dense \(torch.strided\) tensor"),

@@ -128,6 +128,20 @@ def test_the_report_divides_by_the_useful_hmma():
     assert report.to_json()["main_loop"] == "0x0030"
 
 
+def test_the_gemms_over_v_step_over_its_head_dim():
+    """d = 192, d_v = 128: the forward's O += P V and the backward's dP, dV count d_v's HMMA."""
+    from fagen.kernels.render import render
+    from fagen.sass.report import spec_geometries
+    from fagen.spec import Spec
+
+    spec = Spec(192, head_dim_v=128)
+    geometries = spec_geometries(spec, render(spec).kernels)
+    forward, backward = geometries[f"{spec.name}_fwd"], geometries[f"{spec.name}_bwd"]
+    assert forward.useful_hmma == spec.block_m * spec.block_n * (192 + 128) / 2048 / spec.num_warps
+    t = spec.backward_tiles
+    assert backward.useful_hmma == t.block_m * t.block_n * (3 * 192 + 2 * 128) / 2048 / t.num_warps
+
+
 def test_occupancy_counts_registers_shared_memory_and_threads():
     assert occupancy("sm_90", 255, 55296, 128) == 8        # registers allow two blocks of four warps
     assert occupancy("sm_80", 128, 92160 + 1024, 128) == 4  # shared memory allows one block

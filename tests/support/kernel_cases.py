@@ -68,8 +68,8 @@ def make_inputs(spec: Spec, shape: Shape, seed: int = 0, *, lengths: list[int] |
 
     q = randn(shape.batch, shape.seqlen_q, shape.heads, d, scale=qk_scale)
     k = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d, scale=qk_scale)
-    v = randn(shape.batch, shape.seqlen_k, shape.kv_heads, d)
-    dout = randn(shape.batch, shape.seqlen_q, shape.heads, d)
+    v = randn(shape.batch, shape.seqlen_k, shape.kv_heads, spec.head_dim_v)   # d_v columns
+    dout = randn(shape.batch, shape.seqlen_q, shape.heads, spec.head_dim_v)
     seqlens_k = None
     if spec.key_padding:
         seqlens_k = torch.tensor(lengths or key_lengths(spec, shape), dtype=torch.int32)

@@ -200,11 +200,29 @@ MUTANTS += [
                   Edit("const fagen_variant::Context ctx = {query_len,", "const fagen_variant::Context ctx = {seqlen_q,")),
                  (checks.packed_window_check,)),
 ]
+# V's head dim below Q's: the d_v index paths (O's columns, D, dP's k-steps, dV's slices).
+HEAD_DIM_V = Spec(128, head_dim_v=64, mask="causal")
+HEAD_DIM_V_SLICED = Spec(192, head_dim_v=128)   # four warps split d (48 columns) and d_v (32)
+MUTANTS += [
+    KernelMutant("d_v: V's last 8 columns not copied", HEAD_DIM_V,
+                 (Edit("TileCopy<kBlockN, kHeadDimV, kHeadDimVPad, kRowElems, kThreads> v_copy",
+                       "TileCopy<kBlockN, kHeadDimV - 8, kHeadDimVPad, kRowElems, kThreads> v_copy"),),
+                 (checks.ragged_check,)),
+    KernelMutant("d_v: D summed over d columns", HEAD_DIM_V,
+                 (Edit("for (int c = lane; c < kHeadDimV; c += 32) partial +=",
+                       "for (int c = lane; c < kHeadDim; c += 32) partial +="),), (checks.ragged_check,)),
+    KernelMutant("d_v: dP's k-steps over d", HEAD_DIM_V_SLICED,
+                 (Edit("<kKeyTiles, kQueryTiles, kDimStepsV, kRowElems>(dpt, v_tile",
+                       "<kKeyTiles, kQueryTiles, kDimSteps, kRowElems>(dpt, v_tile"),), (checks.ragged_check,)),
+    KernelMutant("d_v: dV's slices at dK's columns", HEAD_DIM_V_SLICED,
+                 (Edit("(dv, st, do_tile, col0_v)", "(dv, st, do_tile, col0)"),), (checks.ragged_check,)),
+]
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",
           "documents: tiles whose id ranges touch skipped as empty",
-          "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row")
+          "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row",
+          "d_v: dV's slices at dK's columns")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

@@ -36,6 +36,22 @@ def test_build_writes_source_module_and_manifest(tmp_path, capsys):
         assert report["registers"] > 0 and report["spill_store_bytes"] == 0
 
 
+def test_build_with_a_narrower_value_head_dim(tmp_path, capsys):
+    """--dv: V's head dim below --d names the spec d32v16 and reaches the kernels' constants;
+    one wider than --d exits 2 with the spec's reason."""
+    from fagen.spec_flags import build_command
+
+    out = tmp_path / "dv"
+    assert main(["build", "--d", "32", "--dv", "16", "--causal", "--arch", "sm_90", "--out", str(out)]) == 0
+    manifest = json.loads((out / "fa2_d32v16_causal_fp16.json").read_text())
+    assert manifest["spec"]["head_dim"] == 32 and manifest["spec"]["head_dim_v"] == 16
+    assert "constexpr int kHeadDimV = 16;" in (out / "fa2_d32v16_causal_fp16.cu").read_text()
+    assert build_command(Spec.from_name("fa2_d32v16_causal_fp16")).startswith("fagen build --d 32 --dv 16 --causal")
+    capsys.readouterr()
+    assert main(["build", "--d", "32", "--dv", "64", "--arch", "sm_90", "--out", str(out)]) == 2
+    assert "head_dim_v=64 is larger than head_dim=32" in capsys.readouterr().err
+
+
 def test_build_several_variants_shows_progress(tmp_path, capsys):
     out = tmp_path / "y"
     assert main(["build", "--d", "32", "64", "--dtype", "fp16", "bf16", "--arch", "sm_80",
@@ -209,7 +225,7 @@ VALUES = {   # a cheap valid value per option that takes one, by its first spell
     "--bwd-block-n": [str(TABLE.bwd_block_n)], "--arch": ["sm_90"], "--out": ["{tmp}/out"],
     "--dir": ["{built}"], "--json": ["{tmp}/counters.json"], "--spec": [f"fa2_d{D}_fp16"],
     "--seqlen": ["16"], "--seqlen-k": ["24"], "--batch": ["2"], "--heads": ["2"], "--kv-heads": ["1"],
-    "--workers": ["1"],
+    "--workers": ["1"], "--dv": [str(D)],
 }
 BASE = {   # what each command runs with, besides the option under test
     "": [], "build": ["--d", str(D), "--arch", "sm_90", "--out", "{tmp}/out"], "list": [], "bench": [],

@@ -29,6 +29,20 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<const unsigned*>(&h);
 }
 
+// Two adjacent fp32 results to global memory at `at`: packed in T, or, where `in_fp32`, as
+// floats into `out_fp32` (the backward's dK/dV under GQA, whose query heads the op sums in
+// fp32 and rounds once, after the sum: rounding each head's part first loses up to an ulp
+// per head of the group).
+template <class T> __device__ __forceinline__ void store_pair(T* out, float* out_fp32, long long at, bool in_fp32,
+                                                             float lo, float hi) {
+  if (in_fp32) {
+    out_fp32[at] = lo;
+    out_fp32[at + 1] = hi;
+  } else {
+    *reinterpret_cast<unsigned*>(out + at) = pack2<T>(lo, hi);
+  }
+}
+
 template <class T> __device__ __forceinline__ void mma_16x8x16(float c[4], const unsigned a[4],
                                                                const unsigned b[2]);
 template <> __device__ __forceinline__ void mma_16x8x16<__half>(float c[4], const unsigned a[4],

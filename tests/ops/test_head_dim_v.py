@@ -1,0 +1,119 @@
+"""V's head dim below Q's and K's (issue 27, item 1): DeepSeek-V3's q/k 192 with v 128, and
+128 with 64, through every entry point that takes dense or packed q, k, v. The output has d_v
+columns, dV has d_v and dQ, dK have d; each is held to FlashAttention-2's rule against the
+float64 oracle. A v wider than q, or a kv cache whose v differs from k, is refused by name.
+"""
+
+import pytest
+import torch
+
+import fagen
+from fagen.errors import InputError
+from fagen.reference import attention_backward, attention_forward, attention_same_dtype
+from kernel_cases import GRAD_FACTOR, OUTPUT_FACTOR, max_error
+
+GEN = torch.Generator().manual_seed(27)
+
+
+def _randn(*shape, grad=False):
+    return (torch.randn(*shape, generator=GEN) * 0.5).half().requires_grad_(grad)
+
+
+def _hold_to_the_rule(got: dict, q, k, v, dout, **kwargs):
+    """Each of got's tensors against the oracle, at most FA2's factor times PyTorch's error."""
+    ref_out, _ = attention_forward(q, k, v, **kwargs)
+    refs = dict(zip(("dq", "dk", "dv"), attention_backward(q, k, v, ref_out, dout, **kwargs)), out=ref_out)
+    same = dict(zip(("out", "dq", "dk", "dv"), attention_same_dtype(q, k, v, dout, **kwargs)))
+    for name, t in got.items():
+        assert t.shape == same[name].shape, (name, t.shape, same[name].shape)
+        factor = OUTPUT_FACTOR if name == "out" else GRAD_FACTOR
+        assert max_error(t, refs[name]) <= factor * max_error(same[name], refs[name]) + 1e-5, name
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, causal", [(192, 128, True), (128, 64, False), (60, 36, True)],
+                         ids=["192-128-causal", "128-64", "60-36-causal (zero-padded to 64, 40)"])
+def test_flash_attn_func_forward_and_backward(head_dim, head_dim_v, causal):
+    q, k = _randn(2, 40, 4, head_dim, grad=True), _randn(2, 56, 2, head_dim, grad=True)
+    v = _randn(2, 56, 2, head_dim_v, grad=True)
+    out = fagen.flash_attn_func(q, k, v, causal=causal)
+    assert out.shape == (2, 40, 4, head_dim_v)
+    dout = _randn(*out.shape)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    _hold_to_the_rule({"out": out, "dq": dq, "dk": dk, "dv": dv}, q.detach(), k.detach(), v.detach(), dout,
+                      causal=causal)
+
+
+def test_varlen_forward_and_backward():
+    cu_q, cu_k = torch.tensor([0, 17, 40], dtype=torch.int32), torch.tensor([0, 30, 56], dtype=torch.int32)
+    q, k = _randn(40, 4, 192, grad=True), _randn(56, 2, 192, grad=True)
+    v = _randn(56, 2, 128, grad=True)
+    out = fagen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 23, 30, causal=True)
+    assert out.shape == (40, 4, 128)
+    dout = _randn(*out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [t.detach()[rows if i == 0 else keys].unsqueeze(0) for i, t in enumerate((q, k, v))]
+        got = {"out": out[rows].unsqueeze(0), "dq": grads[0][rows].unsqueeze(0),
+               "dk": grads[1][keys].unsqueeze(0), "dv": grads[2][keys].unsqueeze(0)}
+        _hold_to_the_rule(got, *one, dout[rows].unsqueeze(0), causal=True)
+
+
+def test_sdpa_and_flex_attention_take_a_narrower_value():
+    query, key = _randn(2, 4, 33, 128), _randn(2, 2, 47, 128)
+    value = _randn(2, 2, 47, 64)
+    expanded = [t.double().repeat_interleave(2, 1) for t in (key, value)]
+    for causal in (False, True):
+        want = torch.nn.functional.scaled_dot_product_attention(query.double(), *expanded, is_causal=causal)
+        got = fagen.sdpa(query, key, value, is_causal=causal, enable_gqa=True)
+        assert got.shape == (2, 4, 33, 64) and max_error(got, want) < 2e-3
+    want = torch.nn.functional.scaled_dot_product_attention(query.double(), *expanded)
+    got = fagen.flex_attention(query, key, value, enable_gqa=True)
+    assert got.shape == (2, 4, 33, 64) and max_error(got, want) < 2e-3
+
+
+def test_compiles_fullgraph_bit_identical_to_eager():
+    q, k = _randn(1, 24, 2, 128, grad=True), _randn(1, 24, 2, 128, grad=True)
+    v = _randn(1, 24, 2, 64, grad=True)
+
+    def step(q, k, v):
+        return fagen.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    assert torch._dynamo.explain(step)(q, k, v).graph_break_count == 0
+    torch._dynamo.reset()
+    runs = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        out, lse = fn(q, k, v)
+        runs.append((out, lse, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for eager, compiled in zip(*runs):
+        assert torch.equal(eager, compiled)
+    assert runs[0][0].shape == (1, 24, 2, 64) and runs[0][-1].shape == v.shape
+
+
+def test_a_wider_value_is_refused_by_name():
+    q, k = _randn(1, 8, 2, 64), _randn(1, 8, 2, 64)
+    with pytest.raises(InputError, match=r"v's head dim \(v.shape\[-1\] = 128\) must be from 1 to q's \(64\)"):
+        fagen.flash_attn_func(q, k, _randn(1, 8, 2, 128))
+    with pytest.raises(InputError, match=r"value's head dim \(value.shape\[-1\] = 128\)"):
+        fagen.sdpa(q.transpose(1, 2), k.transpose(1, 2), _randn(1, 2, 8, 128))
+    with pytest.raises(InputError, match=r"v's head dim \(v.shape\[-1\] = 96\)"):
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        fagen.flash_attn_varlen_func(q[0], k[0], _randn(8, 2, 96), cu, cu, 8, 8)
+
+
+def test_a_value_that_differs_in_more_than_its_head_dim_is_refused():
+    q, k = _randn(1, 8, 2, 64), _randn(1, 8, 2, 64)
+    with pytest.raises(InputError, match="k and v must have the same shape but for the head dim"):
+        fagen.flash_attn_func(q, k, _randn(1, 9, 2, 32))
+
+
+def test_the_kv_cache_keeps_one_head_dim():
+    q, k_cache, v_cache = _randn(1, 1, 2, 128), _randn(1, 16, 2, 128), _randn(1, 16, 2, 64)
+    with pytest.raises(InputError, match="k_cache and v_cache must have the same shape"):
+        fagen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([3], dtype=torch.int32))
+
+
+def test_flash_attention_1_keeps_one_head_dim():
+    q, k, v = _randn(1, 8, 2, 64), _randn(1, 8, 2, 64), _randn(1, 8, 2, 32)
+    with pytest.raises(InputError, match="head_dim_v=32 != head_dim=64 needs version=2"):
+        fagen.flash_attn_func(q, k, v, version=1)
