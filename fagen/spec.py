@@ -430,8 +430,6 @@ class Spec:
         if self.version != 2:
             raise ValueError(f"head_dim_v={dv} != head_dim={self.head_dim} needs version=2 "
                              f"(FlashAttention-1 keeps one head dim)")
-        if self.kv_cache is not None:
-            raise ValueError(f"head_dim_v={dv} != head_dim={self.head_dim}: the kv_cache kernels keep one head dim")
 
     def _check_tiles(self):
         for key in ("block_m", "block_n", "num_warps", "num_stages"):

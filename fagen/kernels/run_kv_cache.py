@@ -125,15 +125,14 @@ def kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k, o_partial, lse_
     return tensors
 
 
-def partials(q, heads: int, seqlen_q: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV's fp32 partial O (B, H, Nq, splits, d) and L (B, H, Nq, splits); an unsplit
+def partials(q, heads: int, seqlen_q: int, num_splits: int, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV's fp32 partial O (B, H, Nq, splits, d_v) and L (B, H, Nq, splits); an unsplit
     launch never touches them (0-element stand-ins)."""
     if num_splits == 1:
         return run.unused(q.device), run.unused(q.device)
     f32 = {"dtype": torch.float32, "device": q.device}
-    batch, head_dim = q.shape[0], q.shape[-1]
-    return (run.new_buffer(batch, heads, seqlen_q, num_splits, head_dim, **f32),
-            run.new_buffer(batch, heads, seqlen_q, num_splits, **f32))
+    return (run.new_buffer(q.shape[0], heads, seqlen_q, num_splits, head_dim_v, **f32),
+            run.new_buffer(q.shape[0], heads, seqlen_q, num_splits, **f32))
 
 
 def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, heads: int, seqlen_k: int,
@@ -181,10 +180,12 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     """
     batch, seqlen_q, heads, head_dim = run.geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out = run.new_output(q)
+    head_dim_v = v_cache.shape[-1]
+    out = run.new_buffer(*q.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)   # d_v columns
     lse = run.new_buffer(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     variant_tensors, variant_scalars = run.split_variant(source.spec, variant)
-    tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k, *partials(q, heads, seqlen_q, num_splits),
+    tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k,
+                                 *partials(q, heads, seqlen_q, num_splits, head_dim_v),
                                  None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors)
     if varlen is None or flag is not None:   # else run.packed_sequences makes it, naming cu_seqlens in its message
         _flagged(tensors, flag, q.device)

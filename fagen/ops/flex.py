@@ -18,8 +18,9 @@ take transposed views of query, key and value (no copy). What a call carries ove
   FlexAttention does;
 - kernel_options tune FlexAttention's Triton kernels: fagen picks its own tiles and ignores them.
 
-fp16 or bf16 inputs; key and value share head_dim and batch with query. Errors name
-FlexAttention's arguments (query, key, value, block_mask, scale).
+fp16 or bf16 inputs; key shares head_dim and batch with query, value its batch, heads and keys
+with key (its head dim, d_v, may be smaller than query's). Errors name FlexAttention's arguments
+(query, key, value, block_mask, scale).
 """
 
 from __future__ import annotations

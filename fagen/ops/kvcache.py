@@ -85,8 +85,8 @@ def _pack(q, kv_heads: int):
 
 
 def _unpack(out, lse, shape):
-    b, n, h, d = shape
-    kv_heads = out.shape[2]
+    b, n, h, _ = shape
+    kv_heads, d = out.shape[2], out.shape[3]   # O's head dim: v's
     group = h // kv_heads
     out = out.view(b, n, group, kv_heads, d).transpose(2, 3).reshape(b, n, h, d)
     lse = lse.view(b, kv_heads, n, group).transpose(2, 3).reshape(b, h, n)
@@ -101,7 +101,8 @@ class PaddedHeadDim:
     copied back into the caller's caches. That copy is the call's only write to them, after
     every kernel has run: a call that fails leaves them as they were."""
 
-    head_dim: int                # the caller's
+    head_dim: int                # the caller's (q's and k's)
+    head_dim_v: int              # the caller's v's
     k_cache: torch.Tensor        # the caller's caches
     v_cache: torch.Tensor
     k_cache_copy: torch.Tensor   # their padded copies, which the kernels read and append to
@@ -126,7 +127,8 @@ def _copy_appended(padded: PaddedHeadDim, cache, seqlens, k_cache, v_cache, bloc
         first, second = block_table.long().gather(1, rows // cache.page_size), rows % cache.page_size
     first = first.clamp(0, k_cache.shape[0] - 1)
     for caller, source in ((padded.k_cache, k_cache), (padded.v_cache, v_cache)):
-        caller[first, second] = torch.where(refused, caller[first, second], source[first, second, :, :padded.head_dim])
+        width = caller.shape[-1]
+        caller[first, second] = torch.where(refused, caller[first, second], source[first, second, :, :width])
 
 
 def _check_splits(num_splits) -> int:
@@ -177,7 +179,7 @@ class StepPlan:
             q = self._append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag)
         batch, seqlen_q, heads, _ = q.shape
         if batch == 0 or seqlen_q == 0 or heads == 0:
-            out = torch.zeros_like(q)
+            out = q.new_zeros(batch, seqlen_q, heads, v_cache.shape[-1])
             lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
         else:
             out, lse = self._attend(q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag)
@@ -185,7 +187,7 @@ class StepPlan:
         if padded is not None:
             if cache.new_tokens:
                 _copy_appended(padded, cache, seqlens, k_cache, v_cache, block_table, flag)
-            out = out[..., :padded.head_dim]
+            out = out[..., :padded.head_dim_v]
         return (out, lse) if self.return_lse else out
 
     def _append(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag):
@@ -213,18 +215,23 @@ class StepPlan:
         query per head packs by views: the kernel reads q and writes the caller's output through
         strides."""
         batch, seqlen_q, heads, head_dim = q.shape
-        kv_heads, group = k_cache.shape[2], self.pack_group
+        kv_heads, group, head_dim_v = k_cache.shape[2], self.pack_group, v_cache.shape[-1]
+
+        def output(like):   # O has v's head dim
+            return attention_kernels.new_buffer(*like.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)
+
         if group is None:
             q_kernel = aligned_rows(q)
-            out = out_kernel = attention_kernels.new_output(q)
+            out = out_kernel = output(q)
         elif seqlen_q == 1:   # packed row g of K/V head j is query head j * group + g
             packed, (s_b, _, s_h, _) = (batch, group, kv_heads, head_dim), q.stride()
             q_kernel = aligned_rows(q.as_strided(packed, (s_b, s_h, group * s_h, 1), q.storage_offset()))
-            out = attention_kernels.new_output(q)
-            out_kernel = out.as_strided(packed, (heads * head_dim, head_dim, group * head_dim, 1))
+            out = output(q)
+            out_kernel = out.as_strided((batch, group, kv_heads, head_dim_v),
+                                        (heads * head_dim_v, head_dim_v, group * head_dim_v, 1))
         else:   # rows i * group + g: copies
             q_kernel = _pack(q, kv_heads)
-            out_kernel = attention_kernels.new_output(q_kernel)
+            out_kernel = output(q_kernel)
         kernel_heads, kernel_rows = q_kernel.shape[2], q_kernel.shape[1]
         # L in the caller's (B, H, Nq) where one query packs: the kernel writes it by row index,
         # and the (B, Hk, group) rows it indexes lie as (B, H, 1)'s do.
@@ -238,7 +245,7 @@ class StepPlan:
             variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant)
         tensors = kv_kernels.kv_cache_arguments(
             q_kernel, k_cache, v_cache, out_kernel, lse, seqlens,
-            *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits), flag,
+            *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits, head_dim_v), flag,
             cache_rows=None if block_table is not None else rows, block_table=block_table,
             variant_tensors=variant_tensors)
         if self.attend is None:
@@ -271,17 +278,20 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     _check_scale(softmax_scale)
     padded = None
-    if q.shape[-1] % HEAD_DIM_MULTIPLE:   # the step runs on padded copies; the scale keeps the true d
-        padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache), _pad_head_dim(v_cache))
+    if q.shape[-1] % HEAD_DIM_MULTIPLE or v_cache.shape[-1] % HEAD_DIM_MULTIPLE:   # padded copies; the scale keeps the true d
+        padded = PaddedHeadDim(q.shape[-1], v_cache.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache),
+                               _pad_head_dim(v_cache))
         q, k_cache, v_cache = _pad_head_dim(q), padded.k_cache_copy, padded.v_cache_copy
     head_dim_given = q.shape[-1] if padded is None else padded.head_dim   # the scale's d: the caller's
     scale = 1.0 / math.sqrt(head_dim_given) if softmax_scale is None else float(softmax_scale)
     batch, seqlen_q, heads, head_dim = q.shape
     call = variant_call(q, k_cache, causal=causal, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, sizes=(batch, seqlen_q, heads, cache.capacity))
-    kv_heads = k_cache.shape[2]
+    kv_heads, fields = k_cache.shape[2], dict(call.spec_fields) if call else {}
+    if v_cache.shape[-1] != head_dim:   # V's own head dim (Spec.head_dim_v)
+        fields["head_dim_v"] = v_cache.shape[-1]
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
-                     page_size=cache.page_size, fields=call.spec_fields if call else {})
+                     page_size=cache.page_size, fields=fields)
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:

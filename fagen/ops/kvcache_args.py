@@ -86,29 +86,32 @@ def _check_cache(q, k_cache, v_cache, block_table):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_data(name, t, 4, layout)
         _same_as_q(name, t, q)
-    if k_cache.shape != v_cache.shape:
-        raise InputError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:   # v's head dim (d_v) may differ: checked below
+        raise InputError(f"k_cache and v_cache must have the same shape but for the head dim, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     d, kv_heads = q.shape[3], k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise InputError(f"q and k_cache must have the same head_dim, got {d} and {k_cache.shape[3]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise InputError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {d}")
+    if not 1 <= v_cache.shape[3] <= d:
+        raise InputError(f"v_cache's head dim (v_cache.shape[-1] = {v_cache.shape[3]}) must be from 1 to q's "
+                         f"({d}): the kernels stage V in K's shared-memory rows")
     if kv_heads == 0 or q.shape[2] % kv_heads:
         raise InputError(f"q's number of heads ({q.shape[2]}) must be a multiple of k_cache's ({kv_heads})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_cache_rows(name, t)
 
 
-def _check_new(q, k_cache, k, v):
+def _check_new(q, k_cache, v_cache, k, v):
     if (k is None) != (v is None):
         raise InputError("k and v must be given together (the new keys and values to append)")
     if k is None:
         return 0
-    for name, t in (("k", k), ("v", v)):
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         _check_data(name, t, 4, "(batch, seqlen_new, kv_heads, head_dim)")
         _same_as_q(name, t, q)
-        expected = (q.shape[0], k.shape[1], k_cache.shape[2], q.shape[3])
+        expected = (q.shape[0], k.shape[1], k_cache.shape[2], cache.shape[3])
         if tuple(t.shape) != expected:
             raise InputError(f"{name} must have shape (batch, seqlen_new, kv_heads, head_dim) = {expected}, "
                              f"got {tuple(t.shape)}")
@@ -176,7 +179,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
                   block_table) -> CacheCall:
     """Validate everything but rotary and the variant; returns the per-entry rows as tensors."""
     _check_cache(q, k_cache, v_cache, block_table)
-    new_tokens = _check_new(q, k_cache, k, v)
+    new_tokens = _check_new(q, k_cache, v_cache, k, v)
     if new_tokens:
         _check_writable(k_cache, v_cache)
     batch, device = q.shape[0], q.device

@@ -72,9 +72,11 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
     if dropout_p > 0 or version != 2:
         raise InputError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
                          f"dropout_p={dropout_p}, version={version}")
+    head_dim, head_dim_v = (n + -n % HEAD_DIM_MULTIPLE for n in (q.shape[2], v.shape[-1]))
+    fields = {**(call.spec_fields if call else {}), **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {})}
     try:
-        spec = Spec.for_kv_cache(q.shape[2] + -q.shape[2] % HEAD_DIM_MULTIPLE, TORCH_DTYPES[q.dtype], causal=causal,
-                                 page_size=k.shape[1], varlen=True, **(call.spec_fields if call else {}))
+        spec = Spec.for_kv_cache(head_dim, TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1], varlen=True,
+                                 **fields)
     except ValueError as exc:   # sinks (the decoding kernels take no sinks)
         raise InputError(f"fagen: with a block_table, {exc}") from None
 

@@ -196,7 +196,8 @@ def test_noop_mask_runs_as_no_mask():
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(query=lambda q: q.float()), TypeError, "query must be float16 or bfloat16"),
-    (dict(value=lambda v: v[..., :16]), ValueError, r"key and value must have the same shape"),
+    (dict(value=lambda v: v[:, :, :5]), ValueError, r"key and value must have the same shape but for the head dim"),
+    (dict(value=lambda v: torch.cat([v, v], -1)), ValueError, r"value's head dim \(value.shape\[-1\] = "),
     (dict(key=lambda k: k[:, :1], value=lambda v: v[:, :1]), ValueError, "enable_gqa=True"),
     (dict(scale=-1.0), ValueError, "scale must be a positive finite float"),
     (dict(block_mask=torch.ones(48, 48, dtype=torch.bool)), TypeError, "block_mask must be a"),

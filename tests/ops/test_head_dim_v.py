@@ -1,7 +1,7 @@
 """V's head dim below Q's and K's (issue 27, item 1): DeepSeek-V3's q/k 192 with v 128, and
 128 with 64, through every entry point that takes dense or packed q, k, v. The output has d_v
 columns, dV has d_v and dQ, dK have d; each is held to FlashAttention-2's rule against the
-float64 oracle. A v wider than q, or a kv cache whose v differs from k, is refused by name.
+float64 oracle. A v wider than q, or a v cache of other rows than the k cache, is refused by name.
 """
 
 import pytest
@@ -11,6 +11,7 @@ import fagen
 from fagen.errors import InputError
 from fagen.reference import attention_backward, attention_forward, attention_same_dtype
 from kernel_cases import GRAD_FACTOR, OUTPUT_FACTOR, max_error
+from kvcache_cases import Case, check_call
 
 GEN = torch.Generator().manual_seed(27)
 
@@ -107,10 +108,53 @@ def test_a_value_that_differs_in_more_than_its_head_dim_is_refused():
         fagen.flash_attn_func(q, k, _randn(1, 9, 2, 32))
 
 
-def test_the_kv_cache_keeps_one_head_dim():
-    q, k_cache, v_cache = _randn(1, 1, 2, 128), _randn(1, 16, 2, 128), _randn(1, 16, 2, 64)
-    with pytest.raises(InputError, match="k_cache and v_cache must have the same shape"):
-        fagen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([3], dtype=torch.int32))
+# Decoding: the caches' V rows are d_v wide; the append writes them so, rotary turns q and k only.
+KV_CASES = {
+    "contiguous, append 2, rotary, 3 splits": (dict(nq=2, new=2, head_dim=128, head_dim_v=64),
+                                               dict(causal=True, rotary=(32, False), num_splits=3)),
+    "paged, one query (GQA packing by views)": (dict(new=1, page=16, head_dim=192, head_dim_v=128, seed=1),
+                                                dict(causal=True)),
+    "paged, three queries (packed copies), split": (dict(nq=3, new=3, page=32, head_dim=64, head_dim_v=32, seed=2),
+                                                    dict(causal=True, num_splits=2)),
+    "zero-padded head dims (60 and 36)": (dict(nq=1, new=1, head_dim=60, head_dim_v=36, seed=3), dict()),
+}
+
+
+@pytest.mark.parametrize("case", KV_CASES)
+def test_flash_attn_with_kvcache(case):
+    layout, call = KV_CASES[case]
+    out, _ = check_call(Case(**layout), **call)
+    assert out.shape[-1] == layout["head_dim_v"]
+
+
+def test_varlen_over_a_paged_cache():
+    """flash_attn_varlen_func with a block_table: the cache's V rows are d_v wide."""
+    pages = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    k_cache, v_cache = _randn(4, 16, 2, 128), _randn(4, 16, 2, 64)
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 20, 45], dtype=torch.int32)
+    q = _randn(8, 4, 128)
+    out = fagen.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 25, causal=True, block_table=pages)
+    assert out.shape == (8, 4, 64)
+    for b in range(2):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        keys = int(cu_k[b + 1] - cu_k[b])
+        k, v = (torch.cat([cache[p] for p in pages[b].tolist()])[:keys][None] for cache in (k_cache, v_cache))
+        want, _ = attention_forward(q[rows][None], k, v, causal=True)
+        same = attention_same_dtype(q[rows][None], k, v, torch.zeros_like(want).half(), causal=True)[0]
+        assert max_error(out[rows][None], want) <= OUTPUT_FACTOR * max_error(same, want) + 1e-5
+
+
+def test_a_kv_cache_whose_value_is_wider_or_of_other_rows_is_refused():
+    q, k_cache = _randn(1, 1, 2, 64), _randn(1, 16, 2, 64)
+    seqlens = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"v_cache's head dim \(v_cache.shape\[-1\] = 128\) must be from 1 to q's"):
+        fagen.flash_attn_with_kvcache(q, k_cache, _randn(1, 16, 2, 128), cache_seqlens=seqlens)
+    with pytest.raises(InputError, match="k_cache and v_cache must have the same shape but for the head dim"):
+        fagen.flash_attn_with_kvcache(q, k_cache, _randn(1, 8, 2, 32), cache_seqlens=seqlens)
+    with pytest.raises(InputError, match=r"v must have shape \(batch, seqlen_new, kv_heads, head_dim\) = "
+                                         r"\(1, 1, 2, 32\)"):
+        fagen.flash_attn_with_kvcache(q, k_cache, _randn(1, 16, 2, 32), _randn(1, 1, 2, 64), _randn(1, 1, 2, 64),
+                                      cache_seqlens=seqlens)
 
 
 def test_flash_attention_1_keeps_one_head_dim():

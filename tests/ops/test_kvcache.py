@@ -148,6 +148,10 @@ KERNEL_SPECS = [decode_spec(d, torch.float16, causal, page, fields)
                 for d in (64, 128, 256)
                 for causal, page, fields in ((True, None, {}), (False, 16, {"window": True, "softcap": True,
                                                                            "alibi": True}))]
+# V's own head dim (Spec.head_dim_v), with GQA packing and every built-in a decode step takes.
+KERNEL_SPECS += [decode_spec(d, torch.float16, True, page, {"head_dim_v": dv, "pack_gqa": True, "window": True,
+                                                              "softcap": True, "alibi": True})
+                 for d, dv, page in ((192, 128, 64), (128, 64, None))]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

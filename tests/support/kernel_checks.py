@@ -163,10 +163,11 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         assert built == spec, f"the case builds {built.name}, not {spec.name}"
         return source
 
+    dims = dict(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v)
     if spec.kv_cache == "paged":
-        case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11), (32, False)
+        case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11, **dims), (32, False)
     else:
-        case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12), (32, True)
+        case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12, **dims), (32, True)
     with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
 

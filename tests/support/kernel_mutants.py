@@ -203,6 +203,7 @@ MUTANTS += [
 # V's head dim below Q's: the d_v index paths (O's columns, D, dP's k-steps, dV's slices).
 HEAD_DIM_V = Spec(128, head_dim_v=64, mask="causal")
 HEAD_DIM_V_SLICED = Spec(192, head_dim_v=128)   # four warps split d (48 columns) and d_v (32)
+DECODE_PAGED_V = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48, pack_gqa=True, head_dim_v=32)
 MUTANTS += [
     KernelMutant("d_v: V's last 8 columns not copied", HEAD_DIM_V,
                  (Edit("TileCopy<kBlockN, kHeadDimV, kHeadDimVPad, kRowElems, kThreads> v_copy",
@@ -216,6 +217,13 @@ MUTANTS += [
                        "<kKeyTiles, kQueryTiles, kDimSteps, kRowElems>(dpt, v_tile"),), (checks.ragged_check,)),
     KernelMutant("d_v: dV's slices at dK's columns", HEAD_DIM_V_SLICED,
                  (Edit("(dv, st, do_tile, col0_v)", "(dv, st, do_tile, col0)"),), (checks.ragged_check,)),
+    KernelMutant("d_v: a paged cache's V tiles copied by K's plan", DECODE_PAGED_V,
+                 (Edit("v_next = v_copy.source(v_head + page", "v_next = kv_copy.source(v_head + page"),),
+                  (checks.kv_cache_check,)),
+    KernelMutant("d_v: a split's partial O misses its last 8 columns", DECODE_PAGED_V,
+                 (Edit("if (col < kHeadDimV)\n            *reinterpret_cast<float2*>(o_partial",
+                       "if (col < kHeadDimV - 8)\n            *reinterpret_cast<float2*>(o_partial"),),
+                 (checks.kv_cache_check,)),
 ]
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",

@@ -44,20 +44,20 @@ class Case:
     """A cache, its new tokens, and where each entry's keys live (paged or not)."""
 
     def __init__(self, dtype=torch.float16, nq=1, new=0, capacity=128, page=None, batch_idx=False,
-                 leftpad=False, seed=0, head_dim=D):
+                 leftpad=False, seed=0, head_dim=D, head_dim_v=None):
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.page, self.capacity = dtype, page, capacity
-        d = head_dim
+        d, dv = head_dim, head_dim_v or head_dim   # V's head dim: head_dim_v (unset: head_dim)
         self.q = torch.randn(B, nq, H, d, generator=gen).to(dtype)
         self.k = torch.randn(B, new, HK, d, generator=gen).to(dtype) if new else None
-        self.v = torch.randn(B, new, HK, d, generator=gen).to(dtype) if new else None
+        self.v = torch.randn(B, new, HK, dv, generator=gen).to(dtype) if new else None
         self.seqlens = torch.tensor(SEQLENS, dtype=torch.int32)
         self.batch_idx = torch.tensor([2, 0, 1], dtype=torch.int32) if batch_idx else None
         self.leftpad = torch.tensor([5, 0, 17], dtype=torch.int32) if leftpad else None
         if page is None:
             entries = B + 1 if batch_idx else B
             self.k_cache = torch.randn(entries, capacity, HK, d, generator=gen).to(dtype)
-            self.v_cache = torch.randn(entries, capacity, HK, d, generator=gen).to(dtype)
+            self.v_cache = torch.randn(entries, capacity, HK, dv, generator=gen).to(dtype)
             self.block_table = None
         else:
             per_entry = capacity // page
@@ -65,7 +65,7 @@ class Case:
             order = torch.randperm(pages, generator=gen)[:B * per_entry]
             self.block_table = order.view(B, per_entry).to(torch.int32)
             self.k_cache = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
-            self.v_cache = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
+            self.v_cache = torch.randn(pages, page, HK, dv, generator=gen).to(dtype)
 
     def rows(self, cache, b):
         """Entry b's rows (capacity, HK, D) of a cache, in key order: a view for a contiguous one."""
@@ -106,7 +106,10 @@ def entry_errors(b: int, q_b, out_b, lse_b, keys_k, keys_v, causal, variant) -> 
     one = {n: (x[b:b + 1] if x.dim() == 2 else x) for n, x in variant.items() if isinstance(x, torch.Tensor)}
     args = {**variant, **one}
     ref_out, ref_lse = attention_forward(q_b, keys_k, keys_v, causal=causal, **args)
-    same = attention_same_dtype(q_b, keys_k, keys_v, torch.zeros_like(q_b), causal=causal, **args)[0]
+    dout = q_b.new_zeros(*q_b.shape[:-1], keys_v.shape[-1])   # O's (V's) head dim
+    same = attention_same_dtype(q_b, keys_k, keys_v, dout, causal=causal, **args)[0]
+    # NaN first: Python's max() over the entries' errors would drop a NaN error silently.
+    assert not torch.isnan(out_b).any(), f"entry {b}: NaN in the output (unwritten or poisoned values)"
     empty = torch.isinf(ref_lse)   # rows that see no key: L = +inf, O = 0
     assert torch.equal(torch.isinf(lse_b), empty), f"entry {b}: rows without keys"
     assert max_error(lse_b[~empty], ref_lse[~empty]) < lse_tolerance(variant.get("softcap", 0.0)), f"entry {b}: L"
