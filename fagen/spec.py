@@ -20,7 +20,10 @@ KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcac
 VERSIONS = (1, 2)
 NUM_WARPS = (1, 2, 4, 8)
 MAX_STAGES = 4
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# Past this head dim the forward splits O's columns over pairs of warps that share Q_i's rows
+# (Spec.column_split): one warp's 16 rows of a 512-wide fp32 O would take 256 registers.
+SPLIT_O_ABOVE = 256
 
 # Tensor-core tile (mma.sync m16n8k16): rows of a warp's Q slice and the K/V
 # block must come in multiples of 16.
@@ -68,14 +71,18 @@ def default_tiles(head_dim: int, version: int = 2) -> dict:
         block_m, block_n, num_warps = 128, 64, 4   # two 16-row mma tiles per warp
     elif head_dim <= 128:
         block_m, block_n, num_warps = 128, 64, 8   # one per warp keeps O in registers
-    else:
+    elif head_dim <= SPLIT_O_ABOVE:
         block_m, block_n, num_warps = 64, 32, 4
+    else:   # eight warps: four row groups of 16 rows, each two warps with half of O's columns
+        return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
     return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": 2}
 
 
 def backward_block_n_choices(head_dim: int) -> tuple[int, ...]:
     """The backward's keys per thread block at a head dim, the table's default first."""
-    return (128, 64) if head_dim <= 128 else (32,)
+    if head_dim <= 128:
+        return (128, 64)
+    return (32,) if head_dim <= SPLIT_O_ABOVE else (32, 16)   # 16: past d = 256 on the 99 KB parts
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -265,7 +272,7 @@ class CustomMod:
 class Spec:
     """One attention kernel variant.
 
-    head_dim     d, a multiple of 8 up to 256 (Q's and K's head dim)
+    head_dim     d, a multiple of 8 up to 512 (Q's and K's head dim)
     dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32)
     version      1 = FlashAttention-1 (m, l statistics), 2 = FlashAttention-2 (L)
     block_m      rows of Q per tile (B_r)
@@ -381,9 +388,10 @@ class Spec:
         block_n = 64 if head_dim <= 128 else 32
         while page_size is not None and page_size % block_n:
             block_n //= 2
+        wide = head_dim > SPLIT_O_ABOVE   # warp pairs split O's columns; one K/V stage fits sm_80
         return cls(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", key_padding=not varlen,
                    varlen=varlen, kv_cache="contiguous" if page_size is None else "paged", block_m=64,
-                   num_warps=4, block_n=block_n, num_stages=2, **fields)
+                   num_warps=8 if wide else 4, block_n=block_n, num_stages=1 if wide else 2, **fields)
 
     def _check_kv_cache(self):
         if self.pack_gqa and (self.kv_cache is None or self.varlen):
@@ -415,6 +423,9 @@ class Spec:
             raise ValueError(f"head_dim must be a positive multiple of 8, got {d}")
         if d > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+        if d > SPLIT_O_ABOVE and self.version == 1:
+            raise ValueError(f"head_dim={d} needs version=2: FlashAttention-1 (the paper's baseline) runs head dims "
+                             f"up to {SPLIT_O_ABOVE}")
 
     def _check_head_dim_v(self):
         if self.head_dim_v is None:
@@ -444,7 +455,10 @@ class Spec:
         if self.block_m % MMA_M != 0:
             raise ValueError(
                 f"block_m must be a multiple of {MMA_M} (the mma.sync m tile), got {self.block_m}")
-        rows_per_split = MMA_M * self.num_warps
+        if self.num_warps % self.column_split:
+            raise ValueError(f"num_warps={self.num_warps} cannot pair up: past head_dim {SPLIT_O_ABOVE} two warps "
+                             f"share each row group, each with half of O's columns")
+        rows_per_split = MMA_M * self.num_warps // self.column_split
         if self.block_m % rows_per_split != 0:
             raise ValueError(
                 f"block_m={self.block_m} cannot be split across num_warps={self.num_warps}: "
@@ -508,13 +522,23 @@ class Spec:
 
     @property
     def head_dim_pad(self) -> int:
-        """head_dim rounded up to the mma k-step (16); the extra columns are zeros."""
-        return -(-self.head_dim // MMA_K) * MMA_K
+        """head_dim rounded up to the mma k-step (16), per column slice past d = 256 (whole
+        16-column ldmatrix loads in each); the extra columns are zeros."""
+        step = MMA_K * self.column_split
+        return -(-self.head_dim // step) * step
 
     @property
     def head_dim_v_pad(self) -> int:
-        """head_dim_v rounded up to the mma k-step (16)."""
-        return -(-self.head_dim_v // MMA_K) * MMA_K
+        """head_dim_v rounded up as head_dim is."""
+        step = MMA_K * self.column_split
+        return -(-self.head_dim_v // step) * step
+
+    @property
+    def column_split(self) -> int:
+        """Warps that share rows and split the columns of the accumulator they hold: O's in the
+        forward, dQ's in the deterministic dQ kernel (2 past head_dim 256, where one warp's 16
+        rows of a 512-wide fp32 accumulator would take 256 registers)."""
+        return 2 if self.head_dim > SPLIT_O_ABOVE else 1
 
     @property
     def shared_layout(self) -> SharedLayout:
@@ -547,6 +571,8 @@ class Spec:
         if self.head_dim <= 128:
             return BackwardTiles(block_m=64, block_n=block_n, num_warps=block_n // 16, num_stages=2, dim_split=1,
                                  dq_block_n=64)
+        if block_n == 16:   # d > 256 on a 99 KB part: 16 x 16 tiles, four warps splitting d
+            return BackwardTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, dim_split=4, dq_block_n=16)
         # dq_block_n = 16 keeps the deterministic dQ pass (d x 16 rows of fp32 per warp) spill-free.
         return BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4, dq_block_n=16)
 

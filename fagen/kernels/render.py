@@ -142,7 +142,7 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
         bwd_preprocess=entry("bwd_preprocess", params["bwd_preprocess"], 128, bwd.block_m, "q", 0),
         bwd_main=entry("bwd", params["bwd_main"], bwd.threads, bwd.block_n, "k",
                        spec.backward_layout.total_bytes),
-        bwd_dq=entry("bwd_dq", params["bwd_dq"], 2 * bwd.block_m, bwd.block_m, "q",
+        bwd_dq=entry("bwd_dq", params["bwd_dq"], 2 * bwd.block_m * spec.column_split, bwd.block_m, "q",
                      spec.dq_layout.total_bytes) if spec.deterministic else None,
         bwd_dq_convert=None if spec.deterministic else
         entry("bwd_dq_convert", params["bwd_dq_convert"], 128, bwd.block_m, "q", 0),

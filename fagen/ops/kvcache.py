@@ -390,7 +390,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     interleaved or not. Causal is bottom-right aligned to each entry's keys; window_size,
     softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
     the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
-    Any d up to 256: one that is not a multiple of 8 is zero-padded as flash-attn does.
+    Any d up to 512: one that is not a multiple of 8 is zero-padded as flash-attn does.
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)

@@ -20,7 +20,7 @@ ARCH_FAMILIES = {
     "sm_103": "sm90", "sm_110": "sm90",
 }
 DEFAULT_ARCH = "sm_80"
-HEAD_DIM_BUCKETS = (64, 128, 256)   # a head dim falls in the first bucket >= it
+HEAD_DIM_BUCKETS = (64, 128, 256, 512)   # a head dim falls in the first bucket >= it
 
 # (family, head-dim bucket) -> overrides of default_tiles. Tests check that
 # every entry builds a legal Spec that fits every arch of its family.
@@ -37,6 +37,10 @@ FALLBACK_OVERRIDES: dict[tuple[str, int], dict] = {
     # machine-code sweep of benchmarks/sass_tile_sweep.py (benchmarks/RESULTS.md).
     ("sm90", 128): {"block_n": 128},
     ("sm90", 256): {"num_stages": 3},
+    # Past d = 256 (eight warps, pairs splitting O's columns; one K/V stage: 133 KB at d = 512):
+    # 99 KB parts take 32 x 16 tiles on four warps (67 KB), Hopper a second K/V stage (200 KB).
+    ("sm86", 512): {"block_m": 32, "block_n": 16, "num_warps": 4},
+    ("sm90", 512): {"num_stages": 2},
 }
 
 

@@ -116,6 +116,28 @@ def test_head_dim_v_below_head_dim(spec, shape, schedule, monkeypatch):
     run_and_check(spec, shape)
 
 
+# Head dims past 256 (issue 27 item 2): pairs of warps split O's columns (Spec.column_split), and
+# the deterministic dQ kernel's; the 99 KB parts' 32 x 16 forward and 16 x 16 backward tiles.
+WIDE_HEAD_DIM_CASES = [
+    (Spec(320, mask="causal", key_padding=True, dropout=True), Shape(2, 70, 90, heads=4, kv_heads=2),
+     "warp-serial-reverse"),
+    (Spec(384, head_dim_v=256, deterministic=True, dtype="bf16"), Shape(1, 40, 33, heads=2, kv_heads=1), "forward"),
+    (Spec(448, mask="causal", block_m=32, block_n=16, num_warps=4, num_stages=1, bwd_block_n=16),
+     Shape(1, 50, 20, heads=3, kv_heads=1), "warp-serial-reverse"),
+    (Spec(512, mask="causal", deterministic=True, dropout=True), Shape(1, 70, 90, heads=2, kv_heads=1),
+     "warp-serial-reverse"),
+    (Spec(512, key_padding=True, block_m=32, block_n=16, num_warps=4, num_stages=1, bwd_block_n=16,
+          deterministic=True), Shape(2, 37, 45), "forward"),
+]
+
+
+@pytest.mark.parametrize("spec, shape, schedule", WIDE_HEAD_DIM_CASES,
+                         ids=[f"{s.name}-{shape}" for s, shape, _ in WIDE_HEAD_DIM_CASES])
+def test_head_dims_past_256(spec, shape, schedule, monkeypatch):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    run_and_check(spec, shape)
+
+
 def test_gqa_gradients_are_rounded_once_after_the_group_sum():
     """A group's dK/dV parts are summed in fp32 and rounded once. Rounded per head first (as
     FlashAttention-2 does), this case's dV erred by 1.5 ulp at |dV| ~ 5.5: 3.1x PyTorch's error

@@ -60,6 +60,14 @@ SPECS += [Spec(d, head_dim_v=dv, mask="causal", dropout=True, **extra)
                         {"varlen": True, "deterministic": True, "window": True, "softcap": True, "sinks": True})]
 
 
+# Head dims past 256: every d the issue names, every built-in at 512 (deterministic: the dQ
+# kernel's column split), packed sequences.
+SPECS += [Spec(d, mask="causal", dropout=True, key_padding=True) for d in (320, 384, 448, 512)]
+SPECS += [Spec(512, mask="causal", window=True, softcap=True, alibi=True, sinks=True, dropout=True, key_padding=True,
+               deterministic=True),
+          Spec(512, mask="causal", dropout=True, varlen=True, window=True, softcap=True, sinks=True)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory):
     import os
@@ -105,7 +113,7 @@ FALLBACK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
 
 @pytest.mark.parametrize("arch", FALLBACK_ARCHS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 def test_fallback_tiles_compile_without_spills_and_fit(head_dim, arch):
     from fagen.tuning import fallback_spec
 

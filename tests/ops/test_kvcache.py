@@ -151,7 +151,7 @@ KERNEL_SPECS = [decode_spec(d, torch.float16, causal, page, fields)
 # V's own head dim (Spec.head_dim_v), with GQA packing and every built-in a decode step takes.
 KERNEL_SPECS += [decode_spec(d, torch.float16, True, page, {"head_dim_v": dv, "pack_gqa": True, "window": True,
                                                               "softcap": True, "alibi": True})
-                 for d, dv, page in ((192, 128, 64), (128, 64, None))]
+                 for d, dv, page in ((192, 128, 64), (128, 64, None), (512, 512, 64))]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

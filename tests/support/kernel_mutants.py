@@ -203,6 +203,8 @@ MUTANTS += [
 # V's head dim below Q's: the d_v index paths (O's columns, D, dP's k-steps, dV's slices).
 HEAD_DIM_V = Spec(128, head_dim_v=64, mask="causal")
 HEAD_DIM_V_SLICED = Spec(192, head_dim_v=128)   # four warps split d (48 columns) and d_v (32)
+WIDE = Spec(320, mask="causal")   # pairs of warps split O's columns (Spec.column_split)
+WIDE_DETERMINISTIC = Spec(320, deterministic=True)   # ... and the dQ kernel's
 DECODE_PAGED_V = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48, pack_gqa=True, head_dim_v=32)
 MUTANTS += [
     KernelMutant("d_v: V's last 8 columns not copied", HEAD_DIM_V,
@@ -217,6 +219,10 @@ MUTANTS += [
                        "<kKeyTiles, kQueryTiles, kDimSteps, kRowElems>(dpt, v_tile"),), (checks.ragged_check,)),
     KernelMutant("d_v: dV's slices at dK's columns", HEAD_DIM_V_SLICED,
                  (Edit("(dv, st, do_tile, col0_v)", "(dv, st, do_tile, col0)"),), (checks.ragged_check,)),
+    KernelMutant("d > 256: both warps of a row group accumulate O's first columns", WIDE,
+                 (Edit("(o, s, v_tile, col0_v)", "(o, s, v_tile, 0)"),), (checks.ragged_check,)),
+    KernelMutant("d > 256: both warps of a row group accumulate dQ's first columns", WIDE_DETERMINISTIC,
+                 (Edit("(dq_acc, dp, k_tile, col0_q)", "(dq_acc, dp, k_tile, 0)"),), (checks.ragged_check,)),
     KernelMutant("d_v: a paged cache's V tiles copied by K's plan", DECODE_PAGED_V,
                  (Edit("v_next = v_copy.source(v_head + page", "v_next = kv_copy.source(v_head + page"),),
                   (checks.kv_cache_check,)),

@@ -8,7 +8,8 @@ from fagen.spec import SMEM_LIMIT_BYTES, Spec, check_dropout_p, default_tiles
 @pytest.mark.parametrize("fields, message", [
     ({"head_dim": 60}, "head_dim must be a positive multiple of 8, got 60"),
     ({"head_dim": 0}, "head_dim must be a positive multiple of 8"),
-    ({"head_dim": 264}, "head_dim must be at most 256, got 264"),
+    ({"head_dim": 520}, "head_dim must be at most 512, got 520"),
+    ({"head_dim": 264, "version": 1}, "head_dim=264 needs version=2: FlashAttention-1"),
     ({"head_dim": 64.0}, "head_dim must be an int"),
     ({"head_dim": 64, "dtype": "fp32"}, "unknown dtype 'fp32'"),
     ({"head_dim": 64, "mask": "sliding"}, "unknown mask 'sliding'"),

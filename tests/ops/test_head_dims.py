@@ -1,7 +1,10 @@
-"""V's head dim below Q's and K's (issue 27, item 1): DeepSeek-V3's q/k 192 with v 128, and
-128 with 64, through every entry point that takes dense or packed q, k, v. The output has d_v
-columns, dV has d_v and dQ, dK have d; each is held to FlashAttention-2's rule against the
-float64 oracle. A v wider than q, or a v cache of other rows than the k cache, is refused by name.
+"""Today's models' head dims (issue 27, items 1 and 2), through the entry points.
+
+V's head dim below Q's and K's: DeepSeek-V3's q/k 192 with v 128, and 128 with 64, through every
+entry point that takes dense or packed q, k, v. The output has d_v columns, dV has d_v and dQ,
+dK have d. Head dims past 256, up to 512 (Gemma-class): training and decoding. Each result is
+held to FlashAttention-2's rule against the float64 oracle. A v wider than q, a v cache of other
+rows than the k cache, or a head dim past 512 is refused by name.
 """
 
 import pytest
@@ -161,3 +164,33 @@ def test_flash_attention_1_keeps_one_head_dim():
     q, k, v = _randn(1, 8, 2, 64), _randn(1, 8, 2, 64), _randn(1, 8, 2, 32)
     with pytest.raises(InputError, match="head_dim_v=32 != head_dim=64 needs version=2"):
         fagen.flash_attn_func(q, k, v, version=1)
+
+
+# -- head dims past 256 ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(512, 512), (300, 300), (384, 128)],
+                         ids=["512", "300 (zero-padded to 304)", "384-128"])
+def test_wide_head_dims_forward_and_backward(head_dim, head_dim_v):
+    q, k = _randn(1, 33, 2, head_dim, grad=True), _randn(1, 47, 1, head_dim, grad=True)
+    v = _randn(1, 47, 1, head_dim_v, grad=True)
+    out = fagen.flash_attn_func(q, k, v, causal=True)
+    dout = _randn(*out.shape)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    _hold_to_the_rule({"out": out, "dq": dq, "dk": dk, "dv": dv}, q.detach(), k.detach(), v.detach(), dout,
+                      causal=True)
+
+
+def test_wide_head_dims_in_decoding():
+    out, _ = check_call(Case(nq=1, new=1, head_dim=512, page=32, seed=5), causal=True, num_splits=2)
+    assert out.shape[-1] == 512
+    check_call(Case(nq=2, new=2, head_dim=320, head_dim_v=256, seed=6), causal=True, rotary=(64, True))
+
+
+def test_a_head_dim_past_512_is_refused_by_name():
+    wide = _randn(1, 4, 1, 520)
+    with pytest.raises(InputError, match=r"head_dim \(q.shape\[-1\]\) must be from 1 to 512, got 520"):
+        fagen.flash_attn_func(wide, wide, wide)
+    with pytest.raises(InputError, match=r"head_dim \(query.shape\[-1\]\) must be from 1 to 512, got 520"):
+        fagen.sdpa(wide, wide, wide)
+    with pytest.raises(InputError, match="needs version=2: FlashAttention-1"):
+        fagen.flash_attn_func(*(_randn(1, 4, 1, 320) for _ in range(3)), version=1)
