@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .spec import DEFAULT_ARCHS, DTYPES, Spec, smem_limit
+from .arch import DEFAULT_ARCHS, smem_limit
+from .spec import DTYPES, Spec
 from .spec_flags import add_spec_flags, build_command, spec_fields, spec_flags_given, window_sizes
 
 DEFAULT_OUT = "generated"

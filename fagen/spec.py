@@ -14,6 +14,10 @@ import math
 import re
 from dataclasses import dataclass
 
+from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
+from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
+                    BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles)
+
 DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal")
 KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcache's cache is laid out
@@ -21,68 +25,6 @@ VERSIONS = (1, 2)
 NUM_WARPS = (1, 2, 4, 8)
 MAX_STAGES = 4
 MAX_HEAD_DIM = 512
-# Past this head dim the forward splits O's columns over pairs of warps that share Q_i's rows
-# (Spec.column_split): one warp's 16 rows of a 512-wide fp32 O would take 256 registers.
-SPLIT_O_ABOVE = 256
-
-# Tensor-core tile (mma.sync m16n8k16): rows of a warp's Q slice and the K/V
-# block must come in multiples of 16.
-MMA_M = 16
-MMA_K = 16
-
-# Each shared-memory row is padded by 8 halves (16 bytes) so that the 8 rows
-# an ldmatrix phase touches start in different bank groups.
-SMEM_ROW_PAD = 8
-ELEMENT_BYTES = 2  # fp16 and bf16
-
-# Largest shared memory one thread block may opt in to, per arch: the CUDA C++
-# Programming Guide's "Technical Specifications per Compute Capability" table
-# (shared memory per SM less the 1 KB the driver reserves per block). Every
-# sm_80-or-newer target NVRTC 12.9 or 13.x accepts is listed, except sm_107,
-# whose limit the guide does not give (on such a GPU the driver's reported
-# limit is used, see `launch`). sm_101 is NVRTC 12.9's name for what CUDA 13
-# calls sm_110. Arch-specific targets (sm_90a, sm_100a, sm_100f, ...) share
-# their base arch's entry.
-SMEM_LIMIT_BYTES = {
-    "sm_80": 166912,    # A100: 163 KB
-    "sm_86": 101376,    # RTX 30xx, A40: 99 KB
-    "sm_87": 166912,    # Jetson Orin: 163 KB
-    "sm_88": 101376,    # 99 KB, as sm_86
-    "sm_89": 101376,    # RTX 40xx, L4, L40: 99 KB
-    "sm_90": 232448,    # H100, H200: 227 KB
-    "sm_100": 232448,   # B200: 227 KB
-    "sm_101": 232448,   # CUDA 12.9's name for sm_110
-    "sm_103": 232448,   # B300: 227 KB
-    "sm_110": 232448,   # Jetson Thor: 227 KB
-    "sm_120": 101376,   # RTX 50xx, RTX PRO Blackwell: 99 KB
-    "sm_121": 101376,   # DGX Spark: 99 KB
-}
-DEFAULT_ARCHS = ("sm_80", "sm_90")
-
-
-def default_tiles(head_dim: int, version: int = 2) -> dict:
-    """The fallback tile table by head dim: used when nothing is tuned.
-
-    Sizes follow FlashAttention-2's forward kernels, adjusted so that the fp32
-    O accumulator fits in registers without spills and Q plus double-buffered
-    K and V fit in sm_80's shared memory.
-    """
-    if head_dim <= 64:
-        block_m, block_n, num_warps = 128, 64, 4   # two 16-row mma tiles per warp
-    elif head_dim <= 128:
-        block_m, block_n, num_warps = 128, 64, 8   # one per warp keeps O in registers
-    elif head_dim <= SPLIT_O_ABOVE:
-        block_m, block_n, num_warps = 64, 32, 4
-    else:   # eight warps: four row groups of 16 rows, each two warps with half of O's columns
-        return {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
-    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": 2}
-
-
-def backward_block_n_choices(head_dim: int) -> tuple[int, ...]:
-    """The backward's keys per thread block at a head dim, the table's default first."""
-    if head_dim <= 128:
-        return (128, 64)
-    return (32,) if head_dim <= SPLIT_O_ABOVE else (32, 16)   # 16: past d = 256 on the 99 KB parts
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -92,122 +34,6 @@ def check_dropout_p(dropout_p) -> float:
     if not (0.0 <= float(dropout_p) < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
-
-
-def base_arch(arch: str) -> str:
-    """The table's name for a target: `sm_90a` -> `sm_90`, `sm_100f` -> `sm_100`,
-    `compute_90` (a PTX target) -> `sm_90`."""
-    match = re.fullmatch(r"(?:sm|compute)_(\d+)[af]?", arch)
-    return f"sm_{match.group(1)}" if match else arch
-
-
-def smem_limit(arch: str) -> int:
-    base = base_arch(arch)
-    if base not in SMEM_LIMIT_BYTES:
-        known = ", ".join(SMEM_LIMIT_BYTES)
-        raise ValueError(f"unknown arch {arch!r}; known archs: {known} (fagen's kernels need sm_80 "
-                         f"or newer; arch-specific forms such as sm_90a are accepted too)")
-    return SMEM_LIMIT_BYTES[base]
-
-
-@dataclass(frozen=True)
-class SharedLayout:
-    """Byte offsets of the tiles a forward thread block keeps in shared memory.
-
-    Version 2 keeps one Q tile and pipelines K/V through `kv_stages` buffers;
-    version 1 (K/V-outer) keeps one K/V tile and pipelines Q through `q_stages`.
-    Stage s of Q starts at q_offset + s * q_stage_bytes, likewise for K and V.
-    """
-
-    row_elems: int  # padded row length in elements
-    q_offset: int
-    q_stages: int
-    q_stage_bytes: int
-    k_offset: int
-    v_offset: int
-    kv_stages: int
-    kv_stage_bytes: int
-    total_bytes: int
-
-
-@dataclass(frozen=True)
-class BackwardTiles:
-    """Tiles of the backward kernels, derived from the head dim (and `bwd_block_n`).
-
-    The main backward kernel owns block_n keys (K_j, V_j stay on chip) and
-    loops over Q blocks of block_m rows. Its warps form key_groups x dim_split:
-    each warp owns key_tiles x 16 keys and a 1/dim_split slice of the head dim for its
-    dK and dV accumulators. At d <= 128 dim_split is 1 and no warp computes what another
-    does; at d > 128 splitting d keeps dK and dV in registers, and the warps of a key
-    group then share the work of S^T and dP^T by recomputing it. dQ = dS K is split over
-    all warps in tiles of dq_tiles = (16-row tiles, 8-column tiles).
-    The deterministic dQ kernel uses the same block_m with warps splitting Q.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    dim_split: int
-    dq_block_n: int  # keys per K/V tile of the deterministic dQ kernel
-    key_tiles: int = 1  # 16-key mma tiles per warp
-    head_dim: int = 0  # d (set by Spec.backward_tiles)
-    head_dim_v: int = 0  # d_v (set by Spec.backward_tiles)
-
-    @property
-    def head_dim_pad(self) -> int:
-        """d rounded up so that each of the dim_split slices is whole 16-wide mma steps."""
-        step = 16 * self.dim_split
-        return -(-self.head_dim // step) * step
-
-    @property
-    def head_dim_v_pad(self) -> int:
-        """d_v rounded up as d is: dV's dim_split slices are whole mma steps too."""
-        step = 16 * self.dim_split
-        return -(-self.head_dim_v // step) * step
-
-    @property
-    def key_groups(self) -> int:
-        return self.num_warps // self.dim_split
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def dq_tiles(self) -> tuple[int, int]:
-        """(row tiles, column tiles) of one warp's dQ task: the most reuse of each ldmatrix
-        (fewest loads per mma) among those whose tasks split evenly over the warps, at
-        most 8 accumulator tiles (32 registers) each."""
-        rows, cols = self.block_m // MMA_M, self.head_dim_pad // 8
-        best = None
-        for r in (d for d in range(1, rows + 1) if rows % d == 0):
-            for c in (d for d in range(2, cols + 1, 2) if cols % d == 0):
-                tasks = (rows // r) * (cols // c)
-                if r * c > 8:
-                    continue
-                # Loads per mma, then tasks left over when they do not split evenly.
-                key = (tasks % self.num_warps != 0, -(-tasks // self.num_warps) * (r + c / 2), (r + c / 2) / (r * c))
-                if best is None or key < best[0]:
-                    best = (key, (r, c))
-        return best[1]
-
-
-@dataclass(frozen=True)
-class BackwardLayout:
-    """Byte offsets of the backward kernel's shared tiles (rows padded like the forward)."""
-
-    row_elems: int
-    k_offset: int
-    v_offset: int
-    q_offset: int      # stage s at q_offset + s * qdo_stage_bytes
-    do_offset: int     # stage s at do_offset + s * qdo_stage_bytes
-    qdo_stage_bytes: int
-    ds_offset: int     # dS^T (block_n keys x block_m queries), for dQ = dS K
-    ds_row_elems: int
-    stats_offset: int  # stage s at stats_offset + s * stats_stage_bytes: fp32 L_i (log2 units), then D_i
-    stats_stage_bytes: int
-    total_bytes: int
 
 
 MOD_KINDS = ("score", "mask")

@@ -13,7 +13,8 @@ import argparse
 import shlex
 from pathlib import Path
 
-from .spec import Spec, default_tiles
+from .spec import Spec
+from .tile_shapes import default_tiles
 
 DEFAULT_VERSION = 2
 _FLAGS = (("causal", "--causal"), ("key_padding", "--key-padding"), ("dropout", "--dropout"),

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .render import Source, include_dir
-from ..spec import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
+from ..arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
 
 CACHE_FORMAT = 1
 MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync

@@ -36,7 +36,7 @@ from .compile import compile_source, describe_target, nvrtc_target
 from ..emulate import instrumentation
 from ..environment import setting
 from ..emulate.launch_args import RACECHECK_ENV
-from ..spec import SMEM_LIMIT_BYTES, base_arch
+from ..arch import SMEM_LIMIT_BYTES, base_arch
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
 _SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}

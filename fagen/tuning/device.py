@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import compile as compiler
-from ..spec import SMEM_LIMIT_BYTES
+from ..arch import SMEM_LIMIT_BYTES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The tiles used when nothing is tuned: a table by arch family and head dim.
 
-`fagen.spec.default_tiles(head_dim, version)` is the arch-independent base;
+`fagen.tile_shapes.default_tiles(head_dim, version)` is the arch-independent base;
 it is sized for sm_80 (A100-class: 164 KB of shared memory per block). The
 table here only records where another arch family needs or wants something
 else, so a change to the base carries over to every arch.
@@ -8,7 +8,9 @@ else, so a change to the base carries over to every arch.
 
 from __future__ import annotations
 
-from ..spec import SMEM_LIMIT_BYTES, Spec, base_arch, default_tiles
+from ..arch import SMEM_LIMIT_BYTES, base_arch
+from ..spec import Spec
+from ..tile_shapes import default_tiles
 
 # Arch -> family. Members of a family share a per-block shared-memory budget,
 # which is what decides which tiles fit.

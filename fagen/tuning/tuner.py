@@ -17,7 +17,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..spec import SMEM_LIMIT_BYTES, Spec, base_arch
+from ..arch import SMEM_LIMIT_BYTES, base_arch
+from ..spec import Spec
 from .cache import INDEX, ShapeBucket, TuneEntry, now_utc
 from .device import DeviceIdentity, DeviceLimits, cuda_index
 from .fallback import DEFAULT_ARCH, fallback_spec

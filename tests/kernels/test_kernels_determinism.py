@@ -22,7 +22,8 @@ from fagen.kernels.build import default_specs
 from fagen.kernels.render import Source, render
 from fagen.kernels.compile import compile_source
 from fagen.sass.listing import disassemble, find_cuobjdump
-from fagen.spec import SMEM_LIMIT_BYTES, Spec
+from fagen.arch import SMEM_LIMIT_BYTES
+from fagen.spec import Spec
 from fagen.tuning import fallback_spec
 from fagen.tuning.space import DEFAULT_GRID
 from kernel_cases import ATOMIC_CALL, Shape, make_inputs, poisoned_empty

@@ -14,7 +14,8 @@ from fagen.kernels.compile import compile_source
 from fagen.sass.facts import sass_reports
 from fagen.sass.listing import disassemble, find_cuobjdump
 from fagen.sass.report import report_for_spec
-from fagen.spec import SMEM_LIMIT_BYTES, Spec
+from fagen.arch import SMEM_LIMIT_BYTES
+from fagen.spec import Spec
 
 ARCHS = ("sm_80", "sm_90")
 # The default set plus every head dim, both versions, and the flags that change the code.

@@ -11,7 +11,8 @@ import torch
 
 from fagen.kernels import run as attention_kernels, compile as compiler, launch
 from fagen.kernels.render import render
-from fagen.spec import SMEM_LIMIT_BYTES, Spec, base_arch, smem_limit
+from fagen.arch import SMEM_LIMIT_BYTES, base_arch, smem_limit
+from fagen.spec import Spec
 from kernel_cases import DROPOUT_P, OFFSET, SEED, Shape, make_inputs, poisoned_empty
 
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from fagen.spec import SMEM_LIMIT_BYTES, Spec, check_dropout_p, default_tiles
+from fagen.arch import SMEM_LIMIT_BYTES
+from fagen.spec import Spec, check_dropout_p
+from fagen.tile_shapes import default_tiles
 
 
 @pytest.mark.parametrize("fields, message", [

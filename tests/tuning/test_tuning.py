@@ -23,7 +23,9 @@ from fagen.tuning.space import ProgressLine, compile_all, nvrtc_resources
 from fagen.kernels.render import kernel_entries
 from fagen.kernels.compile import CompileError, ResourceReport
 from fagen.reference import attention_forward, attention_same_dtype, dropout_keep_mask
-from fagen.spec import Spec, default_tiles, smem_limit
+from fagen.arch import smem_limit
+from fagen.spec import Spec
+from fagen.tile_shapes import default_tiles
 
 FAKE_GPU = DeviceIdentity(name="Fake GPU 80GB", arch="sm_90", driver="555.42.06", nvrtc="12.9")
 SM90 = DeviceLimits.preset("sm_90")
