@@ -25,6 +25,9 @@ VERSIONS = (1, 2)
 NUM_WARPS = (1, 2, 4, 8)
 MAX_STAGES = 4
 MAX_HEAD_DIM = 512
+# Absorbed MLA decoding (DeepSeek-V2/V3): 512 latent + 64 rotary features per cache row, V being
+# the first 512 of them. Decoding only (kv_cache), where it is the cache's row width.
+MLA_HEAD_DIM = 576
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -132,6 +135,9 @@ class Spec:
                  each row's own query and head (the group size is a run-time argument)
     head_dim_v   d_v, V's (and O's) head dim: a multiple of 8 up to head_dim; unset means
                  head_dim (DeepSeek-V3's training shape is head_dim=192, head_dim_v=128)
+    v_from_k     kv_cache only: V's rows are the first head_dim_v columns of K's (absorbed MLA
+                 decoding, head_dim=576, head_dim_v=512): the kernels read each cache row once
+                 and the append writes it once
     """
 
     head_dim: int
@@ -158,6 +164,7 @@ class Spec:
     coord_offsets: bool = False
     pack_gqa: bool = False
     head_dim_v: int | None = None
+    v_from_k: bool = False
 
     def __post_init__(self):
         self._check_head_dim()
@@ -168,7 +175,7 @@ class Spec:
             raise ValueError(f"unknown mask {self.mask!r}; expected one of {MASKS}")
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
-        for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", "pack_gqa",
+        for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", "pack_gqa", "v_from_k",
                      *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -214,14 +221,17 @@ class Spec:
         block_n = 64 if head_dim <= 128 else 32
         while page_size is not None and page_size % block_n:
             block_n //= 2
-        wide = head_dim > SPLIT_O_ABOVE   # warp pairs split O's columns; one K/V stage fits sm_80
+        wide = head_dim > SPLIT_O_ABOVE   # warp pairs split O's columns; one K/V stage fits sm_80 ...
+        stages = 1 if wide and not fields.get("v_from_k") else 2   # ... two K stages when V is K's (MLA)
         return cls(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", key_padding=not varlen,
                    varlen=varlen, kv_cache="contiguous" if page_size is None else "paged", block_m=64,
-                   num_warps=8 if wide else 4, block_n=block_n, num_stages=1 if wide else 2, **fields)
+                   num_warps=8 if wide else 4, block_n=block_n, num_stages=stages, **fields)
 
     def _check_kv_cache(self):
         if self.pack_gqa and (self.kv_cache is None or self.varlen):
             raise ValueError("pack_gqa packs the query heads of a decoding step: it needs kv_cache and no varlen")
+        if self.v_from_k and self.kv_cache is None:
+            raise ValueError("v_from_k reads V from a KV cache's K rows: it needs kv_cache")
         if self.kv_cache is None:
             return
         if self.kv_cache not in KV_CACHES:
@@ -247,8 +257,9 @@ class Spec:
             raise ValueError(f"head_dim must be an int, got {d!r}")
         if d <= 0 or d % 8 != 0:
             raise ValueError(f"head_dim must be a positive multiple of 8, got {d}")
-        if d > MAX_HEAD_DIM:
-            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+        if d > MAX_HEAD_DIM and not (d == MLA_HEAD_DIM and self.kv_cache is not None):
+            raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d} ({MLA_HEAD_DIM}, absorbed MLA's, "
+                             f"only for decoding: kv_cache)")
         if d > SPLIT_O_ABOVE and self.version == 1:
             raise ValueError(f"head_dim={d} needs version=2: FlashAttention-1 (the paper's baseline) runs head dims "
                              f"up to {SPLIT_O_ABOVE}")
@@ -375,6 +386,8 @@ class Spec:
         k_offset = q_stages * q_stage
         v_offset = k_offset + kv_stages * kv_stage
         total = v_offset + kv_stages * kv_stage
+        if self.v_from_k:   # V_j is K_j's first d_v columns: no tiles of its own
+            v_offset, total = k_offset, v_offset
         return SharedLayout(row, 0, q_stages, q_stage, k_offset, v_offset, kv_stages, kv_stage, total)
 
     @property
@@ -461,6 +474,8 @@ class Spec:
             parts.append("coords")
         if self.pack_gqa:
             parts.append("packgqa")
+        if self.v_from_k:
+            parts.append("vfromk")
         return "_".join(parts)
 
     @property
@@ -481,7 +496,7 @@ class Spec:
         """The fields; the variant fields only where set, so that a spec without them reads
         (and its generated header renders) exactly as before they existed."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa"):
+        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa", "v_from_k"):
             if not data[flag]:
                 del data[flag]
         if data["head_dim_v"] == data["head_dim"]:
@@ -517,7 +532,7 @@ class Spec:
         flags = {"causal": ("mask", "causal"), "pad": ("key_padding", True),
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
-                 "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True),
+                 "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

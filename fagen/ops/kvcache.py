@@ -270,7 +270,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
              return_softmax_lse) -> StepPlan:
     """Check a step's arguments (everything but index values, which the kernels' guards check;
     FAGEN_CHECK_VALUES=1: here too), find its kernels and load them before the cache is touched."""
-    cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
+    cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                          rotary_given=rotary_cos is not None or rotary_sin is not None)
     check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     num_splits = _check_splits(num_splits)
@@ -290,6 +291,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     kv_heads, fields = k_cache.shape[2], dict(call.spec_fields) if call else {}
     if v_cache.shape[-1] != head_dim:   # V's own head dim (Spec.head_dim_v)
         fields["head_dim_v"] = v_cache.shape[-1]
+    if cache.v_from_k:   # V's rows are K's first columns: read and appended once (Spec.v_from_k)
+        fields["v_from_k"] = True
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=fields)
     source = source_for(spec)
@@ -341,6 +344,9 @@ def _signature(args) -> tuple | None:
         return None
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
     parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), launch.backend_key(q.device))
+    k, v = args[3], args[4]
+    if type(k) is torch.Tensor and type(v) is torch.Tensor:   # v as a view of k (with v_cache a view of k_cache)
+        parts.append(k.data_ptr() == v.data_ptr())
     return tuple(parts)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, InputTypeError
-from ..spec import MAX_HEAD_DIM
+from ..spec import MAX_HEAD_DIM, MLA_HEAD_DIM
 from .common import check_dense_tensor, check_flag, check_half_rows, values_checked
 from .varlen_args import check_cache_rows, check_page_size, check_some_pages
 
@@ -33,6 +33,7 @@ class CacheCall:
     capacity: int                 # rows one entry can hold: N_cache, or max_pages * page_size
     page_size: int | None         # None: a contiguous cache
     new_tokens: int               # N_new, 0 without k / v
+    v_from_k: bool = False        # v_cache is k_cache's first d_v columns (absorbed MLA: one cache)
 
 
 def _check_data(name: str, t, ndim: int, layout: str) -> None:
@@ -92,8 +93,9 @@ def _check_cache(q, k_cache, v_cache, block_table):
     d, kv_heads = q.shape[3], k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise InputError(f"q and k_cache must have the same head_dim, got {d} and {k_cache.shape[3]}")
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise InputError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM}, got {d}")
+    if not (1 <= d <= MAX_HEAD_DIM or d == MLA_HEAD_DIM):
+        raise InputError(f"head_dim (q.shape[-1]) must be from 1 to {MAX_HEAD_DIM} (or {MLA_HEAD_DIM}, absorbed "
+                         f"MLA's), got {d}")
     if not 1 <= v_cache.shape[3] <= d:
         raise InputError(f"v_cache's head dim (v_cache.shape[-1] = {v_cache.shape[3]}) must be from 1 to q's "
                          f"({d}): the kernels stage V in K's shared-memory rows")
@@ -118,7 +120,32 @@ def _check_new(q, k_cache, v_cache, k, v):
     return k.shape[1]
 
 
-def _check_writable(k_cache, v_cache) -> None:
+def v_in_k(k, v) -> bool:
+    """Whether v is k's first v.shape[-1] columns: one storage, one first element, k's strides
+    (absorbed MLA's cache, `v_cache = k_cache[..., :512]`; a view, no copy)."""
+    return (v.shape[-1] < k.shape[-1] and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+            and v.shape[:-1] == k.shape[:-1] and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr())
+
+
+def _check_v_from_k(k_cache, v_cache, k, v, rotary_given: bool) -> bool:
+    """A v_cache that is k_cache's first columns: its new values must be k's first columns too
+    (the append writes each K row once), its head dims multiples of 8 (a padded copy would end
+    the sharing), and rotary, which turns a row's first features (V's too), is refused."""
+    if not v_in_k(k_cache, v_cache):
+        return False
+    if k is not None and not v_in_k(k, v):
+        raise InputError("v_cache is a view of k_cache's first columns (one cache, as absorbed MLA keeps), so v must "
+                         f"be k's: pass v = k[..., :{v_cache.shape[-1]}] (the append writes each K row once)")
+    if k_cache.shape[-1] % 8 or v_cache.shape[-1] % 8:
+        raise InputError(f"v_cache as a view of k_cache needs head dims that are multiples of 8, got "
+                         f"{k_cache.shape[-1]} and {v_cache.shape[-1]}")
+    if rotary_given:
+        raise InputError("rotary_cos / rotary_sin turn a row's first features, which are V's too when v_cache is a "
+                         "view of k_cache: apply rotary to k's rotary part before the call")
+    return True
+
+
+def _check_writable(k_cache, v_cache, v_from_k: bool) -> None:
     """The append writes both caches in place: refused where torch refuses an in-place write
     (memory that two written elements share), and for a cache that requires grad, whose write
     autograd cannot record (stricter than torch, which allows it under no_grad: the check runs
@@ -131,7 +158,7 @@ def _check_writable(k_cache, v_cache) -> None:
             raise InputError(f"{name} has more than one element that refers to a single memory location "
                              f"(stride {t.stride()}, e.g. from expand): the append would write one row over "
                              f"another; pass a cache with memory of its own (.contiguous())")
-    if _same_memory(k_cache, v_cache):
+    if not v_from_k and _same_memory(k_cache, v_cache):   # one cache by design (MLA) is written once
         raise InputError("k_cache and v_cache share memory: the appended values would overwrite the appended "
                          "keys; pass two caches (slices of one buffer that interleave, such as kv[:, :, 0] "
                          "and kv[:, :, 1], are fine)")
@@ -176,12 +203,13 @@ def check_rotary(q, rotary_cos, rotary_sin, k, capacity: int, interleaved) -> No
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                  block_table) -> CacheCall:
+                  block_table, rotary_given: bool = False) -> CacheCall:
     """Validate everything but rotary and the variant; returns the per-entry rows as tensors."""
     _check_cache(q, k_cache, v_cache, block_table)
     new_tokens = _check_new(q, k_cache, v_cache, k, v)
+    v_from_k = _check_v_from_k(k_cache, v_cache, k, v, rotary_given)
     if new_tokens:
-        _check_writable(k_cache, v_cache)
+        _check_writable(k_cache, v_cache, v_from_k)
     batch, device = q.shape[0], q.device
     page_size, checks = None, RangeChecks()
     if block_table is not None:
@@ -218,7 +246,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         start = _check_index("cache_leftpad", cache_leftpad, (batch,), device, "(batch,)")
         checks.add("cache_leftpad", start, 0, seqlens, "it must be in 0..cache_seqlens of its entry")
     checks.raise_first()
-    return CacheCall(seqlens, cache_batch, start, capacity, page_size, new_tokens)
+    return CacheCall(seqlens, cache_batch, start, capacity, page_size, new_tokens, v_from_k)
 
 
 def _cache_seqlens(cache_seqlens, batch: int, device, capacity: int, new_tokens: int, holds: str,

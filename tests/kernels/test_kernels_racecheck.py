@@ -24,7 +24,19 @@ FAMILIES = [Spec(64, version=1, mask="causal", key_padding=True, dropout=True),
             Spec(128, mask="causal", key_padding=True, dropout=True, deterministic=True),
             Spec(64, version=1, deterministic=True, num_stages=3, block_m=64, block_n=32),
             Spec(32, mask="causal", num_stages=1, block_m=64, block_n=32, bwd_stages=1),
-            Spec(256, dtype="bf16", mask="causal")]
+            Spec(256, dtype="bf16", mask="causal"),
+            # V's own head dim; past 256, warp pairs sharing rows (and the dQ kernel's); 99 KB tiles.
+            Spec(192, head_dim_v=128, mask="causal", dropout=True),
+            Spec(320, mask="causal", key_padding=True, deterministic=True),
+            Spec(512, head_dim_v=256, block_m=32, block_n=16, num_warps=4, num_stages=1, bwd_block_n=16)]
+
+
+def test_mla_decoding_is_race_free():
+    """One cache whose first 512 columns are V (Spec.v_from_k): the append, the attention over
+    two K-only stages in two splits, the combine."""
+    from kvcache_cases import check_mla
+
+    check_mla(page=64, num_splits=2)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,8 @@
 
 V's head dim below Q's and K's: DeepSeek-V3's q/k 192 with v 128, and 128 with 64, through every
 entry point that takes dense or packed q, k, v. The output has d_v columns, dV has d_v and dQ,
-dK have d. Head dims past 256, up to 512 (Gemma-class): training and decoding. Each result is
+dK have d. Head dims past 256, up to 512 (Gemma-class): training and decoding. Absorbed MLA
+decoding: one cache of 576-wide rows whose first 512 columns are V (a view). Each result is
 held to FlashAttention-2's rule against the float64 oracle. A v wider than q, a v cache of other
 rows than the k cache, or a head dim past 512 is refused by name.
 """
@@ -14,7 +15,7 @@ import fagen
 from fagen.errors import InputError
 from fagen.reference import attention_backward, attention_forward, attention_same_dtype
 from kernel_cases import GRAD_FACTOR, OUTPUT_FACTOR, max_error
-from kvcache_cases import Case, check_call
+from kvcache_cases import Case, check_call, check_mla
 
 GEN = torch.Generator().manual_seed(27)
 
@@ -194,3 +195,24 @@ def test_a_head_dim_past_512_is_refused_by_name():
         fagen.sdpa(wide, wide, wide)
     with pytest.raises(InputError, match="needs version=2: FlashAttention-1"):
         fagen.flash_attn_func(*(_randn(1, 4, 1, 320) for _ in range(3)), version=1)
+
+
+# -- absorbed MLA decoding: v_cache = k_cache[..., :512] (Spec.v_from_k) --------------------------
+
+@pytest.mark.parametrize("layout", [dict(), dict(page=64, num_splits=2), dict(batch=1, heads=128, page=64)],
+                         ids=["contiguous", "paged, split", "128 query heads of one K/V head"])
+def test_mla_decoding(layout):
+    check_mla(**layout)
+
+
+def test_mla_refusals_name_the_argument():
+    kv, k_new = _randn(1, 64, 1, 576), _randn(1, 1, 1, 576)
+    q, seqlens = _randn(1, 1, 8, 576), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"so v must be k's: pass v = k\[..., :512\]"):
+        fagen.flash_attn_with_kvcache(q, kv, kv[..., :512], k_new, _randn(1, 1, 1, 512), cache_seqlens=seqlens)
+    cos = sin = torch.ones(64, 32).half()
+    with pytest.raises(InputError, match="rotary_cos / rotary_sin turn a row's first features"):
+        fagen.flash_attn_with_kvcache(q, kv, kv[..., :512], k_new, k_new[..., :512], rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=seqlens)
+    with pytest.raises(InputError, match=r"head_dim \(q.shape\[-1\]\) must be from 1 to 512, got 576"):
+        fagen.flash_attn_func(q, kv, kv[..., :512])   # 576 is MLA's decoding width, not a training one

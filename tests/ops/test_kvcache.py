@@ -152,6 +152,9 @@ KERNEL_SPECS = [decode_spec(d, torch.float16, causal, page, fields)
 KERNEL_SPECS += [decode_spec(d, torch.float16, True, page, {"head_dim_v": dv, "pack_gqa": True, "window": True,
                                                               "softcap": True, "alibi": True})
                  for d, dv, page in ((192, 128, 64), (128, 64, None), (512, 512, 64))]
+# Absorbed MLA (Spec.v_from_k): 576-wide rows, V their first 512 columns, paged (64) and not.
+KERNEL_SPECS += [decode_spec(576, torch.bfloat16, False, page, {"head_dim_v": 512, "v_from_k": True, "pack_gqa": True})
+                 for page in (64, None)]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -172,6 +172,22 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
 
 
+def mla_check(spec: Spec, source: Source | None = None) -> None:
+    """Absorbed MLA decoding (Spec.v_from_k): one cache of 576-wide rows whose first 512 columns
+    are V, paged (64-row pages) with two splits, the step's kernels `source`."""
+    from fagen.ops import kvcache
+    from kvcache_cases import check_mla
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+        check_mla(page=64 if spec.kv_cache == "paged" else None, num_splits=2)
+
+
 def packed_window_check(spec: Spec, source: Source | None = None) -> None:
     """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
     head of an entry sees the same last six keys, whatever row of the tile it was packed into."""

@@ -205,6 +205,7 @@ HEAD_DIM_V = Spec(128, head_dim_v=64, mask="causal")
 HEAD_DIM_V_SLICED = Spec(192, head_dim_v=128)   # four warps split d (48 columns) and d_v (32)
 WIDE = Spec(320, mask="causal")   # pairs of warps split O's columns (Spec.column_split)
 WIDE_DETERMINISTIC = Spec(320, deterministic=True)   # ... and the dQ kernel's
+DECODE_MLA = Spec.for_kv_cache(576, "fp16", causal=False, page_size=64, pack_gqa=True, head_dim_v=512, v_from_k=True)
 DECODE_PAGED_V = Spec.for_kv_cache(64, "fp16", causal=True, page_size=48, pack_gqa=True, head_dim_v=32)
 MUTANTS += [
     KernelMutant("d_v: V's last 8 columns not copied", HEAD_DIM_V,
@@ -223,6 +224,12 @@ MUTANTS += [
                  (Edit("(o, s, v_tile, col0_v)", "(o, s, v_tile, 0)"),), (checks.ragged_check,)),
     KernelMutant("d > 256: both warps of a row group accumulate dQ's first columns", WIDE_DETERMINISTIC,
                  (Edit("(dq_acc, dp, k_tile, col0_q)", "(dq_acc, dp, k_tile, 0)"),), (checks.ragged_check,)),
+    KernelMutant("MLA: the append writes V's columns of the row only", DECODE_MLA,
+                 (Edit("(void)v_src, (void)v_dst;\n    for (int col = threadIdx.x; col < kHeadDim;",
+                       "(void)v_src, (void)v_dst;\n    for (int col = threadIdx.x; col < 512;"),), (checks.mla_check,)),
+    KernelMutant("MLA: V read from the K stage after this one", DECODE_MLA,
+                 (Edit("const elem_t* v_tile = v_stages + (j % kStages) * kStageElems;",
+                       "const elem_t* v_tile = v_stages + ((j + 1) % kStages) * kStageElems;"),), (checks.mla_check,)),
     KernelMutant("d_v: a paged cache's V tiles copied by K's plan", DECODE_PAGED_V,
                  (Edit("v_next = v_copy.source(v_head + page", "v_next = kv_copy.source(v_head + page"),),
                   (checks.kv_cache_check,)),

@@ -269,3 +269,45 @@ def packed_guard_check(spec, source=None) -> None:
             out, stats = ops.forward(source, q, k, v, varlen=(good, good, 5, 5))
             refused("backward, cu_seqlens_k", lambda: ops.backward(source, q, k, v, out, stats, torch.ones_like(out),
                                                                    varlen=(good, bad, 5, 6)))
+
+
+# -- absorbed MLA: one cache whose first 512 columns are V ---------------------------------------
+
+MLA_D, MLA_DV = 576, 512
+
+
+def check_mla(batch=2, heads=16, page=None, num_splits=0, new=1, capacity=128, seed=0):
+    """A decoding step over one cache (B, N, 1, 576) with v_cache = its first 512 columns and the
+    new rows appended through k only: the cache after the call (the new rows once, nothing else
+    touched), and each entry's output (B, 1, H, 512) against the float64 oracle on its rows."""
+    gen = torch.Generator().manual_seed(seed)
+    if page:
+        pages = batch * capacity // page + 1
+        kv = (torch.randn(pages, page, 1, MLA_D, generator=gen) * 0.5).half()
+        table = torch.randperm(pages, generator=gen)[:batch * capacity // page].view(batch, -1).int()
+    else:
+        kv, table = (torch.randn(batch, capacity, 1, MLA_D, generator=gen) * 0.5).half(), None
+    before = kv.clone()
+    q = (torch.randn(batch, 1, heads, MLA_D, generator=gen) * 0.5).half()
+    k_new = (torch.randn(batch, new, 1, MLA_D, generator=gen) * 0.5).half()
+    seqlens = torch.tensor([37, 90, 5][:batch], dtype=torch.int32)
+    scale = MLA_D ** -0.5
+    out = fagen.flash_attn_with_kvcache(q, kv, kv[..., :MLA_DV], k_new, k_new[..., :MLA_DV], cache_seqlens=seqlens,
+                                        block_table=table, causal=True, num_splits=num_splits, softmax_scale=scale)
+    assert out.shape == (batch, 1, heads, MLA_DV)
+    worst_kernel = worst_torch = 0.0
+    for b in range(batch):
+        pick = (lambda c: c[b]) if table is None else (lambda c: torch.cat([c[p] for p in table[b].tolist()]))
+        rows, old = pick(kv), pick(before)
+        start, stop = int(seqlens[b]), int(seqlens[b]) + new
+        assert torch.equal(rows[:start], old[:start]) and torch.equal(rows[stop:], old[stop:]), f"entry {b}"
+        assert torch.equal(rows[start:stop], k_new[b]), f"entry {b}: the appended rows"
+        keys = rows[:stop][None]
+        assert not torch.isnan(out[b]).any(), f"entry {b}: NaN in the output"
+        ref, _ = attention_forward(q[b:b + 1], keys, keys[..., :MLA_DV], causal=True, softmax_scale=scale)
+        same = attention_same_dtype(q[b:b + 1], keys, keys[..., :MLA_DV], q.new_zeros(1, 1, heads, MLA_DV),
+                                    causal=True, softmax_scale=scale)[0]
+        worst_kernel = max(worst_kernel, max_error(out[b:b + 1], ref))
+        worst_torch = max(worst_torch, max_error(same, ref))
+    assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
+    return out
