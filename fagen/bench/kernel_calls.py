@@ -92,7 +92,16 @@ def _decode_calls(plan) -> list:
               for name in config.varlen_systems if name in ("fagen_varlen", "fagen_padded")]
     if config.graph_shape:
         calls.append(("decode graph", functools.partial(_graph_step, config)))
+    if "fagen_mla" in config.mla_systems:
+        calls.append(("decode fagen_mla", functools.partial(_mla_step, config)))
     return calls
+
+
+def _mla_step(config) -> None:
+    """The absorbed-MLA rows' step (one 576-wide cache, V its first 512 columns) on one page."""
+    from .decode.mla import PAGE, make_mla_inputs, mla_step
+
+    mla_step("fagen_mla", make_mla_inputs(config, 1, PAGE, "cpu"))()
 
 
 def _graph_step(config) -> None:

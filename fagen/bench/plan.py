@@ -140,7 +140,8 @@ def quick_plan() -> Plan:
                 # One score mod and one mask mod; Flex compiles the first of them.
                 variants=VariantsConfig(cases=("softcap", "document"), cap_s=30.0, flex_allowance_s=20.0),
                 # No Flex compile, and of SDPA only its flash backend (the fastest peer).
-                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=10.0),
+                decode=DecodeConfig(decode_systems=("fagen", "fagen_paged", "sdpa_flash"), cap_s=10.0,
+                                    mla_systems=("fagen_mla", "sdpa"), mla_batches=(1,)),
                 # The training row against SDPA only: no Flex compile, no generate.
                 models=ModelsConfig(train_systems=("fagen", "sdpa"), decode_systems=(), cap_s=15.0))
 

@@ -31,19 +31,22 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert d.decode_systems == ("fagen", "fagen_paged", "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
     assert d.varlen_systems == ("fagen_varlen", "fagen_padded", "sdpa_padded")
     assert (d.varlen_tokens, d.varlen_heads, d.varlen_passes) == (16384, 16, ("fwd", "fwd_bwd"))
-    assert d.timed_runs() == 6 + 2 * 3 + 2 and d.pages_per_entry == 32 and d.group == 4   # + the graph's two
+    # + the graph's two, + absorbed MLA's three systems at B = 64 and B = 1
+    assert d.timed_runs() == 6 + 2 * 3 + 2 + 3 * 2 and d.pages_per_entry == 32 and d.group == 4
+    assert (d.mla_systems, d.mla_batches, d.mla_cache_len, d.mla_heads) == (("fagen_mla", "sdpa", "flex"), (64, 1),
+                                                                             8192, 128)
     # The section's cap is in the forecast, and --quick keeps it (without Flex's compile, smaller).
     estimate = replay(plan, sanitizers=True)
     assert 0 < estimate["decode"] <= d.cap_s == 30.0 and estimate["decode"] == d.estimate_seconds()
     assert "flex" not in quick.decode.decode_systems and quick.decode.cap_s < d.cap_s
     assert 0 < replay(quick, sanitizers=True)["decode"] < estimate["decode"]
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
-    assert DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=()).estimate_seconds() == 0.0
+    assert DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=(), mla_systems=()).estimate_seconds() == 0.0
     # fagen's kernels: decode step, paged, varlen; the padded batch's is the sweep's causal kernel.
-    assert plan.decode_kernels() == 3
-    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 4
+    assert plan.decode_kernels() == 4   # + the MLA step's
+    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 5
     text = describe(plan)
-    assert "\n  decode: cap 30 s" in text and "decode 27" in text.split("estimated seconds:")[1]
+    assert "\n  decode: cap 30 s" in text and "decode 30" in text.split("estimated seconds:")[1]
     # Documents: seeded, between about 1/4 and 7/4 of the mean, covering the 16k tokens exactly.
     lengths = d.document_lengths()
     mean = 16384 / len(lengths)
@@ -65,6 +68,7 @@ def test_the_decode_section_has_a_cuda_graph_row_within_its_cap():
     plan, quick = full_plan(), quick_plan()
     for d in (plan.decode, quick.decode):
         assert d.graph_shape == (8, 4096) and d.graph_splits == 4 > 1
+        d = dataclasses.replace(d, mla_systems=())   # below the cap, where the arithmetic shows
         without = dataclasses.replace(d, graph_shape=())
         assert d.timed_runs() == without.timed_runs() + 2
         assert d.estimate_seconds() == pytest.approx(without.estimate_seconds() + 1.0 + 0.3 * 2)
@@ -76,7 +80,7 @@ def test_the_decode_section_has_a_cuda_graph_row_within_its_cap():
     assert "    CUDA graph: bf16 B=8 cache 4k Hq=32 Hk=8 d=128 Nq=1, 1 new token with rotary, 4 splits, causal;" in \
         describe(plan)
     # Alone, the row still runs (and compiles the contiguous step's kernel); without it nothing does.
-    alone = DecodeConfig(decode_systems=(), varlen_systems=())
+    alone = DecodeConfig(decode_systems=(), varlen_systems=(), mla_systems=())
     assert alone.enabled and alone.fagen_kernels(False) == 1 and alone.timed_runs() == 2
     assert not dataclasses.replace(alone, graph_shape=()).enabled
     assert plan.decode.fagen_kernels(True) == dataclasses.replace(plan.decode, graph_shape=()).fagen_kernels(True)
@@ -161,9 +165,10 @@ class _Tiny:
 
     config = DecodeConfig(batch=2, cache_len=64, q_heads=4, kv_heads=2, head_dim=16, page_size=16,
                           sanity_shape=(2, 32), varlen_tokens=96, varlen_heads=2, documents=3,
-                          varlen_sanity_shape=(3, 48, 2), graph_shape=(2, 64), graph_splits=2)
+                          varlen_sanity_shape=(3, 48, 2), graph_shape=(2, 64), graph_splits=2,
+                          mla_systems=("fagen_mla", "sdpa"), mla_batches=(2,), mla_cache_len=128, mla_heads=4)
     plan = Plan(decode=config)
-    graph_only = Plan(decode=dataclasses.replace(config, decode_systems=(), varlen_systems=()))
+    graph_only = Plan(decode=dataclasses.replace(config, decode_systems=(), varlen_systems=(), mla_systems=()))
 
 
 def replayed_eagerly(step, inputs):
@@ -225,8 +230,15 @@ def test_the_decode_section_end_to_end_on_the_emulator(tmp_path, monkeypatch):
     config = _Tiny.config
     assert section["status"] == "ok", section["note"]
     assert section["copy"]["tb_per_s"] == 0.02 and "a stand-in copy" in section["copy"]["source"]
-    decode, fwd, fwd_bwd = section["points"]
-    assert (decode["part"], fwd["pass"], fwd_bwd["pass"]) == ("decode", "fwd", "fwd_bwd")
+    decode, fwd, fwd_bwd, mla = section["points"]
+    assert (decode["part"], fwd["pass"], fwd_bwd["pass"], mla["part"]) == ("decode", "fwd", "fwd_bwd", "decode")
+    # Absorbed MLA: fagen on 64-row pages of one 576-wide cache, SDPA on its views; each credited
+    # with reading every cache row once.
+    assert mla["label"] == config.mla_label(2) and "V = the cache's first 512 columns" in mla["label"]
+    for name in ("fagen_mla", "sdpa"):
+        cell = mla["results"][name]
+        assert cell["bytes"] == config.mla_bytes(2) == (2 * 128 * 576 + 2 * 4 * (576 + 512)) * 2, (name, cell)
+        assert cell["copy_fraction"] == pytest.approx(cell["tb_per_s"] / 0.02)
     native = config.decode_bytes()
     for name in ("fagen", "fagen_paged", "sdpa_math", "sdpa_flash", "flex"):
         cell = decode["results"][name]
@@ -241,7 +253,7 @@ def test_the_decode_section_end_to_end_on_the_emulator(tmp_path, monkeypatch):
         assert point["results"]["sdpa_padded"]["backend"] == "SDPA flash"
         assert point["ratios"]["fagen_varlen/sdpa_padded"] == pytest.approx(1.0)
     sanity = section["sanity"]
-    assert set(sanity) == {"fagen", "fagen_paged", "fagen_varlen", "fagen_padded"}
+    assert set(sanity) == {"fagen", "fagen_paged", "fagen_varlen", "fagen_padded", "fagen_mla"}
     assert all(r["ok"] for r in sanity.values()), sanity
     assert "dq_err" in sanity["fagen_varlen"] and sanity["fagen"]["shape"] == "B=2 cache 32"
     assert "sanity ok" in section["note"] and "fagen varlen / fagen padded fwd 1.00 f+b 1.00" in section["note"]
@@ -369,6 +381,7 @@ def test_the_decode_section_flags_a_wrong_kernel_and_stops_on_a_lost_context():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     section = decode_section({"fagen": lambda: Wrong(paged=False)})
+    assert section["sanity"]["fagen_mla"]["ok"]
     assert not section["sanity"]["fagen"]["ok"] and section["sanity"]["fagen_paged"]["ok"]
     assert "SANITY FAILED: fagen" in section["note"]
     section = decode_section({"fagen_varlen": Faults})
@@ -380,6 +393,7 @@ def test_the_decode_section_flags_a_wrong_kernel_and_stops_on_a_lost_context():
 def test_the_decode_section_uses_the_peak_sections_copy_bandwidth():
     section = decode_section(copy_tb_per_s=4.5, measure_copy=lambda: pytest.fail("measured again"),
                              plan=Plan(decode=DecodeConfig(**{**_Tiny.config.__dict__, "varlen_systems": (),
-                                                              "graph_shape": (), "decode_systems": ("sdpa_math",)})))
+                                                              "graph_shape": (), "decode_systems": ("sdpa_math",),
+                                                              "mla_systems": ()})))
     assert section["copy"] == {"tb_per_s": 4.5, "source": "the peak section's device copy (read + write bytes)"}
     assert len(section["points"]) == 1 and section["points"][0]["results"]["sdpa_math"]["copy_fraction"] > 0

@@ -72,14 +72,15 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    f"    document lengths (seed 0): {', '.join(map(str, decode.document_lengths()))}",
                    "    CUDA graph: bf16 B=8 cache 4k Hq=32 Hk=8 d=128 Nq=1, 1 new token with rotary, 4 splits, "
                    "causal;",
-                   "    timed runs: 14; fagen kernels to compile: 3",
+                   "    absorbed MLA at B = 64, 1: absorbed MLA, bf16 B=64 cache 8k Hq=128 Hk=1 d=576 d_v=512",
+                   "    timed runs: 20; fagen kernels to compile: 4",
                    "[     ok] fagen flash_attn_with_kvcache and flash_attn_varlen_func",
                    "[     ok] the decode section's fagen kernels compile for sm_90: "):
         assert needle in out, needle
     kernels = out.split("the decode section's fagen kernels")[1].splitlines()[0]
     assert "_paged_packgqa_" in kernels and "_cache_packgqa_" in kernels and "varlen" in kernels
     assert " compiles in " in kernels
-    assert " decode 27," in out.split("estimated seconds:")[1].splitlines()[0]
+    assert " decode 30," in out.split("estimated seconds:")[1].splitlines()[0]
     # The models section: its rows in the plan, its estimate, its kernels, and the model counted.
     for needle in ("  models: cap 40 s; Hugging Face transformers, Llama 1.10B (16 layers, hidden 2048, Hq=32 Hk=8 "
                    "d=64), random weights, bf16;",

@@ -288,7 +288,7 @@ def test_precompile_compiles_what_it_records(tmp_path, monkeypatch):
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
     small = Plan(systems=("fagen_v2",), dtypes=("bf16",), head_dims=(128,), causal=(True,),
                  variants=VariantsConfig(cases=("document",), systems=("fagen_v2",)),
-                 decode=DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=()),
+                 decode=DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=(), mla_systems=()),
                  models=ModelsConfig(train_systems=(), decode_systems=()), ring=RingConfig(layouts=()),
                  memory=dataclasses.replace(full_plan().memory, systems=()))
     section = precompile(small, H200, timeout_s=300, workers=2, include_tests=False)

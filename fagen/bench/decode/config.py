@@ -14,7 +14,10 @@ from ..sizes import random_lengths, short_seqlen
 # bandwidth), and causal training over packed documents of mixed lengths (varlen).
 DECODE_SYSTEMS = ("fagen", "fagen_paged", "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
 VARLEN_SYSTEMS = ("fagen_varlen", "fagen_padded", "sdpa_padded")
+MLA_SYSTEMS = ("fagen_mla", "sdpa", "flex")   # mla.py
+MLA_DIM, MLA_DIM_V = 576, 512   # absorbed MLA's cache row (512 latent + 64 rotary) and V's share of it
 DECODE_LABELS = {
+    "fagen_mla": "fagen MLA (paged 64)", "sdpa": "SDPA (enable_gqa)",
     "fagen": "fagen", "fagen_paged": "fagen paged", "sdpa_math": "SDPA math",
     "sdpa_efficient": "SDPA efficient", "sdpa_flash": "SDPA flash", "flex": "FlexAttention",
     "fagen_varlen": "fagen varlen", "fagen_padded": "fagen padded", "sdpa_padded": "SDPA padded",
@@ -64,10 +67,26 @@ class DecodeConfig:
     # seconds) runs last and only starts with at least `flex_start_s` of it left.
     cap_s: float = 30.0
     flex_start_s: float = 20.0
+    # Absorbed MLA (mla.py): one 576-wide cache of `mla_cache_len` rows per entry, V its first
+    # 512 columns, one K/V head under `mla_heads` query heads, at each batch of `mla_batches`.
+    mla_systems: tuple = MLA_SYSTEMS
+    mla_batches: tuple = (64, 1)
+    mla_cache_len: int = 8192
+    mla_heads: int = 128
 
     @property
     def enabled(self) -> bool:
-        return bool(self.decode_systems or self.varlen_systems or self.graph_shape)
+        return bool(self.decode_systems or self.varlen_systems or self.graph_shape or self.mla_systems)
+
+    def mla_label(self, batch: int) -> str:
+        return (f"absorbed MLA, {self.dtype} B={batch} cache {short_seqlen(self.mla_cache_len)} Hq={self.mla_heads} "
+                f"Hk=1 d={MLA_DIM} d_v={MLA_DIM_V} (V = the cache's first {MLA_DIM_V} columns) Nq=1")
+
+    def mla_bytes(self, batch: int) -> int:
+        """Bytes an MLA step must move: each cache row read once (V is part of it), q read
+        (B Hq 576) and out written (B Hq 512), 2 bytes each."""
+        element = 2
+        return (batch * self.mla_cache_len * MLA_DIM + batch * self.mla_heads * (MLA_DIM + MLA_DIM_V)) * element
 
     @property
     def group(self) -> int:
@@ -126,7 +145,7 @@ class DecodeConfig:
         """Measurements: each decode system, each varlen system per pass, and the graph's replay
         and its eager step."""
         return (len(self.decode_systems) + len(self.varlen_passes) * len(self.varlen_systems)
-                + (2 if self.graph_shape else 0))
+                + (2 if self.graph_shape else 0) + len(self.mla_systems) * len(self.mla_batches))
 
     def estimate_seconds(self) -> float:
         """About 0.3 s per measurement (a warm-up, a sizing call and up to 20 calls of 0.5-5 ms,
@@ -135,9 +154,9 @@ class DecodeConfig:
         cap."""
         if not self.enabled:
             return 0.0
-        flex = 20.0 if "flex" in self.decode_systems else 0.0
+        flex = 20.0 * (("flex" in self.decode_systems) + ("flex" in self.mla_systems))
         graph = 1.0 if self.graph_shape else 0.0
-        others = self.timed_runs() - (1 if flex else 0)
+        others = self.timed_runs() - ("flex" in self.decode_systems) - ("flex" in self.mla_systems) * len(self.mla_batches)
         return min(self.cap_s, 0.3 * others + 2.0 + graph + flex)
 
     def fagen_kernels(self, sweep_compiles_causal: bool) -> int:
@@ -147,4 +166,5 @@ class DecodeConfig:
         # The graph's step is the contiguous step's kernel (one query drops causal; the append,
         # the rotary and the combine are kernels of the same source).
         graph = 1 if self.graph_shape and "fagen" not in self.decode_systems else 0
-        return len(fagen) + graph - (1 if sweep_compiles_causal and "fagen_padded" in fagen else 0)
+        mla = 1 if "fagen_mla" in self.mla_systems else 0
+        return len(fagen) + graph + mla - (1 if sweep_compiles_causal and "fagen_padded" in fagen else 0)

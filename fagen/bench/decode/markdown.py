@@ -145,6 +145,11 @@ def plan_lines(c, fagen_kernels: int) -> list[str]:
         lines.append(f"    CUDA graph: {c.graph_label}, causal; caches filled to seeded lengths; captured after a "
                      "warm-up, replayed with new cache_seqlens; output and caches against the same step run "
                      "eagerly (bit for bit); replay time against the eager step's")
+    if c.mla_systems:
+        lines.append(f"    absorbed MLA at B = {', '.join(map(str, c.mla_batches))}: {c.mla_label(c.mla_batches[0])}; "
+                     f"systems {', '.join(DECODE_LABELS[s] for s in c.mla_systems)}; each credited with reading "
+                     f"every cache row once ({c.mla_bytes(c.mla_batches[0]) / 1e9:.2f} GB at B = "
+                     f"{c.mla_batches[0]}); FlexAttention's compile last, with the other's")
     lines.append(f"    timed runs: {c.timed_runs()}; fagen kernels to compile: {fagen_kernels}")
     return lines
 

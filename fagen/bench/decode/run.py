@@ -31,6 +31,11 @@ forward and forward + backward):
 TFLOP/s count only the documents' own causal FLOPs, so the padding's wasted work shows as
 a lower rate; ratios are fagen varlen / each.
 
+Absorbed MLA (mla.py): DeepSeek-V3's decoding step over one 576-wide cache whose first 512
+columns are V, 128 query heads on one K/V head, 8k rows per entry, at B = 64 and B = 1: fagen on
+64-row pages, SDPA and FlexAttention (last, with the other Flex run) on views of one cache; each
+credited with reading every cache row once.
+
 The CUDA-graph row (graph.py): a serving step (append one token with rotary, split-KV, combine)
 captured in a CUDA graph, replayed with new cache_seqlens, equal to the same step run eagerly,
 and its replay timed against the eager step. It runs after varlen and before Flex's compile.
@@ -52,6 +57,7 @@ from ..timing import Deadline, Timing, measure_copy_bandwidth, time_cuda
 from .config import DecodeConfig
 from .graph import cuda_graph_capture, measure_graph
 from .markdown import add_bandwidth, add_varlen_ratios, graph_text, section_note
+from .mla import make_mla_inputs, measure_mla, mla_sanity
 from .step import FagenDecode, FlexDecode, SdpaDecode, decode_sanity, make_decode_inputs, measure_decode
 from .varlen import FagenPadded, FagenVarlen, SdpaPadded, make_documents, varlen_sanity
 
@@ -95,6 +101,10 @@ class _Section:
             self.data["points"].append(self.decode_point)
         if config.varlen_systems:
             self.data["points"].extend(self.varlen_points.values())
+        self.mla_points = {b: {"part": "decode", "pass": "fwd", "label": config.mla_label(b), "batch": b,
+                               "cache_len": config.mla_cache_len, "results": {}}
+                           for b in (config.mla_batches if config.mla_systems else ())}
+        self.data["points"].extend(self.mla_points.values())
 
     def checkpoint(self) -> None:
         if self._checkpoint is not None:
@@ -162,6 +172,31 @@ def _decode_part(run: _Section, factories, device, timer, timer_kwargs, names) -
         if context_lost(cell.get("skipped", "")):
             return run.lost(systems[name].label, cell["skipped"])
         run.checkpoint()
+    return None
+
+
+def _mla_part(run: _Section, device, timer, timer_kwargs, names) -> dict | None:
+    """Absorbed MLA's step (mla.py) for `names` at each batch: fagen's sanity first; a lost
+    context's section, else None."""
+    config = run.config
+    if "fagen_mla" in names and not run.deadline.expired(2.0):
+        sanity = run.data["sanity"]["fagen_mla"] = mla_sanity(config, device)
+        if context_lost(sanity.get("error", "")):
+            return run.lost("fagen MLA's sanity check", sanity["error"])
+    for batch, point in run.mla_points.items():
+        inputs = None
+        for name in names:
+            if run.deadline.expired(config.flex_start_s if name == "flex" else 1.0):
+                run.skip(name, FLEX_GUARD_REASON if name == "flex" else GUARD_REASON, [point])
+                continue
+            inputs = inputs or make_mla_inputs(config, batch, config.mla_cache_len, device)
+            cell = point["results"][name] = measure_mla(name, inputs, config, timer, timer_kwargs, batch=batch)
+            run.log(f"  MLA B={batch} {name}: " + (f"{cell['ms']:.3f} ms" if "ms" in cell else cell["skipped"]))
+            if context_lost(cell.get("skipped", "")):
+                return run.lost(f"MLA {name}", cell["skipped"])
+            run.checkpoint()
+        inputs = None
+        free_memory(device)
     return None
 
 
@@ -238,14 +273,16 @@ def run_decode_section(plan, deadline: Deadline, *, device="cuda", timer: Callab
     factories = factories or default_factories()
     timer_kwargs = {"warmup": plan.warmup, "min_repeats": plan.min_repeats, "max_repeats": plan.max_repeats,
                     "target_ms": plan.target_ms}
-    if config.decode_systems:
+    if config.decode_systems or config.mla_systems:
         run.data["copy"] = _copy_bandwidth(copy_tb_per_s, measure_copy or (lambda: measure_copy_bandwidth(COPY_BYTES)))
     first = [n for n in config.decode_systems if n != "flex"]
     parts = [lambda: _decode_part(run, factories, device, timer, timer_kwargs, first),
              lambda: _varlen_part(run, factories, device, timer, timer_kwargs),
              lambda: _graph_part(run, device, timer, timer_kwargs, capture),
+             lambda: _mla_part(run, device, timer, timer_kwargs, [n for n in config.mla_systems if n != "flex"]),
              lambda: _decode_part(run, factories, device, timer, timer_kwargs,
-                                  [n for n in config.decode_systems if n == "flex"])]
+                                  [n for n in config.decode_systems if n == "flex"]),
+             lambda: _mla_part(run, device, timer, timer_kwargs, [n for n in config.mla_systems if n == "flex"])]
     started = time.monotonic()
     for part in parts:
         stopped = part()
