@@ -26,7 +26,8 @@ from ..kernels import sources as generated_sources
 from ..spec import Spec, check_dropout_p
 from . import autograd
 from .call import CallOptions, CallValues, options_for, values_of
-from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim, philox_state
+from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim,
+                     philox_state)
 from .variant_args import variant_call
 
 

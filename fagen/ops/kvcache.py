@@ -279,7 +279,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     _check_scale(softmax_scale)
     padded = None
-    if q.shape[-1] % HEAD_DIM_MULTIPLE or v_cache.shape[-1] % HEAD_DIM_MULTIPLE:   # padded copies; the scale keeps the true d
+    # Padded copies of q and the caches; the scale keeps the true d.
+    if q.shape[-1] % HEAD_DIM_MULTIPLE or v_cache.shape[-1] % HEAD_DIM_MULTIPLE:
         padded = PaddedHeadDim(q.shape[-1], v_cache.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache),
                                _pad_head_dim(v_cache))
         q, k_cache, v_cache = _pad_head_dim(q), padded.k_cache_copy, padded.v_cache_copy

@@ -178,7 +178,8 @@ def spec_geometries(spec, entries) -> dict[str, KernelGeometry | None]:
     geometries[entries.bwd_main.name] = KernelGeometry(gemms, t.block_m, t.block_n, bd, t.num_warps,
                                                        t.block_m * (bd + bdv) * 2, executed, v_gemms=2, head_dim_v=bdv)
     if entries.bwd_dq is not None:   # the deterministic dQ pass: K_j, V_j per iteration; S, dP and dQ
-        geometries[entries.bwd_dq.name] = KernelGeometry(3, t.block_m, t.dq_block_n, d, t.block_m // 16 * spec.column_split,
+        warps = t.block_m // 16 * spec.column_split
+        geometries[entries.bwd_dq.name] = KernelGeometry(3, t.block_m, t.dq_block_n, d, warps,
                                                          t.dq_block_n * (d + dv) * 2, v_gemms=1, head_dim_v=dv)
     return geometries
 

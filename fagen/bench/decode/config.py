@@ -156,7 +156,8 @@ class DecodeConfig:
             return 0.0
         flex = 20.0 * (("flex" in self.decode_systems) + ("flex" in self.mla_systems))
         graph = 1.0 if self.graph_shape else 0.0
-        others = self.timed_runs() - ("flex" in self.decode_systems) - ("flex" in self.mla_systems) * len(self.mla_batches)
+        flex_runs = ("flex" in self.decode_systems) + ("flex" in self.mla_systems) * len(self.mla_batches)
+        others = self.timed_runs() - flex_runs
         return min(self.cap_s, 0.3 * others + 2.0 + graph + flex)
 
     def fagen_kernels(self, sweep_compiles_causal: bool) -> int:

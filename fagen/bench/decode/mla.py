@@ -79,7 +79,8 @@ def measure_mla(name: str, inputs: MlaInputs, config: DecodeConfig, timer, timer
         return {"skipped": failure_reason(exc), "oom": is_out_of_memory(exc)}
     cell = timing.to_dict()
     cell.update(bytes=config.mla_bytes(batch), kv_heads_read=1, expanded=False,
-                gqa="native" if name == "fagen_mla" else "enable_gqa", host_bound=timing.host_ms >= 0.9 * timing.median_ms)
+                gqa="native" if name == "fagen_mla" else "enable_gqa",
+                host_bound=timing.host_ms >= 0.9 * timing.median_ms)
     return cell
 
 
