@@ -273,8 +273,9 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     # Per query head; under GQA in fp32, so that a group's heads are summed before the one
     # rounding to q's dtype (as FlashAttention-3 does; FlashAttention-2 rounds every head's).
     grouped = heads != kv_heads
-    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=torch.float32 if grouped else q.dtype, device=device)
-    dv = _empty(*k.shape[:-2], heads, v.shape[-1], dtype=torch.float32 if grouped else q.dtype, device=device)
+    grad_dtype = torch.float32 if grouped else q.dtype
+    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=grad_dtype, device=device)
+    dv = _empty(*k.shape[:-2], heads, v.shape[-1], dtype=grad_dtype, device=device)
     unused_elem, unused_fp32 = unused(device, q.dtype), unused(device)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = split_variant(spec, variant)

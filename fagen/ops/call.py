@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..kernels import sources as generated_sources
 from ..kernels.render import Source, source_for
 from ..spec import CustomMod, Spec
-from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES
+from .common import TORCH_DTYPES, padded_width
 
 NOTHING = torch.empty(0)
 NO_NAMES = ((), (), (), ())   # CallOptions.variant_names of a call without a variant   # the tensors list's stand-in for an absent tensor (on the CPU: never read)
@@ -188,18 +188,14 @@ def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bo
                 module_source: str = "", v=None) -> CallOptions:
     """The options of a call: its variant's Spec fields (mods as JSON) and value names by kind.
     The kernels' head dims are q's and v's rounded up to a multiple of 8 (common.padded_head_dim)."""
-    head_dim = _padded(int(q.shape[-1]))
-    head_dim_v = 0 if v is None else _padded(int(v.shape[-1]))
+    head_dim = padded_width(int(q.shape[-1]))
+    head_dim_v = 0 if v is None else padded_width(int(v.shape[-1]))
     return _options(head_dim, TORCH_DTYPES[q.dtype], int(version), _flag(causal),
                     _flag(key_padding),
                     _flag(dropout), _flag(deterministic), _flag(varlen),
                     tuple(sorted(variant_fields.items())) if variant_fields else (),
                     _names_by_kind(variant_kinds) if variant_kinds else NO_NAMES, module_source,
                     0 if head_dim_v == head_dim else head_dim_v)
-
-
-def _padded(head_dim: int) -> int:
-    return head_dim + -head_dim % HEAD_DIM_MULTIPLE
 
 
 @functools.lru_cache(maxsize=1024)

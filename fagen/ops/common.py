@@ -160,6 +160,11 @@ def philox_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
     return torch.stack([state[0], state[1] % 2**32])
 
 
+def padded_width(head_dim: int) -> int:
+    """A head dim rounded up to the kernels' multiple of 8 (what `padded_head_dim` pads to)."""
+    return head_dim + -head_dim % HEAD_DIM_MULTIPLE
+
+
 def padded_head_dim(q, k, v):
     """q, k, v with their head dims zero-padded up to a multiple of 8 (the kernels' 16-byte
     rows), and v's true head dim (the output's). Zero columns add nothing to Q K^T, and the
@@ -167,7 +172,7 @@ def padded_head_dim(q, k, v):
     head_dim_v = v.shape[-1]
     if not (q.shape[-1] % HEAD_DIM_MULTIPLE or head_dim_v % HEAD_DIM_MULTIPLE):
         return q, k, v, head_dim_v
-    q, k, v = (torch.nn.functional.pad(t, (0, -t.shape[-1] % HEAD_DIM_MULTIPLE)) for t in (q, k, v))
+    q, k, v = (torch.nn.functional.pad(t, (0, padded_width(t.shape[-1]) - t.shape[-1])) for t in (q, k, v))
     return q, k, v, head_dim_v
 
 

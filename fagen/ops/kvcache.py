@@ -102,8 +102,7 @@ class PaddedHeadDim:
     every kernel has run: a call that fails leaves them as they were."""
 
     head_dim: int                # the caller's (q's and k's)
-    head_dim_v: int              # the caller's v's
-    k_cache: torch.Tensor        # the caller's caches
+    k_cache: torch.Tensor        # the caller's caches (v_cache's last dim: the output's)
     v_cache: torch.Tensor
     k_cache_copy: torch.Tensor   # their padded copies, which the kernels read and append to
     v_cache_copy: torch.Tensor
@@ -187,7 +186,7 @@ class StepPlan:
         if padded is not None:
             if cache.new_tokens:
                 _copy_appended(padded, cache, seqlens, k_cache, v_cache, block_table, flag)
-            out = out[..., :padded.head_dim_v]
+            out = out[..., :padded.v_cache.shape[-1]]
         return (out, lse) if self.return_lse else out
 
     def _append(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag):
@@ -281,8 +280,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     padded = None
     # Padded copies of q and the caches; the scale keeps the true d.
     if q.shape[-1] % HEAD_DIM_MULTIPLE or v_cache.shape[-1] % HEAD_DIM_MULTIPLE:
-        padded = PaddedHeadDim(q.shape[-1], v_cache.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache),
-                               _pad_head_dim(v_cache))
+        padded = PaddedHeadDim(q.shape[-1], k_cache, v_cache, _pad_head_dim(k_cache), _pad_head_dim(v_cache))
         q, k_cache, v_cache = _pad_head_dim(q), padded.k_cache_copy, padded.v_cache_copy
     head_dim_given = q.shape[-1] if padded is None else padded.head_dim   # the scale's d: the caller's
     scale = 1.0 / math.sqrt(head_dim_given) if softmax_scale is None else float(softmax_scale)

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM, MLA_HEAD_DIM
-from .common import check_dense_tensor, check_flag, check_half_rows, values_checked
+from .common import HEAD_DIM_MULTIPLE, check_dense_tensor, check_flag, check_half_rows, values_checked
 from .varlen_args import check_cache_rows, check_page_size, check_some_pages
 
 
@@ -136,7 +136,7 @@ def _check_v_from_k(k_cache, v_cache, k, v, rotary_given: bool) -> bool:
     if k is not None and not v_in_k(k, v):
         raise InputError("v_cache is a view of k_cache's first columns (one cache, as absorbed MLA keeps), so v must "
                          f"be k's: pass v = k[..., :{v_cache.shape[-1]}] (the append writes each K row once)")
-    if k_cache.shape[-1] % 8 or v_cache.shape[-1] % 8:
+    if k_cache.shape[-1] % HEAD_DIM_MULTIPLE or v_cache.shape[-1] % HEAD_DIM_MULTIPLE:
         raise InputError(f"v_cache as a view of k_cache needs head dims that are multiples of 8, got "
                          f"{k_cache.shape[-1]} and {v_cache.shape[-1]}")
     if rotary_given:

@@ -11,7 +11,7 @@ from ..kernels.render import source_for
 from ..spec import Spec
 from . import autograd
 from .call import options_for, values_of
-from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, check_options, padded_head_dim,
+from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_options, padded_head_dim, padded_width,
                      philox_state)
 from .variant_args import variant_call
 from .varlen_args import check_varlen, packed_lse
@@ -72,7 +72,7 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
     if dropout_p > 0 or version != 2:
         raise InputError(f"flash_attn_varlen_func with a block_table runs FlashAttention-2 without dropout; got "
                          f"dropout_p={dropout_p}, version={version}")
-    head_dim, head_dim_v = (n + -n % HEAD_DIM_MULTIPLE for n in (q.shape[2], v.shape[-1]))
+    head_dim, head_dim_v = padded_width(q.shape[2]), padded_width(v.shape[-1])
     fields = {**(call.spec_fields if call else {}), **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {})}
     try:
         spec = Spec.for_kv_cache(head_dim, TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1], varlen=True,

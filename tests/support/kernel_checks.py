@@ -5,6 +5,7 @@ the kernel is wrong; `source` is a rendered source of `spec` (default: its own r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from unittest import mock
@@ -148,57 +149,52 @@ def variant_check(spec: Spec, source: Source | None = None) -> None:
 
 # -- decoding against a KV cache ----------------------------------------------------------------
 
+@contextlib.contextmanager
+def decode_steps_run(spec: Spec, source: Source | None):
+    """Inside: every decoding step `flash_attn_with_kvcache` plans runs `source` (default: the
+    spec's own render), and must build `spec` to get it; no plan of an earlier step is reused."""
+    from fagen.ops import kvcache
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+        yield
+
+
 def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
     """A decoding step through `flash_attn_with_kvcache` with `source` as the step's kernels: the
     append (with rotary), the attention over the cache in three splits merged by the combine
     kernel, and the cache left behind, against the oracle (tests/support/kvcache_cases.py). A paged spec
     runs a paged cache of pages of 48 rows (three 16-key tiles each: a tile past a page's first
     row is read too); a contiguous one takes cache_batch_idx and leftpad."""
-    from fagen.ops import kvcache
     from kvcache_cases import Case, check_call
-
-    source = render(spec) if source is None else source
-
-    def step_source(built: Spec) -> Source:
-        assert built == spec, f"the case builds {built.name}, not {spec.name}"
-        return source
 
     dims = dict(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v)
     if spec.kv_cache == "paged":
         case, rotary = Case(nq=2, new=2, page=48, capacity=96, seed=11, **dims), (32, False)
     else:
         case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12, **dims), (32, True)
-    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+    with decode_steps_run(spec, source):
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
 
 
 def mla_check(spec: Spec, source: Source | None = None) -> None:
     """Absorbed MLA decoding (Spec.v_from_k): one cache of 576-wide rows whose first 512 columns
     are V, paged (64-row pages) with two splits, the step's kernels `source`."""
-    from fagen.ops import kvcache
     from kvcache_cases import check_mla
 
-    source = render(spec) if source is None else source
-
-    def step_source(built: Spec) -> Source:
-        assert built == spec, f"the case builds {built.name}, not {spec.name}"
-        return source
-
-    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+    with decode_steps_run(spec, source):
         check_mla(page=64 if spec.kv_cache == "paged" else None, num_splits=2)
 
 
 def packed_window_check(spec: Spec, source: Source | None = None) -> None:
     """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
     head of an entry sees the same last six keys, whatever row of the tile it was packed into."""
-    from fagen.ops import kvcache
     from kvcache_cases import Case, check_call
 
-    source = render(spec) if source is None else source
-
-    def step_source(built: Spec) -> Source:
-        assert built == spec, f"the case builds {built.name}, not {spec.name}"
-        return source
-
-    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+    with decode_steps_run(spec, source):
         check_call(Case(nq=1, seed=14), num_splits=2, window_size=(5, 0))
