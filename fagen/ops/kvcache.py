@@ -215,22 +215,20 @@ class StepPlan:
         strides."""
         batch, seqlen_q, heads, head_dim = q.shape
         kv_heads, group, head_dim_v = k_cache.shape[2], self.pack_group, v_cache.shape[-1]
-
-        def output(like):   # O has v's head dim
-            return attention_kernels.new_buffer(*like.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)
-
         if group is None:
             q_kernel = aligned_rows(q)
-            out = out_kernel = output(q)
+            out = out_kernel = attention_kernels.new_buffer(batch, seqlen_q, heads, head_dim_v, dtype=q.dtype,
+                                                            device=q.device)   # O has v's head dim
         elif seqlen_q == 1:   # packed row g of K/V head j is query head j * group + g
             packed, (s_b, _, s_h, _) = (batch, group, kv_heads, head_dim), q.stride()
             q_kernel = aligned_rows(q.as_strided(packed, (s_b, s_h, group * s_h, 1), q.storage_offset()))
-            out = output(q)
+            out = attention_kernels.new_buffer(batch, 1, heads, head_dim_v, dtype=q.dtype, device=q.device)
             out_kernel = out.as_strided((batch, group, kv_heads, head_dim_v),
                                         (heads * head_dim_v, head_dim_v, group * head_dim_v, 1))
         else:   # rows i * group + g: copies
             q_kernel = _pack(q, kv_heads)
-            out_kernel = output(q_kernel)
+            out_kernel = attention_kernels.new_buffer(*q_kernel.shape[:-1], head_dim_v, dtype=q.dtype,
+                                                      device=q.device)
         kernel_heads, kernel_rows = q_kernel.shape[2], q_kernel.shape[1]
         # L in the caller's (B, H, Nq) where one query packs: the kernel writes it by row index,
         # and the (B, Hk, group) rows it indexes lie as (B, H, 1)'s do.
@@ -344,7 +342,7 @@ def _signature(args) -> tuple | None:
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
     parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), launch.backend_key(q.device))
     k, v = args[3], args[4]
-    if type(k) is torch.Tensor and type(v) is torch.Tensor:   # v as a view of k (with v_cache a view of k_cache)
+    if gap == 0 and type(k) is torch.Tensor and type(v) is torch.Tensor:   # one MLA cache: is v k's view too?
         parts.append(k.data_ptr() == v.data_ptr())
     return tuple(parts)
 
