@@ -190,7 +190,8 @@ def _summaries(call: VariantCall, summary_dims: tuple) -> None:
     """Per-group (16 rows) min and max of each captured tensor whose equality across q_idx and
     kv_idx the tile classes use (document ids): O(N / 16) work on the tensor's device."""
     for capture, dim in summary_dims:
-        ids = call.values[capture].long().movedim(dim, -1)
+        ids = call.values[capture]   # int32 ids unless the capture holds int64 (variants.cuda.summary_ctype)
+        ids = (ids.long() if ids.dtype == torch.int64 else ids.int()).movedim(dim, -1)
         pad = -ids.shape[-1] % SUMMARY_ROWS
         if pad:   # the last group repeats its last id: no id that is not there
             ids = torch.cat([ids, ids[..., -1:].expand(*ids.shape[:-1], pad)], dim=-1)

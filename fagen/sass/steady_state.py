@@ -20,8 +20,9 @@ other loop once. The path is chosen in this order:
    unroll factor, peeled or as a loop of one chunk per trip) in front of its unrolled
    body and a test that skips the body; on full tiles every tensor's copy body runs and
    no remainder is taken;
-4. then the most other memory operations (a full tile's guarded stores and atomics are
-   all done);
+4. then the most stores and atomics (a full tile's guarded stores and atomics are all
+   done). Loads are not counted: a mask that reads a captured tensor (document ids) reads it
+   on partial tiles only, and the steady state is a full tile;
 5. then the fewest instructions: no mask, no tail path.
 
 Without an expected copy count, step 1 is left out. Nested loops' own iterations are
@@ -41,8 +42,10 @@ from .classes import classify
 MAX_TRIPS = 64
 # Ranking keys carried in the counts, removed from the result: copies done by nested loops
 # weighted by their loop's unrolling, and copy loops entered.
-NESTED_LDGSTS, COPY_LOOPS = "_nested_ldgsts", "_copy_loops"
-RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS)
+NESTED_LDGSTS, COPY_LOOPS, STORES = "_nested_ldgsts", "_copy_loops", "_stores"
+RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS, STORES)
+# What step 4 counts: writes to memory, plain or atomic (shared, global, bulk).
+STORE_OPCODES = frozenset({"STG", "ST", "STS", "STSM", "RED", "REDG", "REDAS", "ATOM", "ATOMG", "ATOMS", "UTMASTG"})
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Iteration:
     counts: Counter   # instruction class -> instructions per iteration (per thread, i.e. per warp)
     visits: Counter   # block start address -> times the iteration runs it (nested loops included)
     trips: dict       # nested loop header address -> its trip count
+    stores: int = 0   # its stores and atomics (step 4 of a loop that nests it)
 
     @property
     def instructions(self) -> int:
@@ -69,7 +73,7 @@ class _Path:
 def _rank(counts: Counter) -> tuple:
     """Steps 2-5 of the order above (smaller is better)."""
     instructions = sum(v for k, v in counts.items() if k not in RANKING_KEYS)
-    return (-counts["HMMA"], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts["memory"], instructions)
+    return (-counts["HMMA"], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES], instructions)
 
 
 def steady_iteration(graph: Graph, loop: Loop, expected_ldgsts: int | None = None,
@@ -150,7 +154,9 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
     def _options(node) -> list[_Path]:
         if not isinstance(node, Loop):
             start = graph.blocks[node].start
-            counts = Counter(classify(i) for i in graph.blocks[node].instructions)
+            instructions = graph.blocks[node].instructions
+            counts = Counter(classify(i) for i in instructions)
+            counts[STORES] = sum(1 for i in instructions if i.base in STORE_OPCODES and not i.never)
             return [_Path(counts, Counter({start: 1}), {})]
         if node.header not in inner_cache:
             inner_cache[node.header] = steady_iteration(graph, node)
@@ -166,6 +172,7 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
             counts = Counter({k: v * t for k, v in inner.counts.items()})
             per_trip = inner.counts["LDGSTS"]
             counts[NESTED_LDGSTS], counts[COPY_LOOPS] = t * per_trip * per_trip, 1 if per_trip else 0
+            counts[STORES] = t * inner.stores
             paths.append(_Path(counts, Counter({k: v * t for k, v in inner.visits.items()}),
                                {start: t, **inner.trips}))
         return paths
@@ -202,4 +209,4 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
 
     chosen = min(finals, key=final_key)
     counts = Counter({k: v for k, v in chosen.counts.items() if k not in RANKING_KEYS and v})
-    return Iteration(counts, chosen.visits, chosen.trips)
+    return Iteration(counts, chosen.visits, chosen.trips, chosen.counts[STORES])

@@ -67,8 +67,11 @@ class CudaPrinter(C99CodePrinter):
         special-function unit (fagen::tanh_approx, FlashAttention-2's choice); any other tanh
         (a score_mod's own) as tanhf, within a few ulp of tanh."""
         arg = expr.args[0]
+        # x / c as the fast division (2 ulp; tanh.approx's own error is far larger): an IEEE
+        # division per score cost MUFU.RCP and a slow-path branch; a reciprocal hoisted out of
+        # the loop costs a register, which spilled the all-variants d64 forward.
         if SOFTCAP in arg.free_symbols:
-            return f"fagen::tanh_approx({self._print(arg)})"
+            return f"fagen::tanh_approx(__fdividef({self._print(sp.simplify(arg * SOFTCAP))}, ctx.softcap))"
         return f"tanhf({self._print(arg)})"
 
     def _print_Piecewise(self, expr):
@@ -193,6 +196,13 @@ class VariantCode:
     params: tuple               # (name, ctype, kind) kernel parameters, every kernel with a Context
     grad_params: tuple          # the backward kernel's gradient buffers for captured tensors
     masks: bool                 # mask beyond padding + causal: templates use the tile functions
+    summaries: bool             # the mask reads summaries (document ids): a loop reads its fixed
+                                # side's Bounds once (tile_class_rows / tile_class_keys)
+    mask_loads: bool            # the mask reads captured tensors: a partial tile evaluates it at
+                                # clamped indices with `&` (attention.j2 `visible`)
+    scores: bool                # s' is not the scaled score itself (softcap, ALiBi, a score_mod):
+                                # the templates apply score_mod, in natural-log units; without it
+                                # (masks and sinks alone) they keep the plain kernel's exp2 scaling
     score_grad: bool            # ds'/dx is not 1: the backward multiplies dS by it
     capture_grads: bool         # the backward adds captured tensors' gradients
     sinks: bool
@@ -216,6 +226,13 @@ def _capture_params(math: VariantMath):
     return params, grads
 
 
+def summary_ctype(math: VariantMath, capture: str) -> str:
+    """The C type of a summary's ids: int for a capture of 32 bits or fewer (one-instruction min
+    and max), long long for int64 ids. fagen.ops.variant_args builds the summaries to match."""
+    dtype = next(c.dtype for c in math.captures if c.name == capture)
+    return "long long" if dtype == "int64" else "int"
+
+
 def _params(spec: Spec, math: VariantMath):
     params = []
     if spec.sinks:
@@ -232,8 +249,9 @@ def _params(spec: Spec, math: VariantMath):
     captures, grads = _capture_params(math)
     for s in summaries(math.mask):   # per-group min / max of document ids (tiles.Summary)
         ndim = next(c.ndim for c in math.captures if c.name == s.capture)
-        captures += [(f"{s.capture}_gmin", "const long long* __restrict__", "tensor"),
-                     (f"{s.capture}_gmax", "const long long* __restrict__", "tensor")]
+        ids = summary_ctype(math, s.capture)
+        captures += [(f"{s.capture}_gmin", f"const {ids}* __restrict__", "tensor"),
+                     (f"{s.capture}_gmax", f"const {ids}* __restrict__", "tensor")]
         captures += [(f"{s.capture}_sumstride{i}", "long long", "int64") for i in range(ndim)]
         captures.append((f"{s.capture}_groups", "int", "int32"))
     return tuple(params + captures), tuple(grads)
@@ -282,51 +300,127 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
     return lines
 
 
-def _summary_lines(printer, math: VariantMath) -> tuple[list[str], list[str]]:
-    """The summary reader (once) and, per Summary, the lines that set its bounds over the box."""
+def _summary_functions(printer, math: VariantMath) -> list[str]:
+    """The summaries' reader and, over a box's rows and over its keys, their bounds (`Bounds`,
+    one min and max per Summary): computed apart, so that a loop whose rows (or keys) stay fixed
+    reads theirs once (`tile_class_rows`, `tile_class_keys`)."""
     found = summaries(math.mask)
-    if not found:
-        return [], []
-    reader = [f"// The min and max of a summarized tensor over rows [lo, hi]: groups of {SUMMARY_ROWS} rows,",
-              "// clamped to the groups that exist.",
-              "__device__ __forceinline__ void summary_range(const long long* gmin, const long long* gmax,",
-              "                                              long long base, long long stride, int groups,",
-              "                                              int lo, int hi, long long& low, long long& high) {",
-              f"  const int first = max(lo, 0) / {SUMMARY_ROWS}, last = min(hi / {SUMMARY_ROWS}, groups - 1);",
-              "  low = 9223372036854775807LL, high = -9223372036854775807LL - 1;",
-              "  for (int g = first; g <= last; ++g) {",
-              "    low = min(low, gmin[base + g * stride]), high = max(high, gmax[base + g * stride]);",
-              "  }", "}", ""]
-    lines = []
+    lines = ["// An empty range's bounds: the largest and smallest id of a summary's type.",
+             "template <class Id> __device__ __forceinline__ Id id_max();",
+             "template <class Id> __device__ __forceinline__ Id id_min();",
+             "template <> __device__ __forceinline__ int id_max<int>() { return 2147483647; }",
+             "template <> __device__ __forceinline__ int id_min<int>() { return -2147483647 - 1; }",
+             "template <> __device__ __forceinline__ long long id_max<long long>() {",
+             "  return 9223372036854775807LL;", "}",
+             "template <> __device__ __forceinline__ long long id_min<long long>() {",
+             "  return -9223372036854775807LL - 1;", "}",
+             "",
+             f"// The min and max of a summarized tensor over rows [lo, hi]: groups of {SUMMARY_ROWS} rows,",
+             "// clamped to the groups that exist.",
+             "template <typename Id>",
+             "__device__ __forceinline__ void summary_range(const Id* gmin, const Id* gmax, long long base,",
+             "                                              long long stride, int groups, int lo, int hi, Id& low,",
+             "                                              Id& high) {",
+             f"  const int first = max(lo, 0) / {SUMMARY_ROWS}, last = min(hi / {SUMMARY_ROWS}, groups - 1);",
+             "  low = id_max<Id>(), high = id_min<Id>();",
+             "  for (int g = first; g <= last; ++g) {",
+             "    low = min(low, gmin[base + g * stride]), high = max(high, gmax[base + g * stride]);",
+             "  }", "}", "",
+             f"// The same over rows [lo, hi] inside one tile of kSpan rows (a multiple of {SUMMARY_ROWS}, starting",
+             f"// at one): kSpan / {SUMMARY_ROWS} reads, unrolled and unconditional (a group past the range reads",
+             "// its last group again, which changes no min or max), then an empty range made empty.",
+             "template <int kSpan, typename Id>",
+             "__device__ __forceinline__ void tile_summary(const Id* gmin, const Id* gmax, long long base,",
+             "                                             long long stride, int groups, int lo, int hi, Id& low,",
+             "                                             Id& high) {",
+             f"  static_assert(kSpan % {SUMMARY_ROWS} == 0, \"a tile spans whole summary groups\");",
+             f"  const int first = max(lo, 0) / {SUMMARY_ROWS}, last = min(hi / {SUMMARY_ROWS}, groups - 1);",
+             "  low = id_max<Id>(), high = id_min<Id>();",
+             "  FAGEN_UNROLL",
+             f"  for (int i = 0; i < kSpan / {SUMMARY_ROWS}; ++i) {{",
+             "    const long long at = base + max(min(first + i, last), 0) * stride;",
+             "    low = min(low, gmin[at]), high = max(high, gmax[at]);",
+             "  }",
+             "  if (last < first) low = id_max<Id>(), high = id_min<Id>();",
+             "}", "",
+             "// Each summarized tensor's ids over a range of rows or keys (document-style equality).",
+             "struct Bounds { " + " ".join(f"{summary_ctype(math, s.capture)} {s.capture}_min, {s.capture}_max;"
+                                           for s in found) + " };", ""]
+    reads, tile_reads = [], []
     for s in found:
         name = s.capture
         dims = [i for i in range(len(s.others) + 1) if i != s.dim]
         base = " + ".join(f"(long long)({printer._print(a)}) * ctx.{name}_sumstride{i}"
                           for i, a in zip(dims, s.others)) or "0"
-        lines += [f"  // {name}'s ids over the rows and over the keys (document-style equality)",
-                  f"  long long {name}_qmin, {name}_qmax, {name}_kvmin, {name}_kvmax;",
-                  f"  summary_range(ctx.{name}_gmin, ctx.{name}_gmax, {base}, ctx.{name}_sumstride{s.dim}, "
-                  f"ctx.{name}_groups, q_lo, q_hi, {name}_qmin, {name}_qmax);",
-                  f"  summary_range(ctx.{name}_gmin, ctx.{name}_gmax, {base}, ctx.{name}_sumstride{s.dim}, "
-                  f"ctx.{name}_groups, kv_lo, kv_hi, {name}_kvmin, {name}_kvmax);"]
-    return reader, lines
+        arguments = f"ctx.{name}_gmin, ctx.{name}_gmax, {base}, ctx.{name}_sumstride{s.dim}, ctx.{name}_groups"
+        reads.append(f"  summary_range({arguments}, lo, hi, found.{name}_min, found.{name}_max);")
+        tile_reads.append(f"  tile_summary<kSpan>({arguments}, lo, hi, found.{name}_min, found.{name}_max);")
+    lines += ["// The Bounds of indices [lo, hi]: rows or keys (the summarized dim is indexed by both).",
+              "__device__ __forceinline__ Bounds bounds_of(int b, int h, int lo, int hi, const Context& ctx) {",
+              "  Bounds found;", *reads, "  return found;", "}", "",
+              "// The Bounds of [lo, hi] inside one tile of kSpan rows or keys (tile_summary).",
+              "template <int kSpan>",
+              "__device__ __forceinline__ Bounds tile_bounds(int b, int h, int lo, int hi, const Context& ctx) {",
+              "  Bounds found;", *tile_reads, "  return found;", "}", ""]
+    return lines
+
+
+def _tile_class_functions(printer, math: VariantMath, full, empty) -> list[str]:
+    """tile_class over a box; with summaries also tile_class_rows / tile_class_keys, which take
+    the Bounds of rows (keys) that a loop keeps fixed, read once before it."""
+    box = "int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi"
+    decide = [f"  if ({printer.doprint(empty)}) return kEmptyTile;",
+              f"  if ({printer.doprint(full)}) return kFullTile;",
+              "  return kPartialTile;", "}", ""]
+    head = ["// The rows [q_lo, q_hi] x keys [kv_lo, kv_hi] of a tile: all visible, all masked, or partial",
+            "// (fagen/variants/tiles.py derives both conditions from the mask's atoms).",
+            "enum TileClass { kEmptyTile = 0, kFullTile = 1, kPartialTile = 2 };"]
+    found = summaries(math.mask)
+    if not found:
+        return head + [f"__device__ __forceinline__ int tile_class({box}, const Context& ctx) {{", *decide]
+    names = [s.capture for s in found]
+    unpack = [f"  const auto {n}_qmin = rows.{n}_min, {n}_qmax = rows.{n}_max, {n}_kvmin = keys.{n}_min, "
+              f"{n}_kvmax = keys.{n}_max;" for n in names]
+    return head + [
+        "// From the Bounds of rows that cover every visible row of the box and of keys that cover",
+        "// every visible key (a wider range only makes a tile partial more often: sound).",
+        f"__device__ __forceinline__ int tile_class_of({box}, const Bounds& rows, const Bounds& keys,",
+        "                                             const Context& ctx) {", *unpack, *decide,
+        "// Only rows and keys that the linear atoms let meet matter to the summaries: each side",
+        "// shrinks to them (sound: every visible pair lies inside both ranges).",
+        f"__device__ __forceinline__ int tile_class({box}, const Context& ctx) {{",
+        "  const IndexRange meet = query_range(b, h, kv_lo, kv_hi, ctx), seen = key_range(b, h, q_lo, q_hi, ctx);",
+        "  const Bounds rows = bounds_of(b, h, max(q_lo, meet.first), min(q_hi, meet.last), ctx);",
+        "  const Bounds keys = bounds_of(b, h, max(kv_lo, seen.first), min(kv_hi, seen.last), ctx);",
+        "  return tile_class_of(b, h, q_lo, q_hi, kv_lo, kv_hi, rows, keys, ctx);", "}", "",
+        "// The forward's K/V loop: `rows`, the Bounds of the block's rows [q_lo, q_hi], read once",
+        "// before it. They are read again, shrunk, only where the linear atoms shrink the rows (a",
+        "// tile on the diagonal); each tile's kKeys keys are read per tile. Decides as tile_class.",
+        "template <int kRows, int kKeys>",
+        f"__device__ __forceinline__ int tile_class_rows({box}, const Bounds& rows, const Context& ctx) {{",
+        "  const IndexRange meet = query_range(b, h, kv_lo, kv_hi, ctx), seen = key_range(b, h, q_lo, q_hi, ctx);",
+        "  const int q_first = max(q_lo, meet.first), q_last = min(q_hi, meet.last);",
+        "  const Bounds shrunk =",
+        "      q_first == q_lo && q_last == q_hi ? rows : tile_bounds<kRows>(b, h, q_first, q_last, ctx);",
+        "  const Bounds keys = tile_bounds<kKeys>(b, h, max(kv_lo, seen.first), min(kv_hi, seen.last), ctx);",
+        "  return tile_class_of(b, h, q_lo, q_hi, kv_lo, kv_hi, shrunk, keys, ctx);", "}", "",
+        "// The backward's Q loop: the same with the block's keys fixed (`keys`, read once before it).",
+        "template <int kRows, int kKeys>",
+        f"__device__ __forceinline__ int tile_class_keys({box}, const Bounds& keys, const Context& ctx) {{",
+        "  const IndexRange meet = query_range(b, h, kv_lo, kv_hi, ctx), seen = key_range(b, h, q_lo, q_hi, ctx);",
+        "  const int kv_first = max(kv_lo, seen.first), kv_last = min(kv_hi, seen.last);",
+        "  const Bounds shrunk =",
+        "      kv_first == kv_lo && kv_last == kv_hi ? keys : tile_bounds<kKeys>(b, h, kv_first, kv_last, ctx);",
+        "  const Bounds rows = tile_bounds<kRows>(b, h, max(q_lo, meet.first), min(q_hi, meet.last), ctx);",
+        "  return tile_class_of(b, h, q_lo, q_hi, kv_lo, kv_hi, rows, shrunk, ctx);", "}", "",
+    ]
 
 
 def _mask_functions(printer, math: VariantMath) -> list[str]:
     full, empty = classify(math.mask)
     keys, queries = key_range(math.mask), query_range(math.mask)
-    box = "int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi, const Context& ctx"
-    reader, summary_lines = _summary_lines(printer, math)
-    if summary_lines:   # summaries are read over the rows and keys that can meet at all
-        summary_lines = [
-            "  // Only rows and keys that the linear atoms let meet matter to the summaries: shrink to",
-            "  // them (sound: every visible pair lies inside both ranges).",
-            "  const IndexRange meet = query_range(b, h, kv_lo, kv_hi, ctx), seen = key_range(b, h, q_lo, q_hi, ctx);",
-            "  const int q_first = max(q_lo, meet.first), q_last = min(q_hi, meet.last);",
-            "  const int kv_first = max(kv_lo, seen.first), kv_last = min(kv_hi, seen.last);",
-        ] + [line.replace("q_lo, q_hi,", "q_first, q_last,").replace("kv_lo, kv_hi,", "kv_first, kv_last,")
-             for line in summary_lines]
-    return reader + [
+    reader = _summary_functions(printer, math) if summaries(math.mask) else []
+    return [
         f"// Visible: {_comment(str(math.mask))}" + (f"   (mask_mod: {_comment(math.mask_source)})"
                                                      if math.mask_source else ""),
         f"__device__ __forceinline__ bool visible({SIGNATURE}) {{",
@@ -338,14 +432,7 @@ def _mask_functions(printer, math: VariantMath) -> list[str]:
         "// The queries any key of [kv_lo, kv_hi] may meet (the backward's Q loop bounds).",
         "__device__ __forceinline__ IndexRange query_range(int b, int h, int kv_lo, int kv_hi, const Context& ctx) {",
         f"  return {{(int)({printer.doprint(queries.first)}), (int)({printer.doprint(queries.last)})}};", "}", "",
-        "// The rows [q_lo, q_hi] x keys [kv_lo, kv_hi] of a tile: all visible, all masked, or partial",
-        "// (fagen/variants/tiles.py derives both conditions from the mask's atoms).",
-        "enum TileClass { kEmptyTile = 0, kFullTile = 1, kPartialTile = 2 };",
-        f"__device__ __forceinline__ int tile_class({box}) {{",
-        *summary_lines,
-        f"  if ({printer.doprint(empty)}) return kEmptyTile;",
-        f"  if ({printer.doprint(full)}) return kFullTile;",
-        "  return kPartialTile;", "}", "",
+        *reader, *_tile_class_functions(printer, math, full, empty),
     ]
 
 
@@ -405,4 +492,6 @@ def variant_code(spec: Spec) -> VariantCode | None:
             lines += _group_functions(math)
     lines += ["}  // namespace fagen_variant"]
     return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
+                       summaries=bool(summaries(math.mask)), scores=math.score != SCORE,
+                       mask_loads=any(c.name.startswith("mask_") for c in math.captures),
                        score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)

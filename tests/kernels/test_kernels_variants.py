@@ -67,9 +67,11 @@ def test_relative_position_bias_table_with_its_gradient():
     run_variant_case(Spec(64, mask="causal"), RAGGED, {"score_mod": score_mod}, captures=(bias,))
 
 
-def test_document_mask():
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_document_mask(dtype):
+    # int64 ids keep 64-bit summaries (variants.cuda.summary_ctype); narrower ones use int32.
     doc = torch.sort(torch.randint(0, 4, (2, 170), generator=torch.Generator().manual_seed(4),
-                                   dtype=torch.int32), dim=1).values
+                                   dtype=dtype), dim=1).values
 
     def mask_mod(b, h, q_idx, kv_idx):
         return doc[b, q_idx] == doc[b, kv_idx]
@@ -132,10 +134,14 @@ TILE_CASES = {
                   {"mask_mod": lambda b, h, q_idx, kv_idx: DOCS[b, q_idx] == DOCS[b, kv_idx]}),
     "documents_causal": (Spec(64, block_m=64, block_n=32, num_warps=4, mask="causal"),
                          {"mask_mod": lambda b, h, q_idx, kv_idx: DOCS[b, q_idx] == DOCS[b, kv_idx]}),
+    "documents_int64_causal_padding": (Spec(64, block_m=64, block_n=32, num_warps=4, mask="causal",
+                                            key_padding=True),
+                                       {"mask_mod": lambda b, h, q_idx, kv_idx: DOCS64[b, q_idx] == DOCS64[b, kv_idx]}),
 }
 PREFIX = torch.tensor([70, 3], dtype=torch.int32)
 # Packed documents of uneven lengths (one longer than a tile, several shorter), sorted ids.
 DOCS = torch.tensor([[0] * 130 + [1] * 7 + [2] * 90 + [3] * 400, [5] * 20 + [6] * 300 + [7] * 307], dtype=torch.int32)
+DOCS64 = DOCS.long() * 2**33   # ids past int32: 64-bit summaries
 
 
 @pytest.mark.parametrize("shape", [Shape(2, 300, 333), Shape(2, 257, 100), Shape(2, 64, 500)], ids=str)

@@ -77,6 +77,29 @@ def test_the_steady_state_takes_the_prefetch_and_skips_the_mask():
     assert 0xe0 not in steady_iteration(graph, graph.loops[0]).visits
 
 
+# A loop with two optional blocks: a mask that reads a captured tensor (0x30: a partial tile's
+# loads) and a guarded store (0x60: a full tile's atomic, skipped by a tail tile).
+LOADS_AND_STORES = """
+0000 HMMA.16816.F32 R4, R8, R12, R4
+0010 @P0 BRA 0x50
+0020 LDG.E.64.CONSTANT R10, desc[UR4][R6.64]
+0030 ISETP.NE.AND P1, PT, R10, R11, PT
+0040 FSEL R4, R4, -INF , P1
+0050 @P2 BRA 0x70
+0060 REDG.E.ADD.F32.FTZ.RN.STRONG.GPU [R2.64], R4
+0070 @P3 BRA 0x0
+0080 EXIT
+"""
+
+
+def test_the_steady_state_does_the_stores_and_skips_a_mask_s_loads():
+    (name, instructions), = parse_listing(listing(LOADS_AND_STORES)).items()
+    graph = build_graph(instructions)
+    iteration = steady_iteration(graph, graph.loops[0])
+    assert 0x60 in iteration.visits and 0x20 not in iteration.visits
+    assert iteration.counts["memory"] == 1 and iteration.stores == 1
+
+
 # A copy loop with a run-time trip count, as ptxas lays it out: a one-chunk remainder loop
 # (0x40), a test that skips the unrolled body, and the body (0x70, two chunks an iteration).
 NESTED_COPY = """
