@@ -346,6 +346,27 @@ def _softcap_expr(x, c):
     return c * sp.tanh(x / c)
 
 
+def capped_units_hold() -> bool:
+    """The softcap alone in units of the cap (the kernels' capped_score): with t = tanh(S tau / c)
+    from the raw score S, P = 2^(t c log2(e) - L log2(e)) is exp(c tanh(tau S / c) - L), the
+    derivative c tanh(x / c)' at x = tau S is 1 - t^2, and L = m c + log(l) for a running max m
+    kept in these units (a sink's logit entering as logit / c)."""
+    S, L, m, logit = sp.symbols("S L m logit", real=True)
+    S2 = sp.Symbol("S2", real=True)
+    tau, c = sp.symbols("tau c", positive=True)
+    x = sp.Symbol("x", real=True)
+    log2e = 1 / sp.log(2)
+    t, t2 = sp.tanh(S * (tau / c)), sp.tanh(S2 * (tau / c))
+    chain = _softcap_expr(x, c)
+    probability = sp.Integer(2) ** (t * (c * log2e) - L * log2e)
+    # Two keys and a sink, summed against any running max m (in units of the cap).
+    total = sum(sp.Integer(2) ** (u * (c * log2e) - m * (c * log2e)) for u in (t, t2, logit / c))
+    exact = sp.log(sp.exp(chain.subs(x, tau * S)) + sp.exp(chain.subs(x, tau * S2)) + sp.exp(logit))
+    return (is_zero(sp.simplify(probability - sp.exp(chain.subs(x, tau * S) - L)))
+            and is_zero(sp.simplify(sp.diff(chain, x).subs(x, tau * S) - (1 - t ** 2)))
+            and numerically_equal(m * c + sp.log(total), exact))
+
+
 def builtin_mod_identities() -> list[Identity]:
     """softcap (s' = c tanh(x/c), c > 0), ALiBi (s' = x - slope a, a = |i + Nk - Nq - j| >= 0)
     and softcap then ALiBi, each with the derivative the kernels emit from the forward's s'."""
@@ -358,6 +379,8 @@ def builtin_mod_identities() -> list[Identity]:
     return [
         *mod_identities(x, capped, 1 - (s / c) ** 2, substitutions={s: capped}, name="softcap",
                         relied_on_by=_softcap),
+        Identity("softcap in units of the cap: P, ds'/dx, L and a sink's logit (capped_score)", "scalars",
+                 capped_units_hold, relied_on_by=_softcap_alone),
         *mod_identities(x, x - slope * a, sp.Integer(1), name="ALiBi", relied_on_by=_alibi),
         *mod_identities(x, capped - slope * a, 1 - ((s + slope * a) / c) ** 2,
                         substitutions={s: capped - slope * a}, name="softcap + ALiBi",
@@ -382,6 +405,10 @@ def _softcap(spec: Spec) -> bool:
 
 def _alibi(spec: Spec) -> bool:
     return spec.alibi
+
+
+def _softcap_alone(spec: Spec) -> bool:   # variants.cuda.capped: the chain is the softcap only
+    return spec.softcap and not spec.alibi and spec.score_mod is None
 
 
 def _softcap_and_alibi(spec: Spec) -> bool:

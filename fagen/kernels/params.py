@@ -5,6 +5,7 @@ use adds no parameter, so its kernels' signatures, and sources, stay as they wer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..spec import Spec
@@ -208,7 +209,7 @@ def varlen_params(params: list[Param]) -> list[Param]:
 GRID_OFFSETS = (Param("head_offset", "int", "int32"), Param("batch_offset", "int", "int32"))
 
 
-def variant_arguments(spec: Spec, variant: dict) -> dict:
+def variant_arguments(spec: Spec, variant: dict, softmax_scale: float) -> dict:
     """A variant's kernel arguments: its values (fagen.ops.variant_args: window sizes, softcap,
     ALiBi slopes, sinks, captured tensors, summaries, lifted numbers) and what follows from its
     tensors (the strides of captured tensors and of their summaries, a summary's group count,
@@ -217,6 +218,9 @@ def variant_arguments(spec: Spec, variant: dict) -> dict:
     for name, value in variant.items():
         if name == "alibi_slopes":
             out["alibi_stride_b"] = value.shape[-1] if value.dim() == 2 else 0
+        elif name == "softcap":   # products the kernels would otherwise hold in registers
+            out.update(softcap_inv=1.0 / value, softcap_scale=softmax_scale / value,
+                       softcap_log2=value * math.log2(math.e))
         elif name.startswith(("score_cap", "mask_cap")) and not name.endswith(("_gmin", "_gmax")):
             out.update({f"{name}_stride{axis}": stride for axis, stride in enumerate(value.stride())})
     for summary in (summaries(mod_expression(spec.mask_mod, "mask")) if spec.mask_mod is not None else ()):

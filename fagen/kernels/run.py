@@ -204,12 +204,12 @@ def sink_gradient(sinks: torch.Tensor, stats, version: int, delta_minus_dlse: to
     return -terms.sum(dim=(0, 2)).to(sinks.dtype)
 
 
-def split_variant(spec, variant: dict | None) -> tuple[dict, tuple]:
+def split_variant(spec, variant: dict | None, softmax_scale: float) -> tuple[dict, tuple]:
     """A variant's kernel arguments (params.variant_arguments) as per-call tensors, and its
     scalars as a hashable part of the launch plan's key (scalars are bound into the plan)."""
     if not variant:   # plain attention: the hot path of most calls
         return {}, ()
-    variant = variant_arguments(spec, variant)
+    variant = variant_arguments(spec, variant, softmax_scale)
     tensors = {n: x for n, x in variant.items() if isinstance(x, torch.Tensor)}
     scalars = tuple(sorted((n, x) for n, x in variant.items() if not isinstance(x, torch.Tensor)))
     return tensors, scalars
@@ -228,7 +228,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out = _empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)   # d_v columns
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
-    variant_tensors, variant_scalars = split_variant(spec, variant)
+    variant_tensors, variant_scalars = split_variant(spec, variant, scale)
     tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
                "philox_offset": philox_offset, "row_offset": coord_offsets[0], "col_offset": coord_offsets[1],
                **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
@@ -278,7 +278,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dv = _empty(*k.shape[:-2], heads, v.shape[-1], dtype=grad_dtype, device=device)
     unused_elem, unused_fp32 = unused(device, q.dtype), unused(device)
     drop = dropout_args or {}
-    variant_tensors, variant_scalars = split_variant(spec, variant)
+    variant_tensors, variant_scalars = split_variant(spec, variant, scale)
     # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
     # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
     block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)

@@ -183,7 +183,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     head_dim_v = v_cache.shape[-1]
     out = run.new_buffer(*q.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)   # d_v columns
     lse = run.new_buffer(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    variant_tensors, variant_scalars = run.split_variant(source.spec, variant)
+    variant_tensors, variant_scalars = run.split_variant(source.spec, variant, scale)
     tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k,
                                  *partials(q, heads, seqlen_q, num_splits, head_dim_v),
                                  None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors)

@@ -239,7 +239,7 @@ class StepPlan:
             variant = self.variant
             if alibi_slopes is not None:
                 variant = {**variant, "alibi_slopes": alibi_slopes.contiguous()}
-            variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant)
+            variant_tensors, scalars = attention_kernels.split_variant(self.source.spec, variant, self.scale)
         tensors = kv_kernels.kv_cache_arguments(
             q_kernel, k_cache, v_cache, out_kernel, lse, seqlens,
             *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits, head_dim_v), flag,

@@ -67,11 +67,12 @@ class CudaPrinter(C99CodePrinter):
         special-function unit (fagen::tanh_approx, FlashAttention-2's choice); any other tanh
         (a score_mod's own) as tanhf, within a few ulp of tanh."""
         arg = expr.args[0]
-        # x / c as the fast division (2 ulp; tanh.approx's own error is far larger): an IEEE
-        # division per score cost MUFU.RCP and a slow-path branch; a reciprocal hoisted out of
-        # the loop costs a register, which spilled the all-variants d64 forward.
+        # x / c stays an IEEE division (a MUFU.RCP and a slow-path branch per score): the
+        # forward and the dQ pass of the softcap alone take capped_score's multiply by tau / c
+        # instead, but in the backward's score_mod_grad both a reciprocal and the fast division
+        # (__fdividef) spilled d = 128 kernels with softcap, a window and dropout.
         if SOFTCAP in arg.free_symbols:
-            return f"fagen::tanh_approx(__fdividef({self._print(sp.simplify(arg * SOFTCAP))}, ctx.softcap))"
+            return f"fagen::tanh_approx({self._print(arg)})"
         return f"tanhf({self._print(arg)})"
 
     def _print_Piecewise(self, expr):
@@ -203,6 +204,10 @@ class VariantCode:
     scores: bool                # s' is not the scaled score itself (softcap, ALiBi, a score_mod):
                                 # the templates apply score_mod, in natural-log units; without it
                                 # (masks and sinks alone) they keep the plain kernel's exp2 scaling
+    capped: bool                # the chain is the softcap alone: the templates work in units of the
+                                # cap, t = tanh(tau S / c) (capped_score), as FlashAttention-2 does
+    alibi_alone: bool           # the chain is ALiBi alone: the templates add its bias to the raw
+                                # scores (alibi_raw_scale), which keep the plain kernel's scaling
     score_grad: bool            # ds'/dx is not 1: the backward multiplies dS by it
     capture_grads: bool         # the backward adds captured tensors' gradients
     sinks: bool
@@ -237,8 +242,8 @@ def _params(spec: Spec, math: VariantMath):
     params = []
     if spec.sinks:
         params.append(("sinks", "const float* __restrict__", "tensor"))
-    if spec.softcap:
-        params.append(("softcap", "float", "float32"))
+    if spec.softcap:   # c, and what params.variant_arguments derives: 1 / c, tau / c, c log2(e)
+        params += [(name, "float", "float32") for name in ("softcap", "softcap_inv", "softcap_scale", "softcap_log2")]
     if spec.window:
         params += [("window_left", "int", "int32"), ("window_right", "int", "int32")]
     if spec.alibi:
@@ -276,6 +281,15 @@ def _context_struct(params, grads) -> list[str]:
 SIGNATURE = "int b, int h, int q_idx, int kv_idx, const Context& ctx"
 
 
+CAPPED_SCORE = SOFTCAP * sp.tanh(SCORE / SOFTCAP)
+ALIBI_SCORE = SCORE - ALIBI_SLOPES(B, H) * ALIBI_DISTANCE
+
+
+def capped(math: VariantMath) -> bool:
+    """Whether the score chain is the softcap alone, s' = c tanh(x / c) (Gemma 2's)."""
+    return math.score == CAPPED_SCORE
+
+
 def _score_functions(printer, math: VariantMath) -> list[str]:
     score, grad = math.score, math.score_grad
     lines = [f"// s' = {_comment(str(score))}" + (f"   (score_mod: {_comment(math.score_source)})"
@@ -286,6 +300,18 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
               f"__device__ __forceinline__ float score_mod_grad(float score, {SIGNATURE}, float& grad) {{",
               "  float s;"]
     lines += ["  " + line for line in _body(printer, [score, grad], ["s", "grad"])] + ["  return s;", "}", ""]
+    if math.score == ALIBI_SCORE:
+        lines += ["// ALiBi alone: s' = tau (S + b), b = -(slope / tau) |i + Nk - Nq - j|: the kernels add b to the",
+                  "// raw score S as fmaf(scale, |i + Nk - Nq - j|, S) (the distance exact in fp32 below 2^24) and",
+                  "// keep the plain kernel's scaling inside the exponent. The scale, -slope / tau, once a block:",
+                  "__device__ __forceinline__ float alibi_raw_scale(int b, int h, float softmax_scale, const Context& ctx) {",
+                  "  return -ctx.alibi_slopes[(long long)(b) * ctx.alibi_stride_b + h] / softmax_scale;", "}", ""]
+    if capped(math):
+        lines += ["// The softcap alone, in units of the cap: t = tanh(tau S / c) from the raw score S, so that",
+                  "// s' = c t. The online softmax keeps its max in these units and c log2(e) joins the exponent;",
+                  "// ds'/dx = 1 - t^2. tau / c and c log2(e) are parameters (params.variant_arguments).",
+                  "__device__ __forceinline__ float capped_score(float raw, const Context& ctx) {",
+                  "  return fagen::tanh_approx(raw * ctx.softcap_scale);", "}", ""]
     loads = capture_load_grads(math)
     if loads:
         lines += ["// The captured tensors' gradients: ds times ds'/d(load), added where each load reads.",
@@ -492,6 +518,7 @@ def variant_code(spec: Spec) -> VariantCode | None:
             lines += _group_functions(math)
     lines += ["}  // namespace fagen_variant"]
     return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
-                       summaries=bool(summaries(math.mask)), scores=math.score != SCORE,
+                       summaries=bool(summaries(math.mask)), scores=math.score != SCORE, capped=capped(math),
+                       alibi_alone=math.score == ALIBI_SCORE,
                        mask_loads=any(c.name.startswith("mask_") for c in math.captures),
                        score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)

@@ -52,6 +52,18 @@ def test_deterministic_variant():
     run_variant_case(base, RAGGED, {"window_size": (30, -1), "softcap": 2.0, "sinks": SINKS})
 
 
+def test_alibi_alone_deterministic_with_sinks_and_key_padding():
+    # ALiBi alone adds its bias to the raw scores (variants.cuda alibi_raw_scale) in the forward,
+    # the backward and the deterministic dQ pass; sinks then enter in raw units too.
+    base = Spec(64, mask="causal", key_padding=True, deterministic=True)
+    run_variant_case(base, RAGGED, {"alibi_slopes": torch.tensor([[0.25, 0.0625], [0.5, 0.125]]), "sinks": SINKS})
+
+
+def test_softcap_alone_non_causal_with_sinks():
+    # The softcap alone runs in units of the cap (variants.cuda capped_score), sinks too.
+    run_variant_case(Spec(64, key_padding=True), RAGGED, {"softcap": 5.0, "sinks": SINKS})
+
+
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_other_head_dims(head_dim):
     run_variant_case(Spec(head_dim, mask="causal"), Shape(1, 90, 100, heads=2, kv_heads=1),

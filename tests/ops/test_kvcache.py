@@ -54,6 +54,12 @@ def test_variants_window_softcap_alibi():
                alibi_slopes=slopes)
 
 
+def test_softcap_alone_in_the_cap_s_units_over_splits():
+    # The softcap alone runs in units of the cap (variants.cuda.capped): the split partials' L
+    # comes back from those units.
+    check_call(Case(nq=2, new=1, seed=7), causal=True, num_splits=3, softcap=15.0)
+
+
 def test_bf16_non_causal_queries_share_the_last_position():
     check_call(Case(torch.bfloat16, nq=2, new=2, seed=6), rotary=(32, True), num_splits=0)
 

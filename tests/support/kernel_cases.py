@@ -9,6 +9,7 @@ happens to be exact (e.g. all-masked outputs) from demanding bit-exactness.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,14 @@ def lse_tolerance(softcap: float = 0.0) -> float:
     tanh.approx.f32's bound (every score c tanh(s / c) moves by at most that much, and L, a
     logsumexp, by at most the largest move of a score)."""
     return 1e-3 + softcap * TANH_APPROX_BOUND
+
+
+def softcap_output_slack(softcap: float, v: torch.Tensor) -> float:
+    """What tanh.approx.f32 may move an output by, beyond the rounding PyTorch's own error
+    measures: every score c tanh(s / c) moves by at most c times its bound (|tanh| <= 1), so
+    each softmax weight by a factor within exp(+-2 c bound), and O = P V by at most
+    (exp(2 c bound) - 1) max |v|. 0 without a softcap."""
+    return math.expm1(2 * softcap * TANH_APPROX_BOUND) * float(v.abs().max()) if softcap else 0.0
 SEED, OFFSET, DROPOUT_P = 0x1234_5678_9ABC, 3, 0.25
 # CUDA's atomics (atomicAdd, ...) and fagen's own wrappers (fagen/global_reduce.cuh: atomic_add_pair).
 ATOMIC_CALL = re.compile(r"\batomic(?:[A-Z]\w*|_\w+)\s*\(")

@@ -12,7 +12,7 @@ import torch
 
 import fagen
 from fagen.reference import attention_forward, attention_same_dtype
-from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, lse_tolerance, max_error
+from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, lse_tolerance, max_error, softcap_output_slack
 
 B, H, HK, D = 3, 4, 2, 64
 SEQLENS = [37, 0, 90]   # keys already cached per entry: one entry starts empty
@@ -131,7 +131,7 @@ def check_call(case: Case, causal=False, rotary=None, num_splits=0, device="cpu"
     else:
         out, lse, case.k_cache, case.v_cache = run_call(case, device, causal, rotary, num_splits, variant)
     new = 0 if case.k is None else case.k.shape[1]
-    worst_kernel = worst_torch = 0.0
+    worst_kernel = worst_torch = slack = 0.0
     for b in range(B):
         start, stop = SEQLENS[b], SEQLENS[b] + new
         k_new, v_new = (case.k[b:b + 1], case.v[b:b + 1]) if new else (None, None)
@@ -157,7 +157,9 @@ def check_call(case: Case, causal=False, rotary=None, num_splits=0, device="cpu"
             continue
         kernel, torch_error = entry_errors(b, q_b, out[b:b + 1], lse[b:b + 1], keys_k, keys_v, causal, variant)
         worst_kernel, worst_torch = max(worst_kernel, kernel), max(worst_torch, torch_error)
-    assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
+        slack = max(slack, softcap_output_slack(variant.get("softcap", 0.0), keys_v))
+    assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR + slack, \
+        f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g} (tanh.approx's share: {slack:.3g})"
     return out, lse
 
 
