@@ -27,8 +27,10 @@ import torch
 
 from .. import tuning
 from ..errors import InputError
-from ..kernels import sources as generated_sources
+from ..kernels import launch, sources as generated_sources
+from ..kernels.compile import nvrtc_target
 from ..kernels.render import Source, source_for
+from ..kernels.spill_free import spill_free
 from ..spec import CustomMod, Spec
 from .common import TORCH_DTYPES, padded_width
 
@@ -121,7 +123,10 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     else:
         batch, max_q, max_k = varlen_sizes
         sizes = dict(seqlen_q=max(1, max_q), seqlen_k=max(1, max_k), batch=max(1, batch), heads=q.shape[1])
-    source = source_for(tuning.lookup(options.spec(), **sizes, device=q.device))
+    spec = tuning.lookup(options.spec(), **sizes, device=q.device)
+    if on_gpu and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
+        spec = spill_free(spec, nvrtc_target(launch.arch_of(q.device)))
+    source = source_for(spec)
     if len(_call_sources) >= MAX_CALL_SHAPES:   # many distinct shapes: start over, stay bounded
         _call_sources.clear()
     _call_sources[key] = (generation, source)

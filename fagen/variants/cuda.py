@@ -127,10 +127,15 @@ class CudaPrinter(C99CodePrinter):
         return f"(({self._print(expr.args[0])}) > 0 ? 1.0f : 0.0f)"
 
     def _print_Pow(self, expr):
+        """Small integer powers as products, parenthesized whole: the C printer puts a Mul's
+        denominator after a bare `/` (`a/(t1) * (t1)` would divide by t1 once and multiply by it
+        again: how sigmoid's derivative came out before this was mended)."""
         base, exponent = expr.args
         if exponent.is_integer and 1 <= abs(int(exponent)) <= 4:
             product = " * ".join([f"({self._print(base)})"] * abs(int(exponent)))
-            return product if exponent > 0 else f"(1.0f / ({product}))"
+            if abs(int(exponent)) > 1:
+                product = f"({product})"
+            return product if exponent > 0 else f"(1.0f / {product})"
         return super()._print_Pow(expr)
 
     def _print_BooleanTrue(self, expr):

@@ -79,6 +79,17 @@ def test_relative_position_bias_table_with_its_gradient():
     run_variant_case(Spec(64, mask="causal"), RAGGED, {"score_mod": score_mod}, captures=(bias,))
 
 
+def test_a_captured_tensor_inside_a_nonlinearity_gets_its_gradient():
+    # sigmoid's derivative divides by (1 + e^-x)^2: printed once as a/(t1) * (t1) (CudaPrinter),
+    # which made dQ, dK and this tensor's gradient wrong.
+    bias = (torch.randn(2, 150, generator=torch.Generator().manual_seed(5)) * 0.5).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.sigmoid(score + bias[b, q_idx]) * 4
+
+    run_variant_case(Spec(64, mask="causal"), RAGGED, {"score_mod": score_mod}, captures=(bias,))
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
 def test_document_mask(dtype):
     # int64 ids keep 64-bit summaries (variants.cuda.summary_ctype); narrower ones use int32.

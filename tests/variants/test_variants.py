@@ -221,3 +221,23 @@ def test_verify_proves_the_derivative_the_cuda_computes(monkeypatch):
     monkeypatch.setattr(cuda, "emitted_score_grad", lambda math: (real(math)[0] * 2, real(math)[1]))
     wrong = [i for i in identities.for_spec(spec) if i.name.startswith("emitted score chain") and "ds'/dx" in i.name]
     assert [r.ok for r in identities.run(wrong)] == [False]
+
+
+@pytest.mark.parametrize("text", ["x / (y + 1)**2", "exp(-x) / (exp(-x) + 1)**2", "x * y**-3 - 1 / (x * y)**2",
+                                  "1 - tanh(x / 3)**2", "(x + y)**4 / (2 + y**2)"])
+def test_printed_cuda_keeps_the_expression_s_value(text):
+    # The identities prove the sympy expressions; this checks that their C text computes them
+    # (a printed `a/(t1) * (t1)` for a / t1**2 once made sigmoid's derivative exp(-t0)).
+    import math
+
+    from fagen.variants.cuda import CudaPrinter
+
+    x, y = sp.symbols("x y", real=True)
+    expr = sp.sympify(text, locals={"x": x, "y": y})
+    printed = CudaPrinter().doprint(expr)
+    python = (printed.replace("expf", "math.exp").replace("tanhf", "math.tanh").replace("powf", "math.pow")
+              .replace("1.0f", "1.0").replace("F", ""))
+    for xv, yv in ((0.3, 1.7), (-1.2, 0.4), (2.5, -0.8)):
+        want = float(expr.subs({x: xv, y: yv}))
+        got = eval(python, {"math": math, "x": xv, "y": yv})
+        assert got == pytest.approx(want, rel=1e-12), (printed, got, want)
