@@ -97,6 +97,20 @@ class CustomMod:
         return cls(**data)
 
 
+
+def _smaller_kv_cache_tiles(spec: "Spec"):
+    """A decoding spec's tiles from large to small (Spec.for_kv_cache's order): half the query
+    rows (four warps past d = 256, whose warp pairs split O's columns), then half the keys while
+    16 or more, and only then fewer stages (a decoding step is bound by its copies, which the
+    stages overlap with the math)."""
+    block_m = spec.block_m // 2
+    warps = 4 if spec.column_split > 1 else max(1, spec.num_warps // 2)
+    for stages in range(spec.num_stages, 0, -1):
+        block_n = spec.block_n
+        while block_n >= 16:
+            yield spec.replace(block_m=block_m, num_warps=warps, block_n=block_n, num_stages=stages)
+            block_n //= 2
+
 @dataclass(frozen=True)
 class Spec:
     """One attention kernel variant.
@@ -214,18 +228,27 @@ class Spec:
 
     @classmethod
     def for_kv_cache(cls, head_dim: int, dtype: str, *, causal: bool, page_size: int | None, varlen: bool = False,
-                     **fields) -> "Spec":
+                     shared_limit: int | None = None, **fields) -> "Spec":
         """The kv_cache spec of a decoding step (or, with varlen, of packed queries over a paged
         cache): 64-row query tiles, few queries being the common case, and K/V tiles that never
-        straddle a page (block_n divides page_size, a multiple of 16)."""
+        straddle a page (block_n divides page_size, a multiple of 16). With `shared_limit` (a
+        GPU's shared memory per block), tiles too large for it shrink: past d = 256 (and for
+        absorbed MLA) the 99 KB parts take 32-row query tiles on four warps, then fewer keys
+        per tile, then one K/V stage."""
         block_n = 64 if head_dim <= 128 else 32
         while page_size is not None and page_size % block_n:
             block_n //= 2
         wide = head_dim > SPLIT_O_ABOVE   # warp pairs split O's columns; one K/V stage fits sm_80 ...
         stages = 1 if wide and not fields.get("v_from_k") else 2   # ... two K stages when V is K's (MLA)
-        return cls(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", key_padding=not varlen,
+        spec = cls(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", key_padding=not varlen,
                    varlen=varlen, kv_cache="contiguous" if page_size is None else "paged", block_m=64,
                    num_warps=8 if wide else 4, block_n=block_n, num_stages=stages, **fields)
+        if shared_limit is None or spec.shared_layout.total_bytes <= shared_limit:
+            return spec
+        for candidate in _smaller_kv_cache_tiles(spec):
+            if candidate.shared_layout.total_bytes <= shared_limit:
+                return candidate
+        return spec   # nothing fits: the launch's check names the shortfall
 
     def _check_kv_cache(self):
         if self.pack_gqa and (self.kv_cache is None or self.varlen):

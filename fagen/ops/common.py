@@ -15,6 +15,7 @@ import torch
 
 from ..environment import setting
 from ..errors import InputError, InputTypeError, assert_lazily
+from ..kernels import launch
 from ..spec import MAX_HEAD_DIM, check_dropout_p
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -236,3 +237,9 @@ def check_dense_tensor(name: str, t) -> None:
     if t.layout != torch.strided:
         raise InputTypeError(f"{name} must be a dense (torch.strided) tensor, got layout {t.layout}: pass "
                              f"{name}.to_dense()")
+
+
+def device_shared_limit(device: torch.device) -> int | None:
+    """Shared memory per block on `device`, a GPU (what its driver allows: the decoding tiles are
+    fitted to it, Spec.for_kv_cache); None on the CPU, whose emulator runs sm_80's tiles."""
+    return launch.shared_limit(device) if device.type == "cuda" else None

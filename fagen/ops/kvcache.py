@@ -37,30 +37,35 @@ from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..spec import Spec
-from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, values_checked
+from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit, values_checked
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
 from .variant_args import variant_call
 
-def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int | None, fields: dict) -> Spec:
-    """The kv_cache spec of a step (Spec.for_kv_cache), built once per distinct step: a Spec
-    validates itself, which costs more than the rest of a warm call."""
-    return _decode_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, tuple(sorted(fields.items())))
+def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int | None, fields: dict, *,
+                shared_limit: int | None = None) -> Spec:
+    """The kv_cache spec of a step (Spec.for_kv_cache, its tiles fitted to `shared_limit`, a GPU's
+    shared memory per block), built once per distinct step: a Spec validates itself, which costs
+    more than the rest of a warm call."""
+    return _decode_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, tuple(sorted(fields.items())), shared_limit)
 
 
 def step_spec(head_dim: int, dtype: torch.dtype, *, seqlen_q: int, heads: int, kv_heads: int, causal: bool,
-              page_size: int | None, fields: dict) -> Spec:
+              page_size: int | None, fields: dict, shared_limit: int | None = None) -> Spec:
     """The spec flash_attn_with_kvcache builds for a step (the GPU check precompiles the same):
     one query sees every key whether causal or not, so causal is dropped there unless ALiBi
     measures distances from the diagonal (flash-attn drops it too); with fewer K/V heads than
     query heads, the query heads of each K/V head share its tiles (GQA packing)."""
     if seqlen_q == 1 and not fields.get("alibi"):
         causal = False
-    return decode_spec(head_dim, dtype, causal, page_size, {**fields, "pack_gqa": heads > kv_heads})
+    return decode_spec(head_dim, dtype, causal, page_size, {**fields, "pack_gqa": heads > kv_heads},
+                       shared_limit=shared_limit)
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple) -> Spec:
-    return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, **dict(fields))
+def _decode_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple,
+                 shared_limit: int | None) -> Spec:
+    return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, shared_limit=shared_limit,
+                             **dict(fields))
 
 
 _loaded: set = set()   # (source, device) pairs compiled and loaded once in this process
@@ -291,7 +296,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if cache.v_from_k:   # V's rows are K's first columns: read and appended once (Spec.v_from_k)
         fields["v_from_k"] = True
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
-                     page_size=cache.page_size, fields=fields)
+                     page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device))
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:

@@ -11,8 +11,8 @@ from ..kernels.render import source_for
 from ..spec import Spec
 from . import autograd
 from .call import options_for, values_of
-from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_options, padded_head_dim, padded_width,
-                     philox_state)
+from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_options, device_shared_limit, padded_head_dim,
+                     padded_width, philox_state)
 from .variant_args import variant_call
 from .varlen_args import check_varlen, packed_lse
 
@@ -76,7 +76,7 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
     fields = {**(call.spec_fields if call else {}), **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {})}
     try:
         spec = Spec.for_kv_cache(head_dim, TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1], varlen=True,
-                                 **fields)
+                                 shared_limit=device_shared_limit(q.device), **fields)
     except ValueError as exc:   # sinks (the decoding kernels take no sinks)
         raise InputError(f"fagen: with a block_table, {exc}") from None
 

@@ -127,6 +127,34 @@ def test_fallback_tiles_compile_without_spills_and_fit(head_dim, arch):
         assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
 
 
+# Decoding past d = 256 and absorbed MLA on the 99 KB parts: Spec.for_kv_cache fits the tiles to
+# the GPU's shared memory (the ops pass it; fagen.ops.common.device_shared_limit).
+SMALL_PART_DECODING = [
+    dict(head_dim=512, page_size=32, causal=True),
+    dict(head_dim=512, page_size=None, causal=False, pack_gqa=True, window=True, softcap=True, alibi=True),
+    dict(head_dim=448, page_size=None, causal=True, head_dim_v=384),
+    dict(head_dim=576, page_size=64, causal=False, head_dim_v=512, v_from_k=True, pack_gqa=True),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89"])
+@pytest.mark.parametrize("fields", SMALL_PART_DECODING, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_decoding_tiles_fit_the_99_kb_parts_without_spills(fields, arch):
+    fields = dict(fields)
+    head_dim, page_size, causal = fields.pop("head_dim"), fields.pop("page_size"), fields.pop("causal")
+    default = Spec.for_kv_cache(head_dim, "fp16", causal=causal, page_size=page_size, **fields)
+    assert default.shared_layout.total_bytes > SMEM_LIMIT_BYTES[arch]   # the case needs fitting
+    spec = Spec.for_kv_cache(head_dim, "fp16", causal=causal, page_size=page_size,
+                             shared_limit=SMEM_LIMIT_BYTES[arch], **fields)
+    spec.check_arch(arch)
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    for entry in source.entries:
+        report = compiled.resources[entry.name]
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
+        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
+
+
 needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
 
 

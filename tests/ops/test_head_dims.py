@@ -197,6 +197,32 @@ def test_a_head_dim_past_512_is_refused_by_name():
         fagen.flash_attn_func(*(_randn(1, 4, 1, 320) for _ in range(3)), version=1)
 
 
+@pytest.fixture
+def a_99_kb_gpu(monkeypatch):
+    """Decoding as on a 99 KB part (sm_86, sm_89, sm_120): the ops fit their tiles to its shared
+    memory per block (Spec.for_kv_cache); the emulator runs them. Returns the specs built."""
+    from fagen.arch import SMEM_LIMIT_BYTES
+    from fagen.ops import kvcache
+
+    built = []
+    real = kvcache.step_spec
+
+    def step_spec(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(kvcache, "device_shared_limit", lambda device: SMEM_LIMIT_BYTES["sm_86"])
+    monkeypatch.setattr(kvcache, "step_spec", step_spec)
+    return built
+
+
+def test_wide_decoding_on_99_kb_parts(a_99_kb_gpu):
+    check_call(Case(nq=1, new=1, head_dim=512, page=32, seed=7), causal=True, num_splits=2)
+    check_mla(page=64, num_splits=2)
+    assert [(s.head_dim, s.block_m, s.num_warps) for s in a_99_kb_gpu] == [(512, 32, 4), (576, 32, 4)]
+    assert all(s.shared_layout.total_bytes <= 101376 for s in a_99_kb_gpu)
+
+
 # -- absorbed MLA decoding: v_cache = k_cache[..., :512] (Spec.v_from_k) --------------------------
 
 @pytest.mark.parametrize("layout", [dict(), dict(page=64, num_splits=2), dict(batch=1, heads=128, page=64)],
