@@ -44,6 +44,9 @@ def _custom_mods():
 SPECS += [Spec(d, version=v, mask="causal", window=True, softcap=True, alibi=True, sinks=True, dropout=True,
                key_padding=True, deterministic=det)
           for d in (64, 128, 256) for v in (1, 2) for det in (False, True)]
+# The softcap alone (its backward in units of the cap, without dropout), with what Gemma 2 adds.
+SPECS += [Spec(d, mask="causal", softcap=True, window=True, key_padding=True, **extra)
+          for d in (64, 128, 256) for extra in ({}, {"sinks": True, "deterministic": True})]
 # Packed sequences (flash_attn_varlen_func), with and without the built-ins.
 SPECS += [Spec(d, version=v, mask="causal", dropout=True, varlen=True, **extra)
           for d in (64, 128, 256) for v in (1, 2)

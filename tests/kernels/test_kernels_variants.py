@@ -64,6 +64,12 @@ def test_softcap_alone_non_causal_with_sinks():
     run_variant_case(Spec(64, key_padding=True), RAGGED, {"softcap": 5.0, "sinks": SINKS})
 
 
+def test_softcap_alone_with_dropout():
+    # With dropout the main backward kernel keeps the score chain (the cap's units cost it
+    # registers it does not have at d = 128); the forward and L stay in the cap's units.
+    run_variant_case(Spec(64, mask="causal", dropout=True), RAGGED, {"softcap": 3.0})
+
+
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_other_head_dims(head_dim):
     run_variant_case(Spec(head_dim, mask="causal"), Shape(1, 90, 100, heads=2, kv_heads=1),

@@ -171,6 +171,8 @@ MUTANTS += [
                  (Edit("(float)(row + keys - seqlen_q)", "(float)(row)"),), (checks.variant_check,)),
     KernelMutant("softcap alone: the exponent scaled by log2(e), not by the cap's c log2(e)", FA2.replace(softcap=True),
                  (Edit("rescale, ctx.softcap_log2);", "rescale, fagen::kLog2e);"),), (checks.variant_check,)),
+    KernelMutant("softcap alone: the backward's chain rule through tanh dropped", FA2.replace(softcap=True),
+                 (Edit("const float grad = 1.f - t * t;", "const float grad = 1.f;"),), (checks.variant_check,)),
     KernelMutant("softcap alone: L from the cap's units without the cap", FA2.replace(softcap=True),
                  (Edit("row_max[rt][half] * ctx.softcap + logf(total)", "row_max[rt][half] + logf(total)"),),
                  (checks.variant_check,)),
