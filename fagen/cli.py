@@ -282,6 +282,11 @@ def cmd_sass(args) -> int:
     if find_cuobjdump() is None:
         raise CommandError("fagen sass reads machine code with cuobjdump: "
                            "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (the `test` extra has them)")
+    if args.cubin:
+        given = ([args.name] if args.name else []) + _spec_options_given(args)
+        if given:
+            raise CommandError(f"--cubin reads a cubin built elsewhere; it takes no spec ({', '.join(given)})")
+        return _sass_of_cubin(args, arch)
     spec = _one_spec(args)
     reports = report_for_spec(spec, arch)
     print(f"{spec.name} on {arch}: each kernel's main loop, one steady-state iteration, per warp "
@@ -289,6 +294,29 @@ def cmd_sass(args) -> int:
     print(format_reports(reports, opcodes=args.opcodes))
     if args.json:
         Path(args.json).write_text(json.dumps({name: r.to_json() for name, r in reports.items()}, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _sass_of_cubin(args, arch: str) -> int:
+    """`fagen sass --cubin PATH`: any cubin's kernels (a peer's), per HMMA-equivalent executed."""
+    from .sass.listing import SassError
+    from .sass.report import cubin_reports, format_cubin_reports
+
+    path = Path(args.cubin)
+    if not path.is_file():
+        raise CommandError(f"--cubin {args.cubin}: no such file")
+    try:
+        reports = cubin_reports(path.read_bytes(), arch)
+    except SassError as exc:
+        raise CommandError(f"--cubin {args.cubin}: {exc}") from None
+    print(f"{path.name} ({arch}): each kernel's main loop, one steady-state iteration, per warp; tensor-core "
+          f"work in m16n8k16 HMMA-equivalents (one HGMMA.64xNx16 = N/8)")
+    print(format_cubin_reports(reports))
+    if args.json:
+        Path(args.json).write_text(json.dumps({name: {**r.to_json(), "tensor_ops": r.tensor_ops,
+                                                      "non_tensor_per_tensor_op": r.non_tensor_per_tensor_op}
+                                               for name, r in reports.items()}, indent=1))
         print(f"\nwrote {args.json}")
     return 0
 
@@ -377,6 +405,8 @@ def make_parser() -> argparse.ArgumentParser:
     sass.add_argument("--arch", default="sm_90", help="the one arch to compile for (default sm_90)")
     sass.add_argument("--json", metavar="FILE", help="also write the figures as JSON, per kernel")
     sass.add_argument("--opcodes", action="store_true", help="also list each main loop's opcodes per iteration")
+    sass.add_argument("--cubin", metavar="PATH", help="read a cubin built elsewhere (a peer's, e.g. FlashAttention-3's) "
+                                                      "instead of compiling a spec; --arch names its arch")
     sass.set_defaults(func=cmd_sass)
 
     bench = sub.add_parser("bench", help="the GPU check and benchmarks (see `fagen bench gpu-check --help`)",

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .cfg import build_graph
-from .classes import CLASSES
+from .classes import CLASSES, TENSOR_CLASSES, tensor_equivalents
 from .listing import Instruction, parse_listing
 from .steady_state import steady_iteration
 
@@ -72,6 +72,8 @@ class KernelReport:
     visits: Counter = field(default_factory=Counter)    # block address -> runs per iteration
     trips: dict = field(default_factory=dict)           # nested loop header -> trip count
     opcodes: Counter = field(default_factory=Counter)   # opcode (with modifiers) -> per iteration
+    tensor_ops: float = 0.0                                  # HMMA-equivalents per iteration
+    problem: str = ""                                        # why no iteration was read (a peer's cubin)
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None     # dynamic + static, per block
@@ -86,10 +88,21 @@ class KernelReport:
         return self.counts["HMMA"]
 
     @property
+    def non_tensor(self) -> int:
+        """Instructions of the iteration other than tensor-core ops (HMMA, HGMMA)."""
+        return self.instructions - sum(self.counts.get(c, 0) for c in TENSOR_CLASSES)
+
+    @property
     def non_hmma_per_useful_hmma(self) -> float | None:
         if not self.useful_hmma:
             return None
-        return (self.instructions - self.hmma) / self.useful_hmma
+        return self.non_tensor / self.useful_hmma
+
+    @property
+    def non_tensor_per_tensor_op(self) -> float | None:
+        """Per HMMA-equivalent the iteration executes (any kernel, no geometry needed: a peer's
+        cubin); for fagen's own kernels `non_hmma_per_useful_hmma` divides by the useful ones."""
+        return self.non_tensor / self.tensor_ops if self.tensor_ops else None
 
     @property
     def warps_per_sm(self) -> int | None:
@@ -127,9 +140,9 @@ def analyse_function(name: str, instructions: list[Instruction], arch: str,
     expected = geometry.expected_ldgsts if geometry else None
     useful = geometry.useful_hmma if geometry else 0.0
 
-    def own_hmma(loop):   # in the loop's own blocks, not in the loops nested in it
+    def own_hmma(loop):   # tensor-core work in the loop's own blocks, not in the loops nested in it
         nested = set().union(*(child.body for child in loop.children)) if loop.children else set()
-        return sum(1 for b in loop.body - nested for i in graph.blocks[b].instructions if i.base == "HMMA")
+        return sum(tensor_equivalents(i) for b in loop.body - nested for i in graph.blocks[b].instructions)
 
     loops = [loop for loop in graph.loops if own_hmma(loop) > 0]
     if not loops:
@@ -142,7 +155,7 @@ def analyse_function(name: str, instructions: list[Instruction], arch: str,
         for instruction in by_start[start].instructions:
             opcodes[instruction.opcode] += times
     return KernelReport(name, arch, iteration.counts, useful, expected, graph.blocks[main.header].start,
-                        iteration.visits, iteration.trips, opcodes)
+                        iteration.visits, iteration.trips, opcodes, iteration.tensor_ops)
 
 
 def analyse_listing(sass: str, arch: str, geometries: dict[str, KernelGeometry | None]) -> dict[str, KernelReport]:
@@ -223,4 +236,50 @@ def format_reports(reports: dict[str, KernelReport], *, opcodes: bool = False) -
         if opcodes:
             for opcode, n in sorted(r.opcodes.items(), key=lambda item: (-item[1], item[0])):
                 lines.append(f"        {n:>5}  {opcode}")
+    return "\n".join(lines)
+
+
+# -- a peer's cubin ---------------------------------------------------------------------------------
+
+def cubin_reports(cubin: bytes, arch: str) -> dict[str, KernelReport]:
+    """Every kernel of a cubin fagen did not build (a peer's, e.g. FlashAttention-3's): its main
+    loop (the loop with the most tensor-core work of its own), one steady-state iteration, and
+    that iteration's HMMA-equivalents (no geometry: `non_tensor_per_tensor_op`)."""
+    from .listing import disassemble
+
+    reports = {}
+    for name, instructions in parse_listing(disassemble(cubin)).items():
+        try:
+            reports[name] = analyse_function(name, instructions, arch, None)
+        except ValueError as exc:   # a loop the steady-state walk cannot read: said, not fatal
+            reports[name] = KernelReport(name, arch, Counter(), 0.0, None, None, problem=str(exc))
+    return reports
+
+
+def readable_names(names) -> dict[str, str]:
+    """Mangled kernel names demangled by c++filt where the machine has it, else as they are."""
+    import shutil
+    import subprocess
+
+    names = list(names)
+    tool = shutil.which("c++filt")
+    if tool is None or not names:
+        return {n: n for n in names}
+    result = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+    lines = result.stdout.splitlines()
+    return dict(zip(names, lines)) if result.returncode == 0 and len(lines) == len(names) else {n: n for n in names}
+
+
+def format_cubin_reports(reports: dict[str, KernelReport], width: int = 100) -> str:
+    lines = [f"{'#':>3} {'loop':>7} {'instr':>6} {'tensor':>6} {'HMMA-eq':>8} {'non-tensor/HMMA-eq':>18}  kernel"]
+    names = readable_names(reports)
+    for index, (name, r) in enumerate(reports.items()):
+        shown = names[name] if len(names[name]) <= width else names[name][:width - 3] + "..."
+        if r.loop_address is None:
+            lines.append(f"{index:>3} {'-':>7} {r.problem or '(no tensor-core loop)':>41}  {shown}")
+            continue
+        tensor = sum(r.counts.get(c, 0) for c in TENSOR_CLASSES)
+        per = r.non_tensor_per_tensor_op
+        lines.append(f"{index:>3} {r.loop_address:#7x} {r.instructions:>6} {tensor:>6} {r.tensor_ops:>8g} "
+                     f"{per if per is None else f'{per:.2f}':>18}  {shown}")
     return "\n".join(lines)

@@ -13,7 +13,8 @@ other loop once. The path is chosen in this order:
    thread), and as closely as possible: so the next tile's prefetch is taken (with
    whatever copies ptxas predicated into the same block) and inner copy loops run at
    their trip counts;
-2. then the most HMMA: the full matmul work of the iteration;
+2. then the most tensor-core work (HMMA-equivalents, `classes.tensor_equivalents`): the full
+   matmul work of the iteration;
 3. then the most copies done by the most unrolled nested loops (each trip of a nested copy
    loop weighs its LDGSTS per trip, squared), then the most copy loops entered: a copy
    loop whose trip count ptxas does not know gets a remainder (the trip count modulo the
@@ -37,13 +38,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .cfg import Graph, Loop
-from .classes import classify
+from .classes import classify, tensor_equivalents
 
 MAX_TRIPS = 64
 # Ranking keys carried in the counts, removed from the result: copies done by nested loops
 # weighted by their loop's unrolling, and copy loops entered.
-NESTED_LDGSTS, COPY_LOOPS, STORES = "_nested_ldgsts", "_copy_loops", "_stores"
-RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS, STORES)
+NESTED_LDGSTS, COPY_LOOPS, STORES, TENSOR = "_nested_ldgsts", "_copy_loops", "_stores", "_tensor"
+RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS, STORES, TENSOR)
 # What step 4 counts: writes to memory, plain or atomic (shared, global, bulk).
 STORE_OPCODES = frozenset({"STG", "ST", "STS", "STSM", "RED", "REDG", "REDAS", "ATOM", "ATOMG", "ATOMS", "UTMASTG"})
 
@@ -54,6 +55,7 @@ class Iteration:
     visits: Counter   # block start address -> times the iteration runs it (nested loops included)
     trips: dict       # nested loop header address -> its trip count
     stores: int = 0   # its stores and atomics (step 4 of a loop that nests it)
+    tensor_ops: float = 0.0   # its tensor-core work in HMMA-equivalents (classes.tensor_equivalents)
 
     @property
     def instructions(self) -> int:
@@ -73,7 +75,7 @@ class _Path:
 def _rank(counts: Counter) -> tuple:
     """Steps 2-5 of the order above (smaller is better)."""
     instructions = sum(v for k, v in counts.items() if k not in RANKING_KEYS)
-    return (-counts["HMMA"], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES], instructions)
+    return (-counts[TENSOR], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES], instructions)
 
 
 def steady_iteration(graph: Graph, loop: Loop, expected_ldgsts: int | None = None,
@@ -82,14 +84,14 @@ def steady_iteration(graph: Graph, loop: Loop, expected_ldgsts: int | None = Non
     first = _best_path(graph, loop, expected_ldgsts, fixed)
     if expected_hmma is None or not fixed:
         return first
-    inner = sum(steady_iteration(graph, child).counts["HMMA"] for child in loop.children if child.header in fixed)
-    outer = first.counts["HMMA"] - inner
+    inner = sum(steady_iteration(graph, child).tensor_ops for child in loop.children if child.header in fixed)
+    outer = first.tensor_ops - inner
     trips = max(1, round((expected_hmma - outer) / inner)) if inner else 1
     return _best_path(graph, loop, expected_ldgsts, {header: trips for header in fixed})
 
 
 def _holds_hmma(graph: Graph, loop: Loop) -> bool:
-    return any(i.base == "HMMA" for b in loop.body for i in graph.blocks[b].instructions)
+    return any(tensor_equivalents(i) for b in loop.body for i in graph.blocks[b].instructions)
 
 
 def _unit_map(loop: Loop) -> dict[int, object]:
@@ -157,6 +159,7 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
             instructions = graph.blocks[node].instructions
             counts = Counter(classify(i) for i in instructions)
             counts[STORES] = sum(1 for i in instructions if i.base in STORE_OPCODES and not i.never)
+            counts[TENSOR] = sum(tensor_equivalents(i) for i in instructions)
             return [_Path(counts, Counter({start: 1}), {})]
         if node.header not in inner_cache:
             inner_cache[node.header] = steady_iteration(graph, node)
@@ -172,7 +175,7 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
             counts = Counter({k: v * t for k, v in inner.counts.items()})
             per_trip = inner.counts["LDGSTS"]
             counts[NESTED_LDGSTS], counts[COPY_LOOPS] = t * per_trip * per_trip, 1 if per_trip else 0
-            counts[STORES] = t * inner.stores
+            counts[STORES], counts[TENSOR] = t * inner.stores, t * inner.tensor_ops
             paths.append(_Path(counts, Counter({k: v * t for k, v in inner.visits.items()}),
                                {start: t, **inner.trips}))
         return paths
@@ -209,4 +212,4 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
 
     chosen = min(finals, key=final_key)
     counts = Counter({k: v for k, v in chosen.counts.items() if k not in RANKING_KEYS and v})
-    return Iteration(counts, chosen.visits, chosen.trips, chosen.counts[STORES])
+    return Iteration(counts, chosen.visits, chosen.trips, chosen.counts[STORES], chosen.counts[TENSOR])

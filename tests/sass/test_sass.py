@@ -199,3 +199,64 @@ def test_fagen_sass_names_its_errors(capsys):
     assert "name a spec" in capsys.readouterr().err
     assert main(["sass", "--d", "64", "--arch", "sm_80,sm_90"]) == 2
     assert "one arch" in capsys.readouterr().err
+
+
+# -- Hopper's warpgroup ops and a peer's cubin (fagen sass --cubin) ------------------------------
+
+def test_hopper_instructions_are_classed_and_hgmma_counted_in_hmma_equivalents():
+    from fagen.sass.classes import tensor_equivalents
+
+    cases = {"HGMMA.64x176x16.F32.BF16 R24, gdesc[UR36], RZ, !UPT": ("HGMMA", 22.0),      # 176 / 8
+             "HGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24": ("HGMMA", 32.0),     # fp8: K = 32
+             "HMMA.16816.F32 R4, R8, R12, R4": ("HMMA", 1.0),
+             "@!PT HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24": ("other", 0.0),       # never executes
+             "USETMAXREG.DEALLOC.CTAPOOL 0x18": ("control", 0.0),
+             "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8+0x30], R3": ("control", 0.0),
+             "WARPGROUP.DEPBAR.LE gsb0, 0x0": ("control", 0.0),
+             "UTMALDG.2D [UR8], [UR16]": ("memory", 0.0),
+             "UBLKRED.G.S.ADD.F32.RN [UR4], [UR6], UR8": ("memory", 0.0)}
+    for text, (cls, equivalents) in cases.items():
+        instruction = parse_instruction(0, text)
+        assert (classify(instruction), tensor_equivalents(instruction)) == (cls, equivalents), text
+
+
+# A consumer loop as FlashAttention-3 lays it out: two warpgroup GEMMs, the softmax between.
+HOPPER_LOOP = """
+0000 S2R R0, SR_TID.X
+0010 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24
+0020 HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0
+0030 WARPGROUP.DEPBAR.LE gsb0, 0x0
+0040 FMNMX R2, R24, R25, !PT
+0050 MUFU.EX2 R3, R2
+0060 HGMMA.64x64x16.F32.BF16 R56, R8, gdesc[UR12], R56, gsb0
+0070 SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR16], RZ
+0080 @P0 BRA 0x10
+0090 EXIT
+"""
+
+
+def test_a_warpgroup_loop_is_measured_per_hmma_equivalent():
+    (name, instructions), = parse_listing(listing(HOPPER_LOOP)).items()
+    report = analyse_function(name, instructions, "sm_90", None)
+    assert report.loop_address == 0x10 and report.counts["HGMMA"] == 3
+    assert report.tensor_ops == 16 + 16 + 8
+    assert report.non_tensor_per_tensor_op == 5 / 40   # DEPBAR, FMNMX, MUFU, SYNCS, BRA
+
+
+@needs_cuobjdump
+def test_fagen_sass_reads_a_cubin_built_elsewhere(tmp_path, capsys, monkeypatch):
+    from fagen.kernels.compile import compile_source
+    from fagen.kernels.render import render
+    from fagen.spec import Spec
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    cubin = tmp_path / "peer.cubin"
+    cubin.write_bytes(compile_source(render(Spec(64, mask="causal")), "sm_80").cubin)
+    out = tmp_path / "peer.json"
+    assert main(["sass", "--cubin", str(cubin), "--arch", "sm_80", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "fa2_d64_causal_fp16_fwd" in printed and "non-tensor/HMMA-eq" in printed
+    forward = json.loads(out.read_text())["fa2_d64_causal_fp16_fwd"]
+    assert forward["tensor_ops"] == forward["HMMA"] == 128   # the spec's own geometry agrees
+    assert main(["sass", "--cubin", str(tmp_path / "missing.cubin")]) == 2
+    assert "--cubin" in capsys.readouterr().err

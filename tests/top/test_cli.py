@@ -225,7 +225,7 @@ VALUES = {   # a cheap valid value per option that takes one, by its first spell
     "--bwd-block-n": [str(TABLE.bwd_block_n)], "--arch": ["sm_90"], "--out": ["{tmp}/out"],
     "--dir": ["{built}"], "--json": ["{tmp}/counters.json"], "--spec": [f"fa2_d{D}_fp16"],
     "--seqlen": ["16"], "--seqlen-k": ["24"], "--batch": ["2"], "--heads": ["2"], "--kv-heads": ["1"],
-    "--workers": ["1"], "--dv": [str(D)],
+    "--workers": ["1"], "--dv": [str(D)], "--cubin": ["{tmp}/peer.cubin"],
 }
 BASE = {   # what each command runs with, besides the option under test
     "": [], "build": ["--d", str(D), "--arch", "sm_90", "--out", "{tmp}/out"], "list": [], "bench": [],
@@ -258,6 +258,8 @@ def _refusal(command: str, first: str) -> str | None:
         return "tuning times kernels on a CUDA GPU, and none is visible"
     if command == "sass" and find_cuobjdump() is None:
         return "fagen sass reads machine code with cuobjdump"
+    if (command, first) == ("sass", "--cubin"):   # the base names a spec (--d): a cubin takes none
+        return "--cubin reads a cubin built elsewhere; it takes no spec (--d)"
     return None
 
 
