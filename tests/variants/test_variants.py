@@ -241,3 +241,49 @@ def test_printed_cuda_keeps_the_expression_s_value(text):
         want = float(expr.subs({x: xv, y: yv}))
         got = eval(python, {"math": math, "x": xv, "y": yv})
         assert got == pytest.approx(want, rel=1e-12), (printed, got, want)
+
+
+def _python_of_printed_c(printed: str) -> str:
+    """CudaPrinter's C text as Python (the same precedence for + - * /): functions renamed and
+    float literals' suffixes dropped."""
+    import re
+
+    for c, py in (("expf", "math.exp"), ("tanhf", "math.tanh"), ("fabsf", "abs"), ("fmaxf", "max"),
+                  ("fminf", "min"), ("powf", "math.pow"), ("logf", "math.log"), ("sqrtf", "math.sqrt")):
+        printed = printed.replace(c + "(", py + "(")
+    return re.sub(r"(\d\.?\d*(?:e[-+]?\d+)?)[fF]\b", r"\1", printed)
+
+
+def test_printed_cuda_of_random_expressions_keeps_their_values():
+    # Insurance for the printer, whose output the identities do not see: random expressions of
+    # the shapes score chains take (quotients, small powers, exp, tanh, abs, min/max).
+    import math
+
+    from fagen.variants.cuda import CudaPrinter
+
+    x, y = sp.symbols("x y", real=True)
+    rng = random.Random(11)
+
+    def leaf():
+        return rng.choice([x, y, sp.Rational(rng.randint(1, 9), rng.randint(1, 4))])
+
+    def grow(depth):
+        if depth == 0:
+            return leaf()
+        a, b = grow(depth - 1), grow(depth - 1)
+        kind = rng.randrange(8)
+        return [a + b, a - b, a * b, a / (b ** 2 + 1), (a + 2) ** rng.choice([-3, -2, -1, 2, 3, 4]),
+                sp.exp(-sp.Abs(a)), sp.tanh(a) * b, sp.Max(a, b) - sp.Min(a, 2 * b)][kind]
+
+    checked = 0
+    for _ in range(150):
+        expr = grow(3)
+        printed = _python_of_printed_c(CudaPrinter().doprint(expr))
+        for xv, yv in ((0.3, 1.7), (-1.2, 0.4)):
+            want = complex(expr.subs({x: xv, y: yv}).evalf())
+            if want.imag or not math.isfinite(want.real) or abs(want.real) > 1e12:
+                continue
+            got = eval(printed, {"math": math, "x": xv, "y": yv})
+            assert got == pytest.approx(want.real, rel=1e-9, abs=1e-12), (expr, printed)
+            checked += 1
+    assert checked > 200
