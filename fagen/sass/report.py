@@ -147,7 +147,10 @@ def analyse_function(name: str, instructions: list[Instruction], arch: str,
     loops = [loop for loop in graph.loops if own_hmma(loop) > 0]
     if not loops:
         return KernelReport(name, arch, Counter(), useful, expected, None)
-    main = max(loops, key=lambda loop: (own_hmma(loop), -loop.depth))
+    # The most tensor work of its own; on a tie the innermost loop: an outer loop that holds as
+    # much is one whose body peels an iteration around it (FlashAttention-3's consumer loop
+    # inside its persistent tile loop), and the steady state is the inner one.
+    main = max(loops, key=lambda loop: (own_hmma(loop), loop.depth))
     iteration = steady_iteration(graph, main, expected, geometry.executed_hmma if geometry else None)
     by_start = {block.start: block for block in graph.blocks}
     opcodes = Counter()

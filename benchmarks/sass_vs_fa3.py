@@ -1,0 +1,175 @@
+"""FlashAttention-3's Hopper kernels measured with fagen's SASS reader, beside fagen's own, in one run.
+
+    python benchmarks/sass_vs_fa3.py [--json FILE]
+
+The peer is FlashAttention-3 as two PyPI wheels ship it (pinned below): `flash-attn3-jax`
+(forward and backward, d 128) and `fa3-fwd` (forward, d 64/128/256), their sm_90a cubins. On
+first use the wheels are fetched (`pip download --no-deps`, about 50 MB), the SASS of just the
+plain kernels is kept in the fagen cache (`<cache>/fa3-peer/`) and everything else is deleted.
+
+A kernel is picked by its template arguments, read from its demangled name (c++filt, from
+binutils, is needed): `CollectiveMainloopFwdSm90<Stages, Cluster, Tile<M, N, d>, d_v, Element,
+float, Sm90, Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA, AppendKV, HasQv,
+MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor>` with d_v = d and every feature flag
+false but Is_causal (and FA3's own choices MmaPV_is_RS, IntraWGOverlap), and
+`CollectiveMainloopBwdSm90<..., Tile, Element, float, Sm90, Is_causal, Is_local, Has_softcap,
+Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both.
+
+Both sides are read by `fagen.sass` (the same steady state and instruction classes). The peer
+is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp;
+`fagen sass --cubin`), fagen by its useful HMMA (`fagen sass`), which for these kernels equal
+the executed ones. A benchmark, not a test: log the table in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+from fagen.kernels.compile import cache_dir
+from fagen.sass.listing import find_cuobjdump, parse_listing
+from fagen.sass.report import KernelReport, analyse_function, readable_names, report_for_spec
+from fagen.spec import Spec
+from fagen.tuning.fallback import fallback_spec
+
+WHEELS = {"flash-attn3-jax": "0.2.3", "fa3-fwd": "0.0.3"}
+FLAGS = ("true", "false")
+TRIPLE = r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> >"   # a cute shape of three
+FWD = re.compile(rf"CollectiveMainloopFwdSm90<\d+, {TRIPLE}, {TRIPLE}, (\d+), cutlass::(\w+), float, "
+                 r"cutlass::arch::Sm90, ((?:(?:true|false), ){11}(?:true|false))>")
+BWD = re.compile(rf"CollectiveMainloopBwdSm90<\d+, \d+, \d+, {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
+                 r"cutlass::arch::Sm90, ((?:(?:true|false), ){4}(?:true|false))")
+DTYPES = {"bfloat16_t": "bf16", "half_t": "fp16"}
+
+
+def peer_dir() -> Path:
+    return cache_dir() / "fa3-peer" / "-".join(f"{name}-{version}" for name, version in WHEELS.items())
+
+
+def _run(command: list[str], **kwargs) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:3])} ... failed:\n{result.stderr.strip()[-2000:]}")
+    return result.stdout
+
+
+def describe(demangled: str) -> dict | None:
+    """The plain forward or backward kernel's (pass, d, dtype, causal, tile), from its demangled
+    name; None for any other instantiation (a feature on, d_v != d, fp8)."""
+    if "FlashAttnFwdSm90" in demangled and (m := FWD.search(demangled)):
+        cluster, _, _, block_m, block_n, d, d_v, element, flags = m.groups()
+        flags = [f == "true" for f in flags.split(", ")]
+        causal, others = flags[0], flags[1:7] + flags[9:]   # skip MmaPV_is_RS, IntraWGOverlap
+        if element in DTYPES and d == d_v and not any(others):
+            return {"pass": "fwd", "head_dim": int(d), "dtype": DTYPES[element], "causal": causal,
+                    "tile": f"{block_m}x{block_n}" + (f" c{cluster}" if cluster != "1" else "")}
+    if "FlashAttnBwdSm90" in demangled and (m := BWD.search(demangled)):
+        cluster, _, _, block_m, block_n, d, element, flags = m.groups()
+        flags = [f == "true" for f in flags.split(", ")]
+        if element in DTYPES and not any(flags[1:]):
+            return {"pass": "bwd", "head_dim": int(d), "dtype": DTYPES[element], "causal": flags[0],
+                    "tile": f"{block_m}x{block_n}" + (f" c{cluster}" if cluster != "1" else "")}
+    return None
+
+
+def fetch_peer() -> Path:
+    """The plain kernels' SASS, one file per kernel, fetched once into the cache."""
+    target = peer_dir()
+    if (target / "kernels.json").exists():
+        return target
+    tool = find_cuobjdump()
+    if tool is None or shutil.which("c++filt") is None:
+        raise SystemExit("needs cuobjdump (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm) and c++filt")
+    kernels = []
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fagen-fa3-") as tmp:
+        tmp = Path(tmp)
+        for wheel_name, version in WHEELS.items():
+            print(f"fetching {wheel_name} {version} (once)...", file=sys.stderr, flush=True)
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", f"{wheel_name}=={version}", "-d", str(tmp),
+                  "-q"])
+            wheel = next(tmp.glob(wheel_name.replace("-", "_") + "-*.whl"))
+            cubins = tmp / wheel_name
+            cubins.mkdir()
+            with zipfile.ZipFile(wheel) as archive:
+                for member in (n for n in archive.namelist() if n.endswith(".so")):
+                    library = cubins / Path(member).name
+                    library.write_bytes(archive.read(member))
+                    _run([tool, "-xelf", "all", str(library)], cwd=cubins)
+                    library.unlink()
+            wheel.unlink()
+            for cubin in sorted(cubins.glob("*sm_90a.cubin")):
+                sass = _run([tool, "-sass", str(cubin)])
+                functions = parse_listing(sass)
+                names = readable_names(functions)
+                for name in functions:
+                    found = describe(names[name])
+                    if found is None:
+                        continue
+                    index = len(kernels)
+                    (target / f"{index}.sass").write_text(_run([tool, "-sass", "-fun", name, str(cubin)]))
+                    kernels.append({**found, "wheel": wheel_name, "name": name})
+            shutil.rmtree(cubins)
+    (target / "kernels.json").write_text(json.dumps(kernels, indent=1))
+    return target
+
+
+def peer_rows() -> list[dict]:
+    target = fetch_peer()
+    rows = []
+    for index, kernel in enumerate(json.loads((target / "kernels.json").read_text())):
+        functions = parse_listing((target / f"{index}.sass").read_text())
+        try:
+            report = analyse_function(kernel["name"], functions[kernel["name"]], "sm_90", None)
+        except ValueError as exc:   # a loop the steady-state walk cannot read: said in the table
+            report = KernelReport(kernel["name"], "sm_90", Counter(), 0.0, None, None, problem=str(exc))
+        rows.append({**kernel, "report": report})
+    return rows
+
+
+def fagen_figure(row: dict) -> float | None:
+    """fagen's mma.sync kernel for the same problem on sm_90 (its fallback tiles)."""
+    spec = fallback_spec(Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none"),
+                         "sm_90")
+    reports = report_for_spec(spec, "sm_90")
+    return reports[spec.name + ("_fwd" if row["pass"] == "fwd" else "_bwd")].non_hmma_per_useful_hmma
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    args = parser.parse_args()
+    rows = peer_rows()
+    print("non-tensor instructions per HMMA-equivalent, main loop steady state (fagen.sass), sm_90(a)")
+    print(f"{'wheel':<16} {'kernel':<18} {'FA3 tile':<9} {'HMMA-eq':>8} {'FA3':>6} {'fagen':>6} {'fagen/FA3':>9}")
+    records, seen = [], set()
+    for row in sorted(rows, key=lambda r: (r["pass"] != "fwd", r["head_dim"], r["dtype"], r["causal"], r["wheel"])):
+        key = tuple(row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "tile"))
+        if key in seen:   # a wheel ships some kernels in two libraries (e.g. hdim128 and hdimall)
+            continue
+        seen.add(key)
+        report = row["report"]
+        peer = report.non_tensor_per_tensor_op
+        ours = fagen_figure(row)
+        label = f"{row['pass']} d{row['head_dim']} {row['dtype']}{' causal' if row['causal'] else ''}"
+        ratio = ours / peer if peer and ours else None
+        print(f"{row['wheel']:<16} {label:<18} {row['tile']:<9} {report.tensor_ops:>8g} "
+              f"{'-' if peer is None else f'{peer:.2f}':>6} {'-' if ours is None else f'{ours:.2f}':>6} "
+              f"{'-' if ratio is None else f'{ratio:.2f}':>9}" + (f"  ({report.problem})" if report.problem else ""))
+        records.append({key: row[key] for key in ("wheel", "pass", "head_dim", "dtype", "causal", "tile")}
+                       | {"fa3": peer, "fagen": ours, "hmma_equivalents": report.tensor_ops})
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
