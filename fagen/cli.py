@@ -405,8 +405,9 @@ def make_parser() -> argparse.ArgumentParser:
     sass.add_argument("--arch", default="sm_90", help="the one arch to compile for (default sm_90)")
     sass.add_argument("--json", metavar="FILE", help="also write the figures as JSON, per kernel")
     sass.add_argument("--opcodes", action="store_true", help="also list each main loop's opcodes per iteration")
-    sass.add_argument("--cubin", metavar="PATH", help="read a cubin built elsewhere (a peer's, e.g. FlashAttention-3's) "
-                                                      "instead of compiling a spec; --arch names its arch")
+    sass.add_argument("--cubin", metavar="PATH",
+                      help="read a cubin built elsewhere (a peer's, e.g. FlashAttention-3's) instead of compiling a "
+                           "spec; --arch names its arch")
     sass.set_defaults(func=cmd_sass)
 
     bench = sub.add_parser("bench", help="the GPU check and benchmarks (see `fagen bench gpu-check --help`)",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
-                    BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles)
+                    BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles, smaller_kv_cache_tiles)
 
 DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal")
@@ -97,19 +97,6 @@ class CustomMod:
         return cls(**data)
 
 
-
-def _smaller_kv_cache_tiles(spec: "Spec"):
-    """A decoding spec's tiles from large to small (Spec.for_kv_cache's order): half the query
-    rows (four warps past d = 256, whose warp pairs split O's columns), then half the keys while
-    16 or more, and only then fewer stages (a decoding step is bound by its copies, which the
-    stages overlap with the math)."""
-    block_m = spec.block_m // 2
-    warps = 4 if spec.column_split > 1 else max(1, spec.num_warps // 2)
-    for stages in range(spec.num_stages, 0, -1):
-        block_n = spec.block_n
-        while block_n >= 16:
-            yield spec.replace(block_m=block_m, num_warps=warps, block_n=block_n, num_stages=stages)
-            block_n //= 2
 
 @dataclass(frozen=True)
 class Spec:
@@ -245,7 +232,7 @@ class Spec:
                    num_warps=8 if wide else 4, block_n=block_n, num_stages=stages, **fields)
         if shared_limit is None or spec.shared_layout.total_bytes <= shared_limit:
             return spec
-        for candidate in _smaller_kv_cache_tiles(spec):
+        for candidate in smaller_kv_cache_tiles(spec):
             if candidate.shared_layout.total_bytes <= shared_limit:
                 return candidate
         return spec   # nothing fits: the launch's check names the shortfall

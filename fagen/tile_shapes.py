@@ -144,3 +144,17 @@ class BackwardLayout:
     stats_offset: int  # stage s at stats_offset + s * stats_stage_bytes: fp32 L_i (log2 units), then D_i
     stats_stage_bytes: int
     total_bytes: int
+
+
+def smaller_kv_cache_tiles(spec):
+    """A decoding spec's tiles from large to small (Spec.for_kv_cache's order): half the query
+    rows (four warps past d = 256, whose warp pairs split O's columns), then half the keys while
+    16 or more, and only then fewer stages (a decoding step is bound by its copies, which the
+    stages overlap with the math)."""
+    block_m = spec.block_m // 2
+    warps = 4 if spec.column_split > 1 else max(1, spec.num_warps // 2)
+    for stages in range(spec.num_stages, 0, -1):
+        block_n = spec.block_n
+        while block_n >= 16:
+            yield spec.replace(block_m=block_m, num_warps=warps, block_n=block_n, num_stages=stages)
+            block_n //= 2

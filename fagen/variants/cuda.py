@@ -309,7 +309,8 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
         lines += ["// ALiBi alone: s' = tau (S + b), b = -(slope / tau) |i + Nk - Nq - j|: the kernels add b to the",
                   "// raw score S as fmaf(scale, |i + Nk - Nq - j|, S) (the distance exact in fp32 below 2^24) and",
                   "// keep the plain kernel's scaling inside the exponent. The scale, -slope / tau, once a block:",
-                  "__device__ __forceinline__ float alibi_raw_scale(int b, int h, float softmax_scale, const Context& ctx) {",
+                  "__device__ __forceinline__ float alibi_raw_scale(int b, int h, float softmax_scale,",
+                  "                                                 const Context& ctx) {",
                   "  return -ctx.alibi_slopes[(long long)(b) * ctx.alibi_stride_b + h] / softmax_scale;", "}", ""]
     if capped(math):
         lines += ["// The softcap alone, in units of the cap: t = tanh(tau S / c) from the raw score S, so that",

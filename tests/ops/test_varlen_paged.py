@@ -42,6 +42,10 @@ def gathered(cache, table, b):
     (16, True, {}),
     (48, False, {}),
     (16, True, {"window_size": (9, 0), "softcap": 20.0, "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}),
+    # ALiBi alone adds its bias to the raw scores (variants.cuda alibi_raw_scale); the softcap
+    # alone runs in units of the cap (capped_score)
+    (16, True, {"alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}),
+    (48, False, {"softcap": 5.0}),
 ])
 def test_each_sequence_against_the_oracle(page, causal, variant):
     q, k, v, table = paged(page, seed=page)
