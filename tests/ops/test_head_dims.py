@@ -213,6 +213,7 @@ def a_99_kb_gpu(monkeypatch):
 
     monkeypatch.setattr(kvcache, "device_shared_limit", lambda device: SMEM_LIMIT_BYTES["sm_86"])
     monkeypatch.setattr(kvcache, "step_spec", step_spec)
+    monkeypatch.setattr(kvcache, "_plans", {})   # a device's limit is fixed: plans made for sm_80's are not remade
     return built
 
 
