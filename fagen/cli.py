@@ -314,9 +314,7 @@ def _sass_of_cubin(args, arch: str) -> int:
           f"work in m16n8k16 HMMA-equivalents (one HGMMA.64xNx16 = N/8)")
     print(format_cubin_reports(reports))
     if args.json:
-        Path(args.json).write_text(json.dumps({name: {**r.to_json(), "tensor_ops": r.tensor_ops,
-                                                      "non_tensor_per_tensor_op": r.non_tensor_per_tensor_op}
-                                               for name, r in reports.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({name: r.to_json() for name, r in reports.items()}, indent=1))
         print(f"\nwrote {args.json}")
     return 0
 

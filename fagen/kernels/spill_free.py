@@ -62,8 +62,10 @@ def backward_candidates(spec: Spec) -> Iterator[Spec]:
             yield _legal(lambda: spec.replace(bwd_block_n=block_n))
 
 
-def _refit(spec: Spec, arch: str, role: str, candidates) -> Spec:
-    best, best_bytes = spec, spilled_bytes(spec, arch)[role]
+def _refit(spec: Spec, spilled: int, arch: str, role: str, candidates) -> Spec:
+    """The first of `candidates` whose `role` does not spill, else the one that spills least
+    (`spec` itself, spilling `spilled` bytes there, if none spills less)."""
+    best, best_bytes = spec, spilled
     for candidate in candidates:
         if candidate is None or best_bytes == 0:
             continue
@@ -85,9 +87,10 @@ def spill_free(spec: Spec, arch: str) -> Spec:
         return spec
     chosen = spec
     if before["forward"]:
-        chosen = _refit(chosen, arch, "forward", forward_candidates(chosen))
-    if before["backward"]:
-        chosen = _refit(chosen, arch, "backward", backward_candidates(chosen))
+        chosen = _refit(chosen, before["forward"], arch, "forward", forward_candidates(chosen))
+    if before["backward"]:   # the forward's new tiles may have moved the backward's spills
+        chosen = _refit(chosen, spilled_bytes(chosen, arch)["backward"], arch, "backward",
+                        backward_candidates(chosen))
     after = spilled_bytes(chosen, arch)
     spilled = ", ".join(f"{role} {n} B" for role, n in before.items() if n)
     tiles = _tiles(chosen)

@@ -113,6 +113,7 @@ class KernelReport:
                 "useful_hmma": self.useful_hmma, "non_hmma_per_useful_hmma": self.non_hmma_per_useful_hmma,
                 "registers": self.registers, "spill_bytes": self.spill_bytes, "shared_bytes": self.shared_bytes,
                 "warps_per_sm": self.warps_per_sm, "expected_ldgsts": self.expected_ldgsts,
+                "tensor_ops": self.tensor_ops, "non_tensor_per_tensor_op": self.non_tensor_per_tensor_op,
                 "main_loop": None if self.loop_address is None else f"{self.loop_address:#06x}",
                 "trips": {f"{k:#06x}": v for k, v in self.trips.items()}}
         data.update({name: self.counts.get(name, 0) for name in CLASSES})
@@ -250,13 +251,17 @@ def cubin_reports(cubin: bytes, arch: str) -> dict[str, KernelReport]:
     that iteration's HMMA-equivalents (no geometry: `non_tensor_per_tensor_op`)."""
     from .listing import disassemble
 
-    reports = {}
-    for name, instructions in parse_listing(disassemble(cubin)).items():
-        try:
-            reports[name] = analyse_function(name, instructions, arch, None)
-        except ValueError as exc:   # a loop the steady-state walk cannot read: said, not fatal
-            reports[name] = KernelReport(name, arch, Counter(), 0.0, None, None, problem=str(exc))
-    return reports
+    return {name: analyse_foreign(name, instructions, arch)
+            for name, instructions in parse_listing(disassemble(cubin)).items()}
+
+
+def analyse_foreign(name: str, instructions: list[Instruction], arch: str) -> KernelReport:
+    """A kernel fagen did not build, without a geometry; a loop the steady-state walk cannot
+    read is said in the report (`problem`), not raised."""
+    try:
+        return analyse_function(name, instructions, arch, None)
+    except ValueError as exc:
+        return KernelReport(name, arch, Counter(), 0.0, None, None, problem=str(exc))
 
 
 def readable_names(names) -> dict[str, str]:

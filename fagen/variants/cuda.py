@@ -217,6 +217,14 @@ class VariantCode:
     capture_grads: bool         # the backward adds captured tensors' gradients
     sinks: bool
 
+    def units(self, packed: bool = False) -> str:
+        """The units a kernel keeps the scores and its running max in (the templates' `units`):
+        "raw" q.k where no chain changes them or ALiBi alone adds its bias to them (not when GQA
+        packing mixes heads in a tile's rows), "capped" for the softcap alone, else "natural"."""
+        if self.capped:
+            return "capped"
+        return "raw" if not self.scores or (self.alibi_alone and not packed) else "natural"
+
     def context(self, with_grads: bool, seqlen_q: str = "seqlen_q") -> str:
         """The statement that gathers the Context (after `keys` and the block coordinates);
         `seqlen_q` names the queries per head (GQA packing's rows hold several heads')."""
@@ -311,7 +319,12 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
                   "// keep the plain kernel's scaling inside the exponent. The scale, -slope / tau, once a block:",
                   "__device__ __forceinline__ float alibi_raw_scale(int b, int h, float softmax_scale,",
                   "                                                 const Context& ctx) {",
-                  "  return -ctx.alibi_slopes[(long long)(b) * ctx.alibi_stride_b + h] / softmax_scale;", "}", ""]
+                  "  return -ctx.alibi_slopes[(long long)(b) * ctx.alibi_stride_b + h] / softmax_scale;", "}",
+                  "// A raw score with its bias: raw + scale |i + Nk - Nq - j|.",
+                  "__device__ __forceinline__ float alibi_biased(float raw, int q_idx, int kv_idx, float scale,",
+                  "                                              const Context& ctx) {",
+                  "  return fmaf(scale, fabsf((float)(q_idx + ctx.keys - ctx.seqlen_q) - (float)kv_idx), raw);",
+                  "}", ""]
     if capped(math):
         lines += ["// The softcap alone, in units of the cap: t = tanh(tau S / c) from the raw score S, so that",
                   "// s' = c t. The online softmax keeps its max in these units and c log2(e) joins the exponent;",

@@ -1,25 +1,17 @@
 """benchmarks/call_overhead.py's contract (a benchmark, not a test: its speed is never asserted):
 the four ratios issue 26 targets, against the trivial SDPA call, with one intra-op thread."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-from bench_stand_ins import REPO
+from bench_stand_ins import REPO, load_benchmark
 
 SCRIPT = REPO / "benchmarks" / "call_overhead.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("call_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_it_reports_the_four_targeted_ratios_to_the_trivial_sdpa_call():
-    script = load_script()
+    script = load_benchmark("call_overhead")
     assert [(label, target) for _, label, target in script.TARGETS] == [
         ("forward", 1.5), ("forward + backward", 4.0), ("decode step", 2.0), ("paged decode step", 2.5)]
     lines = script.report_lines(20.0, {"forward": 30.0, "forward_backward": 80.2, "decode": 39.0,
@@ -33,7 +25,7 @@ def test_it_reports_the_four_targeted_ratios_to_the_trivial_sdpa_call():
 
 
 def test_it_runs_with_one_intra_op_thread_or_not_at_all():
-    script = load_script()
+    script = load_benchmark("call_overhead")
     unset = {}
     assert script.one_thread_problem(unset) is None and unset == {"OMP_NUM_THREADS": "1"}
     assert script.one_thread_problem({"OMP_NUM_THREADS": "1"}) is None

@@ -1,19 +1,7 @@
 """benchmarks/sass_vs_fa3.py's contract (a benchmark: nothing here fetches FA3's wheels): which of
 FlashAttention-3's kernels it measures, read from their demangled template arguments."""
 
-import importlib.util
-
-from bench_stand_ins import REPO
-
-SCRIPT = REPO / "benchmarks" / "sass_vs_fa3.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sass_vs_fa3", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from bench_stand_ins import load_benchmark
 
 PLAIN_FWD = (False,) * 7 + (True, True) + (False,) * 3   # only FA3's MmaPV_is_RS and IntraWGOverlap on
 
@@ -36,7 +24,7 @@ def _bwd(flags=(False,) * 5, element="half_t"):
 
 
 def test_the_plain_forward_and_backward_kernels_are_picked_and_the_rest_left():
-    describe = load_script().describe
+    describe = load_benchmark("sass_vs_fa3").describe
     assert describe(_fwd()) == {"pass": "fwd", "head_dim": 128, "dtype": "bf16", "causal": False, "tile": "128x176"}
     causal = (True,) + (False,) * 6 + (True, True) + (False,) * 3
     assert describe(_fwd(cluster=2, tile=(128, 128, 128), flags=causal)) == {

@@ -111,6 +111,17 @@ def test_custom_mods_compile(head_dim, arch):
     assert "atomicAdd(ctx.score_cap0_grad" in source.code
 
 
+def assert_spill_free_and_fits(spec: Spec, arch: str) -> None:
+    """Every kernel of `spec` compiles for `arch` without spills or a stack frame, within its
+    shared memory (the dynamic layout plus ptxas's static share)."""
+    source = render(spec)
+    compiled = compile_source(source, arch)
+    for entry in source.entries:
+        report = compiled.resources[entry.name]
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
+        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
+
+
 # One arch per fallback family (163, 99 and 227 KB per block; sm_89 also 99 KB): the tiles an
 # untuned call runs with there, and the backward depth fitted to them.
 FALLBACK_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -122,12 +133,7 @@ def test_fallback_tiles_compile_without_spills_and_fit(head_dim, arch):
     from fagen.tuning import fallback_spec
 
     spec = fallback_spec(Spec(head_dim, mask="causal", dropout=True, deterministic=True), arch)
-    source = render(spec)
-    compiled = compile_source(source, arch)
-    for entry in source.entries:
-        report = compiled.resources[entry.name]
-        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
-        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
+    assert_spill_free_and_fits(spec, arch)
 
 
 # Decoding past d = 256 and absorbed MLA on the 99 KB parts: Spec.for_kv_cache fits the tiles to
@@ -150,12 +156,7 @@ def test_decoding_tiles_fit_the_99_kb_parts_without_spills(fields, arch):
     spec = Spec.for_kv_cache(head_dim, "fp16", causal=causal, page_size=page_size,
                              shared_limit=SMEM_LIMIT_BYTES[arch], **fields)
     spec.check_arch(arch)
-    source = render(spec)
-    compiled = compile_source(source, arch)
-    for entry in source.entries:
-        report = compiled.resources[entry.name]
-        assert report.spill_bytes == 0 and report.stack_bytes == 0, (entry.name, arch)
-        assert entry.shared_bytes + report.static_shared_bytes <= SMEM_LIMIT_BYTES[arch], (entry.name, arch)
+    assert_spill_free_and_fits(spec, arch)
 
 
 needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")

@@ -2,6 +2,7 @@
 on it, systems that compute attention exactly (or fail on purpose), and a timer that runs the call
 once and reports 2 ms."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from fagen.bench.timing import Deadline, Timing
 
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are no package): their contract tests call
+    its functions without running its main."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class FakeClock:

@@ -168,7 +168,7 @@ MUTANTS += [
                  (Edit("abs((ctx.keys - kv_idx) + (q_idx - ctx.seqlen_q))", "abs(q_idx - kv_idx)"),),
                  (checks.variant_check,)),
     KernelMutant("ALiBi alone: the raw scores' bias without the offset Nk - Nq", FA2.replace(alibi=True),
-                 (Edit("(float)(row + keys - seqlen_q)", "(float)(row)"),), (checks.variant_check,)),
+                 (Edit("(float)(q_idx + ctx.keys - ctx.seqlen_q)", "(float)(q_idx)"),), (checks.variant_check,)),
     KernelMutant("softcap alone: the exponent scaled by log2(e), not by the cap's c log2(e)", FA2.replace(softcap=True),
                  (Edit("rescale, ctx.softcap_log2);", "rescale, fagen::kLog2e);"),), (checks.variant_check,)),
     KernelMutant("softcap alone: the backward's chain rule through tanh dropped", FA2.replace(softcap=True),
