@@ -1,0 +1,103 @@
+"""TensorMapSpec: cuTensorMapEncodeTiled's rules on a CPU, and fagen's own 128-byte encoding, whose
+layout the emulator's C header must share (compiled here and compared field by field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import fagen.emulate
+from fagen.kernels.tensor_map import (LAYOUT, MAGIC, MAP_BYTES, DataType, Interleave, Swizzle, TensorMapError,
+                                      TensorMapSpec, decode_emulated, layout_offsets)
+from tensor_map_cases import Q_MAP, REFUSED
+
+def test_a_flash_attention_q_map_is_accepted_and_sized():
+    Q_MAP.check(0x7F0000001000)
+    assert Q_MAP.box_bytes == 64 * 128 * 2
+    strided = dataclasses.replace(Q_MAP, box_dims=(64, 128, 1, 1), element_strides=(1, 2, 1, 1))
+    assert strided.box_bytes == 64 * 64 * 2   # ceil(box / element stride) per dim
+
+
+def test_of_tensor_reverses_dims_and_gives_byte_strides():
+    q = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16)
+    plain = TensorMapSpec.of_tensor(q, (1, 128, 1, 64), swizzle=Swizzle.B128)
+    assert (plain.global_dims, plain.global_strides) == ((128, 8, 1000, 2), (256, 8 * 256, 1000 * 8 * 256))
+    assert plain.box_dims == (64, 1, 128, 1)
+    # (B, H, N, d) of the same storage, FlashAttention-3's order: rows before heads.
+    assert TensorMapSpec.of_tensor(q.transpose(1, 2), (1, 1, 128, 64), swizzle=Swizzle.B128) == Q_MAP
+    view = torch.empty(2, 1000, 3, 8, 128, dtype=torch.float16)[:, :, 1]   # a qkv-packed view: strides kept
+    spec = TensorMapSpec.of_tensor(view, (1, 64, 1, 64))
+    assert spec.global_strides == (128 * 2, 3 * 8 * 128 * 2, 1000 * 3 * 8 * 128 * 2)
+    with pytest.raises(TensorMapError, match="contiguous last dim"):
+        TensorMapSpec.of_tensor(q.transpose(2, 3), (1, 128, 1, 64))
+    with pytest.raises(TensorMapError, match="one entry per dim"):
+        TensorMapSpec.of_tensor(q, (128, 64))
+
+
+@pytest.mark.parametrize("change, field", REFUSED, ids=[f"{i}-{f}" for i, (_, f) in enumerate(REFUSED)])
+def test_each_driver_rule_is_enforced_and_names_the_field(change, field):
+    with pytest.raises(TensorMapError, match=rf"tensor map {field}="):
+        dataclasses.replace(Q_MAP, **change).check(0x1000)
+
+
+def test_the_global_address_alignment():
+    Q_MAP.check(0x1010)
+    with pytest.raises(TensorMapError, match="global_address=.*16-byte aligned"):
+        Q_MAP.check(0x1008)
+    interleaved = dataclasses.replace(Q_MAP, interleave=Interleave.B32, swizzle=Swizzle.B32, box_dims=(16, 128, 1, 1),
+                                      global_strides=(8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2))
+    interleaved.check(0x1020)
+    with pytest.raises(TensorMapError, match="32-byte aligned"):
+        interleaved.check(0x1010)
+
+
+def test_strides_need_no_order():
+    # The driver takes (d, N, H, B) of a (B, N, H, d) tensor: the heads' stride (256 B) is below
+    # the rows' (4096 B). A rule that sorted strides would refuse FlashAttention-3's own maps.
+    assert Q_MAP.global_strides[1] < Q_MAP.global_strides[0]
+    Q_MAP.check(0)
+
+
+def test_the_emulated_encoding_round_trips():
+    data = Q_MAP.emulated_bytes(0x7F0000001000)
+    assert len(data) == MAP_BYTES
+    fields = decode_emulated(data)
+    assert fields["magic"] == MAGIC and fields["global_address"] == 0x7F0000001000 and fields["rank"] == 4
+    assert fields["global_dims"] == (128, 1000, 8, 2, 1)
+    assert fields["global_strides"] == (*Q_MAP.global_strides, 0)
+    assert fields["box_dims"] == (64, 128, 1, 1, 1) and fields["element_strides"] == (1, 1, 1, 1, 1)
+    assert (fields["dtype"], fields["element_bytes"], fields["swizzle"]) == (DataType.BFLOAT16, 2, Swizzle.B128)
+    assert data[-13:] == bytes(13)   # the padding
+    with pytest.raises(TensorMapError, match="not an emulated tensor map"):
+        decode_emulated(bytes(MAP_BYTES))
+    with pytest.raises(TensorMapError, match="box_dims"):   # encoding checks first
+        dataclasses.replace(Q_MAP, box_dims=(64, 512, 1, 1)).emulated_bytes(0)
+
+
+OFFSETS_PROGRAM = """
+#include <cstdio>
+#include <fagen_emulate/tensor_map.h>
+using fagen_emu::EmulatedTensorMap;
+#define FIELD(name) std::printf(#name " %zu\\n", offsetof(EmulatedTensorMap, name));
+int main() {
+  %FIELDS%
+  std::printf("sizeof %zu\\nmagic_value %u\\n", sizeof(EmulatedTensorMap), fagen_emu::kTensorMapMagic);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs the host C++ compiler the emulator uses")
+def test_the_c_header_has_the_python_layout(tmp_path):
+    source = OFFSETS_PROGRAM.replace("%FIELDS%", " ".join(f"FIELD({name})" for name, _, _ in LAYOUT))
+    (tmp_path / "offsets.cpp").write_text(source)
+    include = Path(fagen.emulate.__file__).parent / "include"
+    subprocess.run(["g++", "-std=c++17", f"-I{include}", "offsets.cpp", "-o", "offsets"], cwd=tmp_path, check=True)
+    printed = dict(line.split() for line in subprocess.run(
+        [str(tmp_path / "offsets")], check=True, capture_output=True, text=True).stdout.splitlines())
+    assert {name: int(printed[name]) for name, _, _ in LAYOUT} == layout_offsets()
+    assert int(printed["sizeof"]) == MAP_BYTES and int(printed["magic_value"]) == MAGIC
