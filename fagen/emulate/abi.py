@@ -89,6 +89,9 @@ class LaunchConfig(ctypes.Structure):
     ]
 
 
+STRUCT_ALIGNMENT = 64   # a by-value struct parameter's buffer (Parameter.struct)
+
+
 class ArgumentError(ValueError):
     """An argument does not fit the kernel's parameter."""
 
@@ -115,6 +118,8 @@ class Parameter:
     def c_type(self) -> str:
         if self.is_pointer:
             return ("const " if self.is_const else "") + C_NAMES.get(self.pointee, self.pointee) + "*"
+        if self.code.startswith("?"):
+            return f"a {self.code[1:]}-byte struct"
         return C_NAMES.get(self.code, self.code)
 
     def where(self, kernel: str) -> str:
@@ -135,8 +140,11 @@ class Parameter:
         if self.is_pointer:
             raise ArgumentError(f"{self.where(kernel)} takes a CPU torch tensor or None, got "
                                 f"{type(value).__name__}")
+        if self.code.startswith("?") and isinstance(value, (bytes, bytearray)):
+            return self.struct(bytes(value), kernel)
         if self.code not in SCALAR_TYPES:
-            raise ArgumentError(f"{self.where(kernel)}: the launcher cannot pass a parameter of type {self.code!r}")
+            raise ArgumentError(f"{self.where(kernel)}: the launcher cannot pass a parameter of type {self.code!r}"
+                                + (f" from {type(value).__name__}: pass its bytes" if self.code.startswith("?") else ""))
         numpy_type, c_type = SCALAR_TYPES[self.code]
         if not isinstance(value, np.generic) or value.dtype != np.dtype(numpy_type):
             got = type(value).__name__ + (f" ({value.dtype})" if isinstance(value, np.generic) else "")
@@ -144,6 +152,20 @@ class Parameter:
             raise ArgumentError(f"{self.where(kernel)} takes np.{name}, got {got}: pass np.{name}(...) so "
                                 f"the C type is explicit")
         return c_type(value.item())
+
+
+    def struct(self, value: bytes, kernel: str):
+        """A struct passed by value (a tensor map's 128 bytes, `const __grid_constant__`): its
+        bytes, copied into a buffer aligned as the strictest C type may ask (64: a CUtensorMap),
+        since the kernel's thunk reads the parameter in place."""
+        size = int(self.code[1:])
+        if len(value) != size:
+            raise ArgumentError(f"{self.where(kernel)} is a {size}-byte struct, got {len(value)} bytes")
+        buffer = (ctypes.c_char * (size + STRUCT_ALIGNMENT))()
+        offset = -ctypes.addressof(buffer) % STRUCT_ALIGNMENT
+        view = (ctypes.c_char * size).from_buffer(buffer, offset)   # keeps `buffer` alive
+        ctypes.memmove(view, value, size)
+        return view
 
 
 def parameters(signature: str) -> list[Parameter]:
