@@ -6,6 +6,10 @@ process, and on disk under the user's cache directory, keyed by the source
 hash, the arch, the NVRTC version and the options. Disk entries are single
 JSON files written to a temporary name and renamed into place, so concurrent
 builders of the same source both succeed and readers never see half a file.
+
+Arch-specific targets (sm_90a: wgmma, TMA, setmaxnreg) compile like any other; a
+build fails when ptxas reports that it serialises a kernel's wgmma pipeline
+(`check_wgmma_pipeline`), since that kernel would be correct but slow.
 """
 
 from __future__ import annotations
