@@ -252,11 +252,12 @@ def parse_ptxas_log(log: str, arch: str) -> dict[str, ResourceReport]:
 
 # ptxas numbers its wgmma pipeline diagnostics C7510-C7520 (NVRTC 12.9 and ptxas 13.0 alike) and
 # prints them as "info" lines into NVRTC's program log, with or without --ptxas-options=-v; the
-# compile still succeeds. Each says the GPU would not overlap the
-# kernel's GEMMs as written: "wgmma.mma_async instructions are serialized due to ..." (registers
-# an accumulator shares with other code, a call inside the pipeline, ...), or that ptxas injected
-# a warpgroup.wait / warpgroup.arrive because code touches accumulator registers between a wgmma's
-# issue and its wait. The kernel is still correct, only slow, which no test would notice.
+# compile still succeeds. Each says the GPU would not overlap the kernel's GEMMs as written:
+# "wgmma.mma_async instructions are serialized due to ..." (code touching accumulator or input
+# registers inside a pipeline stage, a call inside the pipeline, too few registers, ...), or that
+# ptxas injected a warpgroup.wait / warpgroup.arrive because code touches accumulator registers
+# between a wgmma's issue and its wait. The kernel is still correct, only slow, which no test would
+# notice. The phrase is matched too, in case a later ptxas renumbers its notes.
 _WGMMA_PIPELINE_RE = re.compile(r"\(C75(?:1\d|20)\)|wgmma\.mma_async instructions are serialized")
 _FUNCTION_RE = re.compile(r"function '(\w+)'")
 
