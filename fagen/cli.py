@@ -347,8 +347,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_spec_args(build, many=True)
     build.add_argument("--default-set", action="store_true",
                        help="the specs committed in generated/ (d 64/128, causal or not, fp16/bf16)")
-    build.add_argument("--arch", help=f"comma-separated archs (default: the GPU's, else $FAGEN_ARCH, "
-                                      f"else {','.join(DEFAULT_ARCHS)})")
+    build.add_argument("--arch", help=f"comma-separated archs, e.g. sm_80,sm_90 or sm_90a (Hopper's "
+                                      f"arch-specific target; cubins for compute capability 9.0 only) "
+                                      f"(default: the GPU's, else $FAGEN_ARCH, else {','.join(DEFAULT_ARCHS)})")
     build.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: generated/)")
     build.set_defaults(func=cmd_build)
 

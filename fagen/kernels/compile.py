@@ -6,6 +6,10 @@ process, and on disk under the user's cache directory, keyed by the source
 hash, the arch, the NVRTC version and the options. Disk entries are single
 JSON files written to a temporary name and renamed into place, so concurrent
 builders of the same source both succeed and readers never see half a file.
+
+Arch-specific targets (sm_90a: wgmma, TMA, setmaxnreg) compile like any other; a
+build fails when ptxas reports that it serialises a kernel's wgmma pipeline
+(`check_wgmma_pipeline`), since that kernel would be correct but slow.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
 
 CACHE_FORMAT = 1
 MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync
+ARCH_SPECIFIC_FROM = 90  # NVRTC 12.9 refuses sm_80a ... sm_89a; sm_90a and newer `a` forms compile
 ARCH_ENV = "FAGEN_ARCH"
 CACHE_ENV = "FAGEN_CACHE_DIR"
 
@@ -133,19 +138,30 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(sorted(int(a) for a in result[1]))
 
 
-def nvrtc_target(device_arch: str, supported: tuple[int, ...] | None = None) -> str:
+def nvrtc_target(device_arch: str, supported: tuple[int, ...] | None = None, *,
+                 arch_specific: bool = False) -> str:
     """What to compile for a GPU of `device_arch` (e.g. sm_121).
 
     The device's own arch when NVRTC knows it; else the newest arch NVRTC
     supports that is not newer than the device. A cubin runs only on GPUs of
     its own major version, so when that arch's major differs the target is
     its PTX form (compute_XY), which the driver compiles for the device.
+
+    `arch_specific` is for a family built on instructions that exist only on
+    one compute capability (the Hopper family's wgmma, TMA and setmaxnreg need
+    sm_90a): the target is then the device's own arch-specific form, `sm_XYa`,
+    whose cubin runs on that compute capability alone, so there is no older or
+    PTX fallback. NVRTC 12.9 has `a` forms from sm_90 on. Which devices such a
+    family supports is the family's to decide (wgmma is on 9.0 only); the
+    default, False, is the mma.sync family's target for every GPU, sm_90 included.
     """
     number = int(base_arch(device_arch).removeprefix("sm_"))
     if number < MIN_COMPUTE_CAPABILITY:
         raise ValueError(f"fagen's kernels need compute capability 8.0 or newer (cp.async, bf16 "
                          f"tensor cores); this GPU is {device_arch}")
     supported = supported_archs() if supported is None else supported
+    if arch_specific:
+        return _arch_specific_target(device_arch, number, supported)
     older = [a for a in supported if MIN_COMPUTE_CAPABILITY <= a <= number]
     if not older:
         raise CompileError(f"NVRTC {nvrtc_version()} cannot compile for {device_arch} or any older "
@@ -156,10 +172,23 @@ def nvrtc_target(device_arch: str, supported: tuple[int, ...] | None = None) -> 
     return f"sm_{best}" if best // 10 == number // 10 else f"compute_{best}"
 
 
+def _arch_specific_target(device_arch: str, number: int, supported: tuple[int, ...]) -> str:
+    if number < ARCH_SPECIFIC_FROM:
+        raise ValueError(f"{device_arch} has no arch-specific target (sm_XYa exists from "
+                         f"sm_{ARCH_SPECIFIC_FROM} on)")
+    if number not in supported:
+        raise CompileError(f"NVRTC {nvrtc_version()} cannot compile for sm_{number}a, and an "
+                           f"arch-specific cubin runs only on its own compute capability (NVRTC "
+                           f"supports {', '.join(map(str, supported))})")
+    return f"sm_{number}a"
+
+
 def describe_target(device_arch: str, target: str) -> str:
     """One line for logs and summaries: which arch NVRTC compiles for, and why."""
     if target == device_arch:
         return f"{target} (NVRTC {nvrtc_version()})"
+    if target == device_arch + "a":
+        return f"{target} (NVRTC {nvrtc_version()}; arch-specific: the cubin runs on this compute capability only)"
     form = "PTX, compiled for the GPU by the driver" if target.startswith("compute_") else "cubin"
     return (f"{target} ({form}): the newest arch NVRTC {nvrtc_version()} supports that is not "
             f"newer than this {device_arch} GPU")
@@ -219,6 +248,35 @@ def parse_ptxas_log(log: str, arch: str) -> dict[str, ResourceReport]:
                 barriers=int(m.group(2) or 0))
             kernel = None
     return reports
+
+
+# ptxas numbers its wgmma pipeline diagnostics C7510-C7520 (NVRTC 12.9 and ptxas 13.0 alike) and
+# prints them as "info" lines into NVRTC's program log, with or without --ptxas-options=-v; the
+# compile still succeeds. Each says the GPU would not overlap the kernel's GEMMs as written:
+# "wgmma.mma_async instructions are serialized due to ..." (code touching accumulator or input
+# registers inside a pipeline stage, a call inside the pipeline, too few registers, ...), or that
+# ptxas injected a warpgroup.wait / warpgroup.arrive because code touches accumulator registers
+# between a wgmma's issue and its wait. The kernel is still correct, only slow, which no test would
+# notice. The phrase is matched too, in case a later ptxas renumbers its notes.
+_WGMMA_PIPELINE_RE = re.compile(r"\(C75(?:1\d|20)\)|wgmma\.mma_async instructions are serialized")
+_FUNCTION_RE = re.compile(r"function '(\w+)'")
+
+
+def wgmma_serialisation(log: str) -> list[str]:
+    """ptxas's lines in `log` saying it serialises a kernel's wgmma pipeline; empty for a clean
+    build (and always for the mma.sync family, which has no wgmma)."""
+    return [line.strip() for line in log.splitlines() if _WGMMA_PIPELINE_RE.search(line)]
+
+
+def check_wgmma_pipeline(log: str, what: str, arch: str) -> None:
+    """Raise CompileError naming the kernels ptxas serialised wgmma in, with ptxas's own lines."""
+    lines = wgmma_serialisation(log)
+    if not lines:
+        return
+    kernels = sorted({m.group(1) for line in lines if (m := _FUNCTION_RE.search(line))})
+    raise CompileError(
+        f"ptxas serialises the wgmma pipeline of {', '.join(kernels) or what} ({what}, {arch}): the GPU "
+        f"would run its GEMMs one at a time. ptxas says:\n" + "\n".join(f"  {line}" for line in lines))
 
 
 # -- NVRTC -----------------------------------------------------------------
@@ -377,6 +435,7 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
     logger.info("compiling %s for %s with NVRTC %s", what, arch, nvrtc_version())
     start = time.perf_counter()
     cubin, nvrtc_log = nvrtc_compile(code, arch)
+    check_wgmma_pipeline(nvrtc_log, what, arch)  # before caching: a serialised build is never reused
     kernel = CompiledKernel(arch=arch, cubin=cubin, log=nvrtc_log,
                             resources=parse_ptxas_log(nvrtc_log, arch),
                             nvrtc_version=nvrtc_version(),

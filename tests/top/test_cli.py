@@ -36,6 +36,24 @@ def test_build_writes_source_module_and_manifest(tmp_path, capsys):
         assert report["registers"] > 0 and report["spill_store_bytes"] == 0
 
 
+def test_build_for_sm_90a_without_a_gpu(tmp_path, capsys):
+    """--arch sm_90a (the Hopper family's arch-specific target) builds today's mma.sync kernels on a
+    CPU-only machine: its own registers and spills beside sm_90's, and the same source."""
+    out = tmp_path / "hopper"
+    assert main(["build", "--d", "64", "--causal", "--arch", "sm_90,sm_90a", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "for sm_90, sm_90a (from --arch" in printed
+    assert any(line.split()[:2] == ["fa2_d64_causal_fp16_fwd", "sm_90a"] for line in printed.splitlines())
+    manifest = json.loads((out / "fa2_d64_causal_fp16.json").read_text())
+    assert list(manifest["resources"]) == ["sm_90", "sm_90a"]
+    for name in ("fa2_d64_causal_fp16_fwd", "fa2_d64_causal_fp16_bwd"):
+        report = manifest["resources"]["sm_90a"][name]
+        assert report["arch"] == "sm_90a" and report["registers"] > 0
+        assert report["spill_store_bytes"] == report["spill_load_bytes"] == 0
+    assert main(["show", "fa2_d64_causal_fp16", "--dir", str(out), "--resources"]) == 0
+    assert "sm_90a" in capsys.readouterr().out
+
+
 def test_build_with_a_narrower_value_head_dim(tmp_path, capsys):
     """--dv: V's head dim below --d names the spec d32v16 and reaches the kernels' constants;
     one wider than --d exits 2 with the spec's reason."""
