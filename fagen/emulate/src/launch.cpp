@@ -22,8 +22,9 @@
 // The dynamic shared memory every kernel declares as
 // `extern __shared__ __align__(16) unsigned char smem[];`, which under the
 // emulator is `extern thread_local ... smem[]`: one buffer per OS thread,
-// shared by all kernel modules.
-FAGEN_EMU_RUNTIME_API thread_local __attribute__((aligned(128))) unsigned char
+// shared by all kernel modules. 1024-byte aligned, as the GPU's dynamic window is: swizzled
+// layouts (TMA, wgmma descriptors) permute by the absolute address's bits 4-9.
+FAGEN_EMU_RUNTIME_API thread_local __attribute__((aligned(1024))) unsigned char
     smem[fagen_emu::kMaxDynamicSharedBytes];
 
 namespace fagen_emu {
