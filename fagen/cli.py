@@ -445,11 +445,16 @@ def show_progress_log() -> None:
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     show_progress_log()
+    from .kernels.compile import CompileError
+
     try:
         return args.func(args)
     except ValueError as exc:
         print(f"fagen: {exc}", file=sys.stderr)
         return 2
+    except CompileError as exc:   # NVRTC refused the source, or ptxas serialised a wgmma pipeline
+        print(f"fagen: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,6 +54,22 @@ def test_build_for_sm_90a_without_a_gpu(tmp_path, capsys):
     assert "sm_90a" in capsys.readouterr().out
 
 
+def test_a_failed_compile_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch):
+    """A CompileError (NVRTC's refusal, or a wgmma pipeline ptxas serialises) reaches the user as
+    `fagen: ...` and exit status 1, not as a traceback."""
+    from fagen.kernels import compile as compile_module
+
+    def refuse(code, arch, filename="kernel.cu"):
+        raise compile_module.CompileError("NVRTC says no (a test's refusal)")
+
+    monkeypatch.setattr(compile_module, "nvrtc_compile", refuse)
+    monkeypatch.setattr(compile_module, "_memory_cache", {})          # no earlier build's cubins:
+    monkeypatch.setenv(compile_module.CACHE_ENV, str(tmp_path / "cache"))   # NVRTC must be asked
+    out = tmp_path / "refused"
+    assert main(["build", "--d", "64", "--arch", "sm_80", "--out", str(out)]) == 1
+    assert "fagen: NVRTC says no (a test's refusal)" in capsys.readouterr().err
+
+
 def test_build_with_a_narrower_value_head_dim(tmp_path, capsys):
     """--dv: V's head dim below --d names the spec d32v16 and reaches the kernels' constants;
     one wider than --d exits 2 with the spec's reason."""
