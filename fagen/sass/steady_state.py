@@ -26,13 +26,16 @@ other loop once. The path is chosen in this order:
    on partial tiles only, and the steady state is a full tile;
 5. then the fewest instructions: no mask, no tail path.
 
-Without an expected copy count, step 1 is left out. A role's loop in a warp-specialised
-kernel (roles.py) names its own work, `prefer` (opcode bases: a producer's loads): before
-step 2, the path issues as many of them as it can, so an elected thread's guarded loads
-are taken; nested loops are read with the same preference. Without `prefer` nothing changes. Nested loops' own iterations are
+Without an expected copy count, step 1 is left out. Nested loops' own iterations are
 found the same way. A nested loop that holds HMMA (a loop over tasks with a run-time
 trip count) runs as often as makes the iteration's HMMA `expected_hmma`, when that is
 given (the kernel's own mma count per iteration); otherwise once.
+
+A role's loop in a warp-specialised kernel (roles.py) names its own work, `prefer` (opcode
+bases: a producer's loads): before step 2, the path issues as many of them as it can, so an
+elected thread's guarded loads are taken; nested loops are read with the same preference.
+Without `prefer` nothing changes. The iteration also keeps its blocks in the order they run
+(`path`, nested loops repeated per trip): the overlap signature (overlap.py) reads it.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class _Path:
 def _rank(counts: Counter) -> tuple:
     """Steps 2-5 of the order above (smaller is better), a role's preferred opcodes first."""
     instructions = sum(v for k, v in counts.items() if k not in RANKING_KEYS)
-    return (-counts[PREFERRED], -counts[TENSOR], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES], instructions)
+    return (-counts[PREFERRED], -counts[TENSOR], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES],
+            instructions)
 
 
 def steady_iteration(graph: Graph, loop: Loop, expected_ldgsts: int | None = None,
