@@ -21,13 +21,17 @@ is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N
 the executed ones. A benchmark, not a test: log the table in benchmarks/RESULTS.md.
 
 FA3's kernels are warp-specialised, and the columns after fagen/FA3 read each role's loop
-(`fagen.sass.roles`): the warpgroups (one producer + the consumers, whose count is the
-epilogue's thread count / 128: `CollectiveEpilogue*<..., NumEpilogueThreads, ...>`), the
-`setmaxnreg` each runs under (producer/consumer), the instructions of one steady-state
-iteration of the consumer's and the producer's loop and the producer's loads (UTMALDG) in
-it, how many of the consumer's exp2 issue while a wgmma group is in flight
-(`fagen.sass.overlap`), and whether the register budgets and setmaxnreg values fit sm_90a
-(`fagen.sass.facts`).
+(`fagen.sass.roles`):
+- the warpgroups: one producer + the consumers, whose count is the epilogue's thread count
+  / 128 (`CollectiveEpilogue*<..., NumEpilogueThreads, ...>`);
+- the `setmaxnreg` each runs under (producer/consumer);
+- the instructions of one steady-state iteration of the consumer's and of the producer's
+  loop, and the producer's loads (UTMALDG) in it. An iteration of the producer's loop is
+  as ptxas laid it out: at d128 forward it is unrolled to two K/V blocks, four UTMALDG
+  each, against the consumer's one;
+- how many of the consumer's exp2 issue while a wgmma group is in flight
+  (`fagen.sass.overlap`);
+- whether the register budgets and setmaxnreg values fit sm_90a (`fagen.sass.facts`).
 """
 
 from __future__ import annotations

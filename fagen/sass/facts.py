@@ -52,6 +52,13 @@ def _sass_report(name: str, instrs: list[Instruction]) -> SassReport:
 
 # -- per-arch resource limits ----------------------------------------------------------------------
 
+# Per-SM resources (CUDA C Programming Guide, "Technical Specifications per Compute Capability"),
+# for occupancy (report.occupancy).
+SM_LIMITS = {   # arch: (shared bytes per SM usable by blocks, registers, max warps, max blocks)
+    "sm_80": (167936, 65536, 64, 32), "sm_86": (102400, 65536, 48, 16), "sm_87": (167936, 65536, 48, 16),
+    "sm_89": (102400, 65536, 48, 24), "sm_90": (233472, 65536, 64, 32),
+}
+SHARED_RESERVED_PER_BLOCK = 1024   # the driver's per-block reservation on sm_80 and later
 WARPGROUP_THREADS = 128
 
 
@@ -67,6 +74,7 @@ class ArchLimits:
     setmaxnreg: range | None = None    # the counts `setmaxnreg` accepts (None: no setmaxnreg)
 
 
+# 227 KB a block: sm_90's 228 KB per SM less the driver's 1 KB per-block reservation.
 SM90A = ArchLimits("sm_90a", registers_per_thread=255, register_file=64 * 1024, shared_per_block=227 * 1024,
                    setmaxnreg=range(24, 256 + 1, 8))
 # sm_90 is the same chip: its limits are sm_90a's (setmaxnreg is sm_90a's only, and an sm_90 cubin has none).

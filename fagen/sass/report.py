@@ -24,19 +24,13 @@ from dataclasses import dataclass, field
 
 from .cfg import build_graph
 from .classes import CLASSES, TENSOR_CLASSES, tensor_equivalents
-from .facts import ARCH_LIMITS, limit_problems
+from .facts import ARCH_LIMITS, SHARED_RESERVED_PER_BLOCK, SM_LIMITS, limit_problems
 from .listing import Instruction, parse_listing
 from .overlap import Overlap, exp2_overlap
 from .roles import RegisterSetting, RoleLoop, find_roles, register_settings
 from .steady_state import steady_iteration
 
 MMA_MACS = 16 * 8 * 16
-# Per-SM resources (CUDA C Programming Guide, "Technical Specifications per Compute Capability").
-SM_LIMITS = {   # arch: (shared bytes per SM usable by blocks, registers, max warps, max blocks)
-    "sm_80": (167936, 65536, 64, 32), "sm_86": (102400, 65536, 48, 16), "sm_87": (167936, 65536, 48, 16),
-    "sm_89": (102400, 65536, 48, 24), "sm_90": (233472, 65536, 64, 32),
-}
-SHARED_RESERVED_PER_BLOCK = 1024   # the driver's per-block reservation on sm_80 and later
 
 
 @dataclass(frozen=True)
