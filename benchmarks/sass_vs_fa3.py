@@ -19,6 +19,19 @@ Both sides are read by `fagen.sass` (the same steady state and instruction class
 is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp;
 `fagen sass --cubin`), fagen by its useful HMMA (`fagen sass`), which for these kernels equal
 the executed ones. A benchmark, not a test: log the table in benchmarks/RESULTS.md.
+
+FA3's kernels are warp-specialised, and the columns after fagen/FA3 read each role's loop
+(`fagen.sass.roles`):
+- the warpgroups: one producer + the consumers, whose count is the epilogue's thread count
+  / 128 (`CollectiveEpilogue*<..., NumEpilogueThreads, ...>`);
+- the `setmaxnreg` each runs under (producer/consumer);
+- the instructions of one steady-state iteration of the consumer's and of the producer's
+  loop, and the producer's loads (UTMALDG) in it. An iteration of the producer's loop is
+  as ptxas laid it out: at d128 forward it is unrolled to two K/V blocks, four UTMALDG
+  each, against the consumer's one;
+- how many of the consumer's exp2 issue while a wgmma group is in flight
+  (`fagen.sass.overlap`);
+- whether the register budgets and setmaxnreg values fit sm_90a (`fagen.sass.facts`).
 """
 
 from __future__ import annotations
@@ -47,6 +60,8 @@ FWD = re.compile(rf"CollectiveMainloopFwdSm90<\d+, {TRIPLE}, {TRIPLE}, (\d+), cu
 BWD = re.compile(rf"CollectiveMainloopBwdSm90<\d+, \d+, \d+, {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
                  r"cutlass::arch::Sm90, ((?:(?:true|false), ){4}(?:true|false))")
 DTYPES = {"bfloat16_t": "bf16", "half_t": "fp16"}
+ROLE_WIDTHS = (4, 8, 6, 6, 5, 8)   # WGs, maxnreg P/C, cons instr, prod instr, TMA loads, exp2 in flight
+EPILOGUE_THREADS = re.compile(r"CollectiveEpilogue\w*<.*?, (\d+), (?:true|false)")
 
 
 def peer_dir() -> Path:
@@ -77,6 +92,15 @@ def describe(demangled: str) -> dict | None:
             return {"pass": "bwd", "head_dim": int(d), "dtype": DTYPES[element], "causal": flags[0],
                     "tile": f"{block_m}x{block_n}" + (f" c{cluster}" if cluster != "1" else "")}
     return None
+
+
+def warpgroups(demangled: str) -> dict[str, int] | None:
+    """FA3's warpgroups by role: one producer, and as many consumers as its epilogue has threads
+    (the consumers write the output) / 128; None where the name does not say."""
+    m = EPILOGUE_THREADS.search(demangled)
+    if m is None or int(m.group(1)) % 128:
+        return None
+    return {"producer": 1, "consumer": int(m.group(1)) // 128}
 
 
 def fetch_peer() -> Path:
@@ -123,11 +147,30 @@ def fetch_peer() -> Path:
 
 def peer_rows() -> list[dict]:
     target = fetch_peer()
+    kernels = json.loads((target / "kernels.json").read_text())
+    names = readable_names(kernel["name"] for kernel in kernels)
     rows = []
-    for index, kernel in enumerate(json.loads((target / "kernels.json").read_text())):
+    for index, kernel in enumerate(kernels):
         functions = parse_listing((target / f"{index}.sass").read_text())
-        rows.append({**kernel, "report": analyse_foreign(kernel["name"], functions[kernel["name"]], "sm_90")})
+        rows.append({**kernel, "report": analyse_foreign(kernel["name"], functions[kernel["name"]], "sm_90"),
+                     "warpgroups": warpgroups(names[kernel["name"]])})
     return rows
+
+
+def role_columns(report, groups: dict[str, int] | None) -> tuple[str, dict]:
+    """The table's columns after fagen/FA3 (the roles, setmaxnreg, overlap, limits) and their JSON."""
+    consumer, producer = report.roles.get("consumer"), report.roles.get("producer")
+    registers = "/".join(str(r.registers) if r and r.registers else "-" for r in (producer, consumer))
+    problems = report.limit_problems(groups)
+    record = {"warpgroups": groups, "roles": {role: loop.to_json() for role, loop in report.roles.items()},
+              "overlap": report.overlap and report.overlap.to_json(), "limit_problems": problems}
+    overlap = report.overlap
+    cells = ("-" if groups is None else f"1+{groups['consumer']}", registers,
+             consumer.instructions if consumer else "-", producer.instructions if producer else "-",
+             producer.work["UTMALDG"] if producer else "-",
+             "-" if overlap is None else f"{overlap.exp2_in_flight}/{overlap.exp2}")
+    text = " ".join(f"{cell:>{width}}" for cell, width in zip(cells, ROLE_WIDTHS))
+    return f"{text} {'ok' if not problems else '; '.join(problems)}", record
 
 
 def fagen_figure(row: dict) -> float | None:
@@ -144,7 +187,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = peer_rows()
     print("non-tensor instructions per HMMA-equivalent, main loop steady state (fagen.sass), sm_90(a)")
-    print(f"{'wheel':<16} {'kernel':<18} {'FA3 tile':<9} {'HMMA-eq':>8} {'FA3':>6} {'fagen':>6} {'fagen/FA3':>9}")
+    print(f"{'wheel':<16} {'kernel':<18} {'FA3 tile':<9} {'HMMA-eq':>8} {'FA3':>6} {'fagen':>6} {'fagen/FA3':>9}"
+          f"  {'WGs':>4} {'maxnreg':>8} {'cons':>6} {'prod':>6} {'TMA':>5} {'exp2':>8} limits")
+    print(f"{'':<80}{'P/C':>8} {'instr':>6} {'instr':>6} {'loads':>5} {'in wgmma':>8}")
     records, seen = [], set()
     for row in sorted(rows, key=lambda r: (r["pass"] != "fwd", r["head_dim"], r["dtype"], r["causal"], r["wheel"])):
         key = tuple(row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "tile"))
@@ -156,11 +201,13 @@ def main() -> None:
         ours = fagen_figure(row)
         label = f"{row['pass']} d{row['head_dim']} {row['dtype']}{' causal' if row['causal'] else ''}"
         ratio = ours / peer if peer and ours else None
+        roles, role_record = role_columns(report, row["warpgroups"])
         print(f"{row['wheel']:<16} {label:<18} {row['tile']:<9} {report.tensor_ops:>8g} "
               f"{'-' if peer is None else f'{peer:.2f}':>6} {'-' if ours is None else f'{ours:.2f}':>6} "
-              f"{'-' if ratio is None else f'{ratio:.2f}':>9}" + (f"  ({report.problem})" if report.problem else ""))
+              f"{'-' if ratio is None else f'{ratio:.2f}':>9}" + (f"  ({report.problem})" if report.problem else "")
+              + f"  {roles}")
         records.append({key: row[key] for key in ("wheel", "pass", "head_dim", "dtype", "causal", "tile")}
-                       | {"fa3": peer, "fagen": ours, "hmma_equivalents": report.tensor_ops})
+                       | {"fa3": peer, "fagen": ours, "hmma_equivalents": report.tensor_ops} | role_record)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
         print(f"\nwrote {args.json}")

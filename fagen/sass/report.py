@@ -10,6 +10,11 @@ in it runs inside its iterations). One steady-state iteration of it
 side, O, dP and dV, step over d_v where V's head dim differs; an m16n8k16
 HMMA does 16 * 8 * 16 = 2048 multiply-adds), so kernels with different tiles compare on
 FlashAttention-2's own measure: non-matmul instructions per tensor-core instruction.
+
+A warp-specialised kernel's report also reads each role's loop (roles.py: the consumer's is
+the main loop), the `setmaxnreg` each role runs under, and the main loop's overlap
+signature (overlap.py: the exp2 issued while a wgmma group is in flight); `limit_problems`
+checks it against the arch's limits (facts.py).
 """
 
 from __future__ import annotations
@@ -19,16 +24,13 @@ from dataclasses import dataclass, field
 
 from .cfg import build_graph
 from .classes import CLASSES, TENSOR_CLASSES, tensor_equivalents
+from .facts import ARCH_LIMITS, SHARED_RESERVED_PER_BLOCK, SM_LIMITS, limit_problems
 from .listing import Instruction, parse_listing
+from .overlap import Overlap, exp2_overlap
+from .roles import RegisterSetting, RoleLoop, find_roles, register_settings
 from .steady_state import steady_iteration
 
 MMA_MACS = 16 * 8 * 16
-# Per-SM resources (CUDA C Programming Guide, "Technical Specifications per Compute Capability").
-SM_LIMITS = {   # arch: (shared bytes per SM usable by blocks, registers, max warps, max blocks)
-    "sm_80": (167936, 65536, 64, 32), "sm_86": (102400, 65536, 48, 16), "sm_87": (167936, 65536, 48, 16),
-    "sm_89": (102400, 65536, 48, 24), "sm_90": (233472, 65536, 64, 32),
-}
-SHARED_RESERVED_PER_BLOCK = 1024   # the driver's per-block reservation on sm_80 and later
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class KernelReport:
     spill_bytes: int | None = None
     shared_bytes: int | None = None     # dynamic + static, per block
     threads: int | None = None
+    roles: dict[str, RoleLoop] = field(default_factory=dict)              # a warp-specialised kernel's
+    register_settings: list[RegisterSetting] = field(default_factory=list)   # its USETMAXREGs
+    overlap: Overlap | None = None      # the main loop's exp2 under wgmma (a loop with HGMMA)
 
     @property
     def instructions(self) -> int:
@@ -108,6 +113,23 @@ class KernelReport:
     def warps_per_sm(self) -> int | None:
         return occupancy(self.arch, self.registers, self.shared_bytes, self.threads)
 
+    def limit_problems(self, warpgroups: dict[str, int] | None = None) -> list[str]:
+        """What the kernel asks beyond its arch's limits (facts.ARCH_LIMITS; none known: []).
+        `warpgroups` (role -> warpgroups running it, where the caller knows them) adds the
+        check that the roles' setmaxnreg budgets fit the register file together; the roles
+        one setting governs share its warpgroups (a producer's and a writer's warps are one
+        warpgroup), so a setting counts the most warpgroups of its roles."""
+        limits = ARCH_LIMITS.get(self.arch)
+        if limits is None:
+            return []
+        budgets = []
+        for setting in self.register_settings:
+            groups = max((warpgroups or {}).get(role, 0) for role in setting.roles) if setting.roles else 0
+            if groups:
+                budgets.append((setting.registers, groups))
+        return limit_problems(limits, registers=self.registers, shared_bytes=self.shared_bytes,
+                              setmaxnreg=tuple(s.registers for s in self.register_settings), budgets=tuple(budgets))
+
     def to_json(self) -> dict:
         data = {"kernel": self.kernel, "arch": self.arch, "instructions": self.instructions, "hmma": self.hmma,
                 "useful_hmma": self.useful_hmma, "non_hmma_per_useful_hmma": self.non_hmma_per_useful_hmma,
@@ -115,7 +137,11 @@ class KernelReport:
                 "warps_per_sm": self.warps_per_sm, "expected_ldgsts": self.expected_ldgsts,
                 "tensor_ops": self.tensor_ops, "non_tensor_per_tensor_op": self.non_tensor_per_tensor_op,
                 "main_loop": None if self.loop_address is None else f"{self.loop_address:#06x}",
-                "trips": {f"{k:#06x}": v for k, v in self.trips.items()}}
+                "trips": {f"{k:#06x}": v for k, v in self.trips.items()},
+                "roles": {role: loop.to_json() for role, loop in self.roles.items()},
+                "setmaxnreg": [s.to_json() for s in self.register_settings],
+                "overlap": None if self.overlap is None else self.overlap.to_json(),
+                "limit_problems": self.limit_problems()}
         data.update({name: self.counts.get(name, 0) for name in CLASSES})
         return data
 
@@ -158,8 +184,13 @@ def analyse_function(name: str, instructions: list[Instruction], arch: str,
     for start, times in iteration.visits.items():
         for instruction in by_start[start].instructions:
             opcodes[instruction.opcode] += times
+    roles = find_roles(graph, main, iteration)
+    overlap = None
+    if iteration.counts["HGMMA"]:   # HMMA is synchronous: nothing is in flight
+        overlap = exp2_overlap([i for start in iteration.path for i in by_start[start].instructions])
     return KernelReport(name, arch, iteration.counts, useful, expected, graph.blocks[main.header].start,
-                        iteration.visits, iteration.trips, opcodes, iteration.tensor_ops)
+                        iteration.visits, iteration.trips, opcodes, iteration.tensor_ops,
+                        roles=roles, register_settings=register_settings(graph, roles), overlap=overlap)
 
 
 def analyse_listing(sass: str, arch: str, geometries: dict[str, KernelGeometry | None]) -> dict[str, KernelReport]:
@@ -240,7 +271,33 @@ def format_reports(reports: dict[str, KernelReport], *, opcodes: bool = False) -
         if opcodes:
             for opcode, n in sorted(r.opcodes.items(), key=lambda item: (-item[1], item[0])):
                 lines.append(f"        {n:>5}  {opcode}")
+        lines.extend(format_roles(r))
     return "\n".join(lines)
+
+
+def format_roles(r: KernelReport, warpgroups: dict[str, int] | None = None) -> list[str]:
+    """A warp-specialised kernel's roles, each loop's iteration and its setmaxnreg; the main
+    loop's overlap signature; what exceeds the arch's limits. Nothing for a kernel with none."""
+    lines = []
+    for role, loop in r.roles.items():
+        per = loop.non_tensor_per_tensor_op
+        lines.append(f"    {role:<8} loop {loop.loop_address:#x}: {loop.instructions} instr"
+                     + ("" if per is None else f", {loop.tensor_ops:g} HMMA-eq, {per:.2f} non-tensor/HMMA-eq")
+                     + ("" if loop.registers is None else f", setmaxnreg {loop.registers}"))
+        lines.append("        " + "  ".join(f"{c} {loop.counts[c]}" for c in CLASSES if loop.counts.get(c))
+                     + ("   (" + ", ".join(f"{op} {n}" for op, n in sorted(loop.work.items())) + ")"
+                        if loop.work else ""))
+    if r.register_settings:
+        lines.append("    setmaxnreg: " + ", ".join(f"{s.registers} ({s.kind} at {s.address:#x}: "
+                                                     f"{', '.join(s.roles) or 'no role loop'})"
+                                                     for s in r.register_settings))
+    if r.overlap is not None:
+        o = r.overlap
+        lines.append(f"    overlap: {o} ({o.groups} wgmma groups per iteration, {o.carried} carried in)")
+    problems = r.limit_problems(warpgroups)
+    if problems:
+        lines.append(f"    beyond {r.arch}'s limits: " + "; ".join(problems))
+    return lines
 
 
 # -- a peer's cubin ---------------------------------------------------------------------------------
@@ -290,4 +347,5 @@ def format_cubin_reports(reports: dict[str, KernelReport], width: int = 100) -> 
         per = r.non_tensor_per_tensor_op
         lines.append(f"{index:>3} {r.loop_address:#7x} {r.instructions:>6} {tensor:>6} {r.tensor_ops:>8g} "
                      f"{per if per is None else f'{per:.2f}':>18}  {shown}")
+        lines.extend(format_roles(r))
     return "\n".join(lines)

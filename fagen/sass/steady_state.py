@@ -30,6 +30,12 @@ Without an expected copy count, step 1 is left out. Nested loops' own iterations
 found the same way. A nested loop that holds HMMA (a loop over tasks with a run-time
 trip count) runs as often as makes the iteration's HMMA `expected_hmma`, when that is
 given (the kernel's own mma count per iteration); otherwise once.
+
+A role's loop in a warp-specialised kernel (roles.py) names its own work, `prefer` (opcode
+bases: a producer's loads): before step 2, the path issues as many of them as it can, so an
+elected thread's guarded loads are taken; nested loops are read with the same preference.
+Without `prefer` nothing changes. The iteration also keeps its blocks in the order they run
+(`path`, nested loops repeated per trip): the overlap signature (overlap.py) reads it.
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ from .classes import classify, tensor_equivalents
 
 MAX_TRIPS = 64
 # Ranking keys carried in the counts, removed from the result: copies done by nested loops
-# weighted by their loop's unrolling, and copy loops entered.
+# weighted by their loop's unrolling, copy loops entered, and the preferred opcodes issued.
 NESTED_LDGSTS, COPY_LOOPS, STORES, TENSOR = "_nested_ldgsts", "_copy_loops", "_stores", "_tensor"
-RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS, STORES, TENSOR)
+PREFERRED = "_preferred"
+RANKING_KEYS = (NESTED_LDGSTS, COPY_LOOPS, STORES, TENSOR, PREFERRED)
 # What step 4 counts: writes to memory, plain or atomic (shared, global, bulk).
 STORE_OPCODES = frozenset({"STG", "ST", "STS", "STSM", "RED", "REDG", "REDAS", "ATOM", "ATOMG", "ATOMS", "UTMASTG"})
 
@@ -56,6 +63,8 @@ class Iteration:
     trips: dict       # nested loop header address -> its trip count
     stores: int = 0   # its stores and atomics (step 4 of a loop that nests it)
     tensor_ops: float = 0.0   # its tensor-core work in HMMA-equivalents (classes.tensor_equivalents)
+    path: tuple = ()          # block start addresses in the order the iteration runs them
+    preferred: int = 0        # its instructions among `prefer`'s opcodes
 
     @property
     def instructions(self) -> int:
@@ -67,27 +76,31 @@ class _Path:
     counts: Counter
     visits: Counter
     trips: dict
+    order: tuple = ()
 
     def then(self, other: "_Path") -> "_Path":
-        return _Path(self.counts + other.counts, self.visits + other.visits, {**self.trips, **other.trips})
+        return _Path(self.counts + other.counts, self.visits + other.visits, {**self.trips, **other.trips},
+                     self.order + other.order)
 
 
 def _rank(counts: Counter) -> tuple:
-    """Steps 2-5 of the order above (smaller is better)."""
+    """Steps 2-5 of the order above (smaller is better), a role's preferred opcodes first."""
     instructions = sum(v for k, v in counts.items() if k not in RANKING_KEYS)
-    return (-counts[TENSOR], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES], instructions)
+    return (-counts[PREFERRED], -counts[TENSOR], -counts[NESTED_LDGSTS], -counts[COPY_LOOPS], -counts[STORES],
+            instructions)
 
 
 def steady_iteration(graph: Graph, loop: Loop, expected_ldgsts: int | None = None,
-                     expected_hmma: int | None = None) -> Iteration:
+                     expected_hmma: int | None = None, prefer: frozenset[str] = frozenset()) -> Iteration:
     fixed = {child.header: 1 for child in loop.children if _holds_hmma(graph, child)}
-    first = _best_path(graph, loop, expected_ldgsts, fixed)
+    first = _best_path(graph, loop, expected_ldgsts, fixed, prefer)
     if expected_hmma is None or not fixed:
         return first
-    inner = sum(steady_iteration(graph, child).tensor_ops for child in loop.children if child.header in fixed)
+    inner = sum(steady_iteration(graph, child, prefer=prefer).tensor_ops
+                for child in loop.children if child.header in fixed)
     outer = first.tensor_ops - inner
     trips = max(1, round((expected_hmma - outer) / inner)) if inner else 1
-    return _best_path(graph, loop, expected_ldgsts, {header: trips for header in fixed})
+    return _best_path(graph, loop, expected_ldgsts, {header: trips for header in fixed}, prefer)
 
 
 def _holds_hmma(graph: Graph, loop: Loop) -> bool:
@@ -140,7 +153,8 @@ def _dag(graph: Graph, loop: Loop):
     return unit, edges, latch_units
 
 
-def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trips: dict[int, int]) -> Iteration:
+def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trips: dict[int, int],
+               prefer: frozenset[str]) -> Iteration:
     unit, edges, latch_units = _dag(graph, loop)
     nodes = list(dict.fromkeys(unit.values()))
     order = _topological(nodes, edges)
@@ -160,9 +174,10 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
             counts = Counter(classify(i) for i in instructions)
             counts[STORES] = sum(1 for i in instructions if i.base in STORE_OPCODES and not i.never)
             counts[TENSOR] = sum(tensor_equivalents(i) for i in instructions)
-            return [_Path(counts, Counter({start: 1}), {})]
+            counts[PREFERRED] = sum(1 for i in instructions if i.base in prefer and not i.never)
+            return [_Path(counts, Counter({start: 1}), {}, (start,))]
         if node.header not in inner_cache:
-            inner_cache[node.header] = steady_iteration(graph, node)
+            inner_cache[node.header] = steady_iteration(graph, node, prefer=prefer)
         inner = inner_cache[node.header]
         if node.header in fixed_trips:
             trip_counts = [fixed_trips[node.header]]
@@ -176,8 +191,9 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
             per_trip = inner.counts["LDGSTS"]
             counts[NESTED_LDGSTS], counts[COPY_LOOPS] = t * per_trip * per_trip, 1 if per_trip else 0
             counts[STORES], counts[TENSOR] = t * inner.stores, t * inner.tensor_ops
+            counts[PREFERRED] = t * inner.preferred
             paths.append(_Path(counts, Counter({k: v * t for k, v in inner.visits.items()}),
-                               {start: t, **inner.trips}))
+                               {start: t, **inner.trips}, inner.path * t))
         return paths
 
     def bucket(path: _Path) -> int:
@@ -212,4 +228,5 @@ def _best_path(graph: Graph, loop: Loop, expected_ldgsts: int | None, fixed_trip
 
     chosen = min(finals, key=final_key)
     counts = Counter({k: v for k, v in chosen.counts.items() if k not in RANKING_KEYS and v})
-    return Iteration(counts, chosen.visits, chosen.trips, chosen.counts[STORES], chosen.counts[TENSOR])
+    return Iteration(counts, chosen.visits, chosen.trips, chosen.counts[STORES], chosen.counts[TENSOR],
+                     chosen.order, chosen.counts[PREFERRED])

@@ -36,3 +36,15 @@ def test_the_plain_forward_and_backward_kernels_are_picked_and_the_rest_left():
     assert describe(_bwd()) == {"pass": "bwd", "head_dim": 128, "dtype": "fp16", "causal": False, "tile": "64x128"}
     assert describe(_bwd(flags=(False, False, False, False, True))) is None   # deterministic
     assert describe("void flash::prepare_varlen_num_blocks(...)") is None
+
+
+def test_fa3_s_warpgroups_are_read_from_its_epilogue_s_thread_count():
+    warpgroups = load_benchmark("sass_vs_fa3").warpgroups
+    fwd = _fwd().replace("flash::CollectiveEpilogueFwd<...>", "flash::CollectiveEpilogueFwd<cute::tuple<cute::C<192>, "
+                         "cute::C<64>, cute::C<64> >, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
+                         "cutlass::bfloat16_t, cutlass::arch::Sm90, 384, false, false, false, false>")
+    assert warpgroups(fwd) == {"producer": 1, "consumer": 3}
+    bwd = _bwd().replace("...> > >", "flash::CollectiveEpilogueBwd<cute::tuple<cute::C<80>, cute::C<128>, "
+                         "cute::C<128> >, cutlass::half_t, cutlass::arch::Sm90, 256, false, false, 1>, ...> > >")
+    assert warpgroups(bwd) == {"producer": 1, "consumer": 2}
+    assert warpgroups(_fwd()) is None                                  # the name does not say

@@ -12,15 +12,7 @@ from fagen.sass.classes import classify
 from fagen.sass.listing import parse_instruction, parse_listing
 from fagen.sass.report import KernelGeometry, analyse_function, occupancy
 from fagen.sass.steady_state import steady_iteration
-
-
-def listing(body: str, name: str = "k") -> str:
-    """A cuobjdump-style listing from lines `ADDR  INSTRUCTION` (addresses in hex)."""
-    lines = [f"\t\tFunction : {name}"]
-    for line in body.strip().splitlines():
-        address, text = line.split(None, 1)
-        lines.append(f"        /*{int(address, 16):04x}*/                   {text} ;   /* 0x0000000000000000 */")
-    return "\n".join(lines)
+from sass_listings import listing
 
 
 # A main loop (header 0x30, back edge at 0xd0) whose steady state is known: the mask block
@@ -73,6 +65,7 @@ def test_the_steady_state_takes_the_prefetch_and_skips_the_mask():
     iteration = steady_iteration(graph, graph.loops[0], expected_ldgsts=2)
     assert set(iteration.visits) == {0x30, 0x60, 0x80, 0xe0}
     assert iteration.counts["HMMA"] == 2 and iteration.counts["LDGSTS"] == 2 and iteration.counts["fp32"] == 0
+    assert iteration.path == (0x30, 0x60, 0xe0, 0x80)   # in the order it runs, not by address
     # Without a copy count to meet, the cheapest full-HMMA path skips the prefetch too.
     assert 0xe0 not in steady_iteration(graph, graph.loops[0]).visits
 
@@ -192,6 +185,8 @@ def test_fagen_sass_reports_every_kernel_as_json(tmp_path, capsys, monkeypatch):
                                                                 "fp32", "integer", "control", "local", "memory",
                                                                 "other"))
     assert data["fa2_d64_causal_fp16_bwd_preprocess"]["main_loop"] is None   # no tensor-core loop
+    # An mma.sync kernel is not warp-specialised, and its HMMA are synchronous: no roles, no overlap.
+    assert (forward["roles"], forward["setmaxnreg"], forward["overlap"]) == ({}, [], None)
 
 
 def test_fagen_sass_names_its_errors(capsys):
