@@ -27,6 +27,7 @@ from .markdown import md as _md
 
 SUMMARY_RE = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)")
 PER_TEST_TIMEOUT_S = 120
+TWINS_CAP_S = 60.0   # the twins' micro-kernels (`pytest -m twins`), run before the other gpu tests
 
 
 def run_capped(cmd: list[str], *, timeout_s: float, env: dict | None = None,
@@ -215,7 +216,8 @@ def run_sanitizers(repo_root: Path, *, timeout_s: float, tools=("memcheck", "rac
 # -- the plan -------------------------------------------------------------------------------
 
 def plan_lines(plan) -> list[str]:
-    return [f"  correctness: python -m pytest -m gpu tests/ (cap {plan.correctness_cap_s:.0f} s)",
+    return [f"  correctness: python -m pytest -m twins tests/ (the twins' micro-kernels, cap {TWINS_CAP_S:.0f} s), "
+            f"then -m 'gpu and not twins' (cap {plan.correctness_cap_s:.0f} s together)",
             f"  sanitizers: compute-sanitizer memcheck and racecheck on one small forward + "
             f"backward if installed (cap {plan.sanitizer_cap_s:.0f} s each)"]
 
@@ -236,10 +238,11 @@ def summary_lines(results: dict) -> list[str]:
     """The gpu tests' summary with the first failures, and each sanitizer run's verdict."""
     lines = []
     correctness = results.get("correctness") or {}
-    if correctness.get("summary"):
-        lines.append(f"gpu tests: {correctness['summary']}")
-    for failure in (correctness.get("failures") or [])[:8]:
-        lines.append(f"  FAILED {failure['test']}: {failure['message'][:160]}")
+    for label, run in (("twins against the hardware", correctness.get("twins") or {}), ("gpu tests", correctness)):
+        if run.get("summary"):
+            lines.append(f"{label}: {run['summary']}")
+        for failure in (run.get("failures") or [])[:8]:
+            lines.append(f"  FAILED {failure['test']}: {failure['message'][:160]}")
     sanitizers = results.get("sanitizers") or {}
     for tool, run in (sanitizers.get("runs") or {}).items():
         lines.append(f"compute-sanitizer {tool}: {run.get('status')} {run.get('summary', '')}".rstrip())
@@ -250,8 +253,13 @@ def markdown_lines(results: dict) -> list[str]:
     c = results.get("correctness")
     if not c:
         return []
-    out = ["", "## Correctness (`pytest -m gpu`)", "", f"`{c.get('command', '')}`", "",
-           f"**{c.get('status')}**: {c.get('summary')}"]
+    out = ["", "## Correctness (`pytest -m gpu`)", ""]
+    twins = c.get("twins")
+    if twins:
+        out += [f"Twins first (`{twins.get('command', '')}`): **{twins.get('status')}**: {twins.get('summary')}"]
+        out += [f"- FAILED `{f['test']}`: {_md(f['message'])}" for f in twins.get("failures", [])]
+        out.append("")
+    out += [f"`{c.get('command', '')}`", "", f"**{c.get('status')}**: {c.get('summary')}"]
     for failure in c.get("failures", []):
         out.append(f"- FAILED `{failure['test']}`: {_md(failure['message'])}")
     if c.get("skips"):

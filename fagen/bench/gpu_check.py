@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import report
-from .correctness import find_compute_sanitizer, run_gpu_tests, run_sanitizers
+from .correctness import TWINS_CAP_S, find_compute_sanitizer, run_gpu_tests, run_sanitizers
 from .dry_run import dry_run
 from .plan import OPTIONAL_SECTIONS, Plan
 from .plan_text import describe
@@ -216,8 +216,13 @@ def _run_sections(run: "_Run") -> int:
     results["peak"] = run.section("peak", peak_section)
 
     def correctness_section():
-        outcome = run_gpu_tests(REPO_ROOT, run.deadline("correctness").remaining())
-        outcome["note"] = outcome["summary"]
+        # The twins' micro-kernels first: whether each emulated twin reads the ISA as the
+        # hardware does is the first thing a rare GPU run must tell, whatever comes after.
+        twins = run_gpu_tests(REPO_ROOT, min(TWINS_CAP_S, run.deadline("correctness").remaining()), marker="twins")
+        log("   twins: " + twins["summary"])
+        outcome = run_gpu_tests(REPO_ROOT, run.deadline("correctness").remaining(), marker="gpu and not twins")
+        outcome["twins"] = twins
+        outcome["note"] = f"twins: {twins['summary']}; {outcome['summary']}"
         log("   " + outcome["summary"])
         return outcome
 

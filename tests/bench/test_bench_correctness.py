@@ -38,3 +38,34 @@ def test_sanitizer_runs_are_recorded_whatever_happens(tmp_path, monkeypatch):
     else:
         assert run["status"] == "failed" and not run["script_finished"]
         assert section["status"] == "problems"
+
+
+def test_the_twins_are_reported_first():
+    """The twins' micro-kernels run before the other gpu tests; the summary and results.md name
+    them, and their failures, first."""
+    from fagen.bench.correctness import markdown_lines, summary_lines
+
+    twins = {"status": "failed", "summary": "1 failed, 3 passed in 4.0s", "command": "pytest -m twins",
+             "failures": [{"test": "tests/gpu/test_gpu_tma.py::test_x", "kind": "failure", "message": "y differs"}]}
+    results = {"correctness": {"status": "passed", "summary": "40 passed in 30.0s", "command": "pytest -m gpu",
+                               "failures": [], "twins": twins}}
+    lines = summary_lines(results)
+    assert lines[0] == "twins against the hardware: 1 failed, 3 passed in 4.0s"
+    assert lines[1].startswith("  FAILED tests/gpu/test_gpu_tma.py::test_x: y differs")
+    assert lines[2] == "gpu tests: 40 passed in 30.0s"
+    text = "\n".join(markdown_lines(results))
+    assert text.index("Twins first") < text.index("40 passed")
+    assert "FAILED `tests/gpu/test_gpu_tma.py::test_x`" in text
+
+
+def test_the_twins_marker_selects_only_twins():
+    """`-m twins` collects the twins' gpu tests and nothing else that is gpu-marked."""
+    import subprocess
+    import sys
+
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "twins",
+                                "-p", "no:cacheprovider", "tests/gpu"], cwd=REPO, capture_output=True, text=True)
+    names = [line for line in collected.stdout.splitlines() if "::" in line]
+    heavy = ("test_gpu_kernels.py", "test_gpu_decode.py", "test_gpu_distributed.py", "test_gpu_suite_emulated.py")
+    assert any("test_gpu_tensor_map.py" in n for n in names), collected.stdout
+    assert not any(file in n for n in names for file in heavy), collected.stdout

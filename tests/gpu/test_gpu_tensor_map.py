@@ -12,7 +12,8 @@ import torch
 from fagen.kernels.tensor_map import MAP_BYTES, Swizzle, TensorMapError, driver_encode
 from tensor_map_cases import Q_MAP, REFUSED
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.twins,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
