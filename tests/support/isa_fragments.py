@@ -15,6 +15,8 @@ Sources (PTX ISA 8.7, https://docs.nvidia.com/cuda/parallel-thread-execution/):
   the fragment layout of one 8x8 .b16 matrix (each lane gets one 32-bit register per
   matrix, elements h0 and h1 in its low and high halves), the same with .trans (the matrix
   read column-major), and which lanes supply the row addresses of which matrix.
+- "Warp-level matrix store instruction: stmatrix" (#warp-level-matrix-instructions-stmatrix):
+  the same grids for the store (sm_90).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ LDMATRIX_TRANS = """
   T3h0   T7h0  T11h0  T15h0  T19h0  T23h0  T27h0  T31h0
   T3h1   T7h1  T11h1  T15h1  T19h1  T23h1  T27h1  T31h1
 """
+
+# stmatrix .m8n8 .b16 ("Warp-level matrix store instruction: stmatrix"): the ISA's figures for
+# stmatrix show the same fragment grids as ldmatrix's, plain and .trans, and the same lanes give
+# the row addresses; they are named here so that a test says which instruction's figure it reads.
+STMATRIX = LDMATRIX
+STMATRIX_TRANS = LDMATRIX_TRANS
 
 # ldmatrix: the lanes that supply the 8 row addresses of matrix i (row j from lane 8i + j);
 # the addresses of other lanes are not read.
