@@ -226,6 +226,7 @@ uint64_t mbarrier_arrive_expect_tx(void* bar, uint32_t tx_bytes, Site site) {
 void mbarrier_expect_tx(void* bar, uint32_t tx_bytes, Site site) {
   Mbarrier& b = use(bar, "mbarrier.expect_tx", site);
   add_tx(bar, b, tx_bytes, "mbarrier.expect_tx", site);
+  complete_if_done(b);  // a tx-count that complete-tx drove negative may come back to zero here
 }
 
 void mbarrier_complete_tx(void* bar, uint32_t tx_bytes, Site site) {

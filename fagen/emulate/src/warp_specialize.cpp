@@ -133,9 +133,12 @@ std::string describe_warpgroup_waits(const BlockRun& block) {
     std::vector<unsigned> waiting, missing;
     for (unsigned k = 0; k < 4; ++k) {
       const unsigned warp = 4 * group + k;
-      for (unsigned lane = 0; lane < 32 && warp < block.warp_count; ++lane) {
-        if (call.arrived[k] >> lane & 1u) waiting.push_back(warp * 32 + lane);
-        else if (block.live_lanes[warp] >> lane & 1u) missing.push_back(warp * 32 + lane);
+      for (unsigned lane = 0; lane < 32 && warp * 32 + lane < block.thread_count; ++lane) {
+        if (call.arrived[k] >> lane & 1u) {
+          waiting.push_back(warp * 32 + lane);
+        } else {
+          missing.push_back(warp * 32 + lane);  // still running elsewhere, or exited
+        }
       }
     }
     text += " Threads " + format_threads(waiting) + " wait in " + call.op + " " + std::to_string(call.registers) +
