@@ -105,6 +105,29 @@ extern "C" __global__ void setmaxnreg_rules(int* out, int which) {
 }
 FAGEN_EXPORT(setmaxnreg_rules)
 
+// The twin with a register count known only at run time (the ISA table test; the
+// wrapper takes it as a template argument). A no-op on the GPU.
+extern "C" __global__ void setmaxnreg_count(int* out, int registers, int raise) {
+#ifdef FAGEN_EMULATE
+  if (raise) {
+    ::fagen_emu::setmaxnreg_inc(static_cast<unsigned>(registers), {__FILE__, __LINE__});
+  } else {
+    ::fagen_emu::setmaxnreg_dec(static_cast<unsigned>(registers), {__FILE__, __LINE__});
+  }
+#endif
+  out[threadIdx.x] = registers;
+}
+FAGEN_EXPORT(setmaxnreg_count)
+
+// out[t] = the order in which thread t got past the barrier: the schedule, made visible.
+extern "C" __global__ void arrival_order(int* out) {
+  __shared__ int next[1];
+  if (threadIdx.x == 0) next[0] = 0;
+  __syncthreads();
+  out[threadIdx.x] = atomicAdd(&next[0], 1);
+}
+FAGEN_EXPORT(arrival_order)
+
 // Every thread fences twice (counted per launch).
 extern "C" __global__ void proxy_fences(int* out) {
   fagen::fence_proxy_async();
