@@ -18,7 +18,7 @@ Environment (read at each launch; fagen/emulate/README.md lists the build ones):
                             lockstep), "warp-serial" or "warp-serial-reverse" (one warp
                             runs a whole barrier interval before the next), "producer-first"
                             or "consumer-first" (warpgroup 0, or the others, whenever they
-                            can run), "random" (a seeded random runnable thread)
+                            can run), "random" (a seeded random warp at a time)
     FAGEN_EMULATE_SEED      the random schedule's seed (default 0)
     FAGEN_EMULATE_BLOCK_ORDER "forward" (default) or "reverse": the order blocks are taken
                             in (with one OS thread, the order they run in)

@@ -9,8 +9,9 @@
 //   a producer runs as far ahead of its consumers as its barriers let it;
 // - consumer-first: the same with warpgroup 0 last: consumers drain every stage
 //   before the producer refills one;
-// - random: a pseudo-random runnable thread, from LaunchConfig::seed and the
-//   block's index (so a seed replays a launch whatever the OS threads do).
+// - random: a pseudo-random warp with runnable threads runs them once each, from
+//   LaunchConfig::seed and the block's index (so a seed replays a launch whatever
+//   the OS threads do).
 // A thread that yields in __nanosleep or try_wait lets the threads after it run.
 #include "runtime_internal.h"
 
@@ -57,17 +58,30 @@ uint64_t next_random(uint64_t& state) {
   return z ^ (z >> 31);
 }
 
+// A random warp with runnable lanes runs them once each, in lane order: the lanes of
+// a warp stay together as the emulator's warp-collective rules expect (a warp's lanes
+// reach a collective in lockstep), while warps interleave at random.
 void run_random(Worker& worker, BlockRun& block) {
   uint64_t state = block.launch->config.seed ^ (block.linear_block * 0xD1B54A32D192ED03ull);
-  std::vector<unsigned> runnable;
-  runnable.reserve(block.thread_count);
+  std::vector<unsigned> warps;
+  warps.reserve(block.warp_count);
   while (block.live > 0 && !block.failed) {
-    runnable.clear();
-    for (unsigned id = 0; id < block.thread_count; ++id)
-      if (block.fibers[id].state == FiberState::runnable) runnable.push_back(id);
-    fail_deadlock_unless(!runnable.empty(), block);
-    if (runnable.empty()) return;
-    resume_fiber(worker, block.fibers[runnable[next_random(state) % runnable.size()]]);
+    warps.clear();
+    for (unsigned w = 0; w < block.warp_count; ++w) {
+      const unsigned last = std::min(block.thread_count, 32 * w + 32);
+      for (unsigned id = 32 * w; id < last; ++id) {
+        if (block.fibers[id].state == FiberState::runnable) {
+          warps.push_back(w);
+          break;
+        }
+      }
+    }
+    fail_deadlock_unless(!warps.empty(), block);
+    if (warps.empty()) return;
+    const unsigned w = warps[next_random(state) % warps.size()];
+    const unsigned last = std::min(block.thread_count, 32 * w + 32);
+    for (unsigned id = 32 * w; id < last && !block.failed; ++id)
+      if (block.fibers[id].state == FiberState::runnable) resume_fiber(worker, block.fibers[id]);
   }
 }
 

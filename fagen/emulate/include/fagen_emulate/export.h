@@ -33,7 +33,7 @@ enum Schedule : int32_t {
   // release the scheduler picks who runs next.
   kScheduleProducerFirst = 4,     // warpgroup 0 (the producer by convention) whenever it can run
   kScheduleConsumerFirst = 5,     // the other warpgroups whenever they can run
-  kScheduleRandom = 6,            // a random runnable thread, from LaunchConfig::seed
+  kScheduleRandom = 6,            // a random warp runs its runnable lanes, from LaunchConfig::seed
 };
 
 // The order in which blocks are handed to the OS threads (with one OS thread, the
