@@ -143,7 +143,8 @@ ISA_TABLE = {
         [(INIT, 1), (ARRIVE_EXPECT_TX, 64), (COMPLETE_TX, 32), (COMPLETE_TX, 32)], [2, 2, 2, 1]),
     "complete-tx before expect-tx: the tx-count goes negative, the phase waits for it": (
         [(INIT, 1), (COMPLETE_TX, 48), (ARRIVE, 0), (EXPECT_TX, 48)], [2, 2, 2, 1]),
-    "arrive.expect_tx is expect-tx, then arrive-on": ([(INIT, 1), (COMPLETE_TX, 16), (ARRIVE_EXPECT_TX, 16)], [2, 2, 1]),
+    "arrive.expect_tx is expect-tx, then arrive-on": (
+        [(INIT, 1), (COMPLETE_TX, 16), (ARRIVE_EXPECT_TX, 16)], [2, 2, 1]),
     "the expected count is reloaded for the next phase": (
         [(INIT, 2), (ARRIVE, 0), (ARRIVE, 0), (ARRIVE, 0), (ARRIVE, 0)], [2, 2, 1, 1, 2]),
     "the largest expected count and tx-count are allowed": (

@@ -110,14 +110,14 @@ SETMAXNREG_COUNTS = {16: False, 20: False, 24: True, 28: False, 32: True, 100: F
 @pytest.mark.parametrize("registers", list(SETMAXNREG_COUNTS))
 def test_setmaxnreg_register_counts_follow_the_isa(module, registers):
     out = torch.zeros(128, dtype=torch.int32)
-    run = lambda raise_: module.get_function("setmaxnreg_count")((1,), (128,), (out, I32(registers), I32(raise_)))  # noqa: E731
+    kernel = module.get_function("setmaxnreg_count")
     if SETMAXNREG_COUNTS[registers]:
-        run(1)
+        kernel((1,), (128,), (out, I32(registers), I32(1)))
         assert (out == registers).all()
     else:
         with pytest.raises(EmulationError, match=rf"setmaxnreg.inc.sync.aligned.u32 {registers}: the register count "
                                                  r"must be in \[24, 256\] and a multiple of 8"):
-            run(1)
+            kernel((1,), (128,), (out, I32(registers), I32(1)))
 
 
 SETMAXNREG_FAULTS = {
