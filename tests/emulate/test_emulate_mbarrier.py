@@ -193,6 +193,7 @@ PROTOCOL_FAULTS = {
        r"tx-count 0\), a phase that cannot complete",
     5: r"mbarrier.try_wait.parity\(2\): the phase parity must be 0 or 1",
     6: r"mbarrier.try_wait.parity on 0x[0-9a-f]+: an mbarrier must be 8-byte aligned",
+    8: r"thread 32 .*livelock: threads keep spinning",
 }
 
 
@@ -200,14 +201,15 @@ def test_mbarrier_protocol_kept(rules, monkeypatch):
     for schedule in SCHEDULES:
         monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
         out = torch.zeros(64, dtype=torch.int32)
-        rules.get_function("mbarrier_protocol")((2,), (64,), (out, I32(0)))
-        assert (out == 1).all(), schedule
+        for which in (0, 7):  # a blocking wait, and a try_wait loop that spins until thread 0 arrives
+            rules.get_function("mbarrier_protocol")((2,), (64,), (out, I32(which)))
+            assert (out == 1).all(), (schedule, which)
 
 
 @pytest.mark.parametrize("which", list(PROTOCOL_FAULTS))
 def test_mbarrier_protocol_faults(rules, monkeypatch, which):
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "forward")
-    wait = line_of(RULES, "if (threadIdx.x == 32) fagen::mbarrier_wait_parity(bar,")
+    wait = line_of(RULES, "fagen::mbarrier_wait_parity(bar, which == 5")
     with pytest.raises(EmulationError, match=PROTOCOL_FAULTS[which].format(wait=wait)):
         rules.get_function("mbarrier_protocol")((1,), (64,), (torch.zeros(64, dtype=torch.int32), I32(which)))
 

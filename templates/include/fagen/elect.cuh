@@ -15,7 +15,7 @@ namespace fagen {
 
 __device__ __forceinline__ bool elect_one_sync(uint32_t mask = 0xffffffffu FAGEN_CALL_SITE_PARAMS) {
 #ifdef FAGEN_EMULATE
-  return ::fagen_emu::elect_sync(mask, FAGEN_CALL_SITE) == threadIdx.x % 32;
+  return ::fagen_emu::elect_sync(mask, FAGEN_CALL_SITE) == ::fagen_emu::current_thread->lane;
 #else
   uint32_t elected;
   asm volatile(

@@ -34,6 +34,8 @@ FAGEN_EXPORT(mbarrier_script)
 //   4 thread 32 waits for a phase nobody completes (deadlock).
 //   5 the wait names parity 2.
 //   6 the barrier is not 8-byte aligned.
+//   7 none: thread 32 spins on try_wait while thread 0 sleeps a while, then arrives.
+//   8 thread 32 spins on try_wait for a phase nobody completes (a livelock).
 extern "C" __global__ void mbarrier_protocol(int* out, int which) {
   __shared__ __align__(8) uint64_t bars[3];
   uint64_t* bar = which == 1 ? &bars[1] : &bars[0];
@@ -42,7 +44,10 @@ extern "C" __global__ void mbarrier_protocol(int* out, int which) {
     fagen::mbarrier_init_fence();
   }
   if (which != 2) __syncthreads();
-  if (threadIdx.x == 0 && which != 4) {
+  if (threadIdx.x == 0 && which == 7) {
+    for (int k = 0; k < 3; ++k) __nanosleep(100);
+  }
+  if (threadIdx.x == 0 && which != 4 && which != 8) {
     fagen::mbarrier_arrive(&bars[0]);
     if (which == 3) fagen::mbarrier_arrive(&bars[0]);
   }
@@ -50,7 +55,12 @@ extern "C" __global__ void mbarrier_protocol(int* out, int which) {
   if (which == 6 && threadIdx.x == 32) {
     fagen::mbarrier_wait_parity(reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(&bars[2]) + 4), 0);
   }
-  if (threadIdx.x == 32) fagen::mbarrier_wait_parity(bar, which == 5 ? 2u : 0u);
+  if (threadIdx.x == 32 && which >= 7) {
+    while (!fagen::mbarrier_try_wait_parity(bar, 0)) {
+    }
+  } else if (threadIdx.x == 32) {
+    fagen::mbarrier_wait_parity(bar, which == 5 ? 2u : 0u);
+  }
   out[threadIdx.x] = 1;
 }
 FAGEN_EXPORT(mbarrier_protocol)
