@@ -69,6 +69,26 @@ def test_named_barrier_faults(module, monkeypatch, which):
         module.get_function("named_faults")((1,), (128,), (torch.zeros(128, dtype=torch.int32), I32(which)))
 
 
+# PTX ISA, "bar, barrier": the barrier operand names one of 16 barriers (0-15); the thread
+# count is a multiple of the warp size (and not zero: a use with no threads). (id, count) -> valid.
+NAMED_OPERANDS = {(0, 32): True, (0, 128): True, (1, 64): True, (15, 96): True, (16, 32): False, (31, 64): False,
+                  (1, 0): False, (1, 16): False, (2, 48): False, (3, 100): False}
+
+
+@pytest.mark.parametrize("id_count", list(NAMED_OPERANDS), ids=str)
+def test_named_barrier_operands_follow_the_isa(module, id_count):
+    barrier, count = id_count
+    out = torch.zeros(128, dtype=torch.int32)
+    kernel = module.get_function("named_count")
+    if NAMED_OPERANDS[id_count]:
+        kernel((1,), (128,), (out, I32(barrier), I32(count)))
+        assert (out == 1).all()
+    else:
+        with pytest.raises(EmulationError, match=rf"bar.sync {barrier}, {count}: the (barrier id must be in \[0, 15\]"
+                                                 r"|thread count must be a nonzero multiple of the warp size)"):
+            kernel((1,), (128,), (out, I32(barrier), I32(count)))
+
+
 def test_named_barrier_zero_meets_syncthreads_either_way(module, monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "reverse")  # warps 1-3 wait at __syncthreads first
     with pytest.raises(EmulationError, match=r"thread 31 .*bar.sync 0, 64 while threads wait at __syncthreads "

@@ -62,6 +62,18 @@ extern "C" __global__ void named_faults(int* out, int which) {
 }
 FAGEN_EXPORT(named_faults)
 
+// Warps 0 to count/32 - 1 call bar.sync id, count (every warp, when count is not a
+// whole number of warps); out[t] = 1 for every thread that gets to the end.
+extern "C" __global__ void named_count(int* out, int id, int count) {
+  const int warp = threadIdx.x / 32;
+  const bool whole_warps = count > 0 && count % 32 == 0;
+  if (!whole_warps || warp < count / 32) {
+    fagen::named_barrier_sync(static_cast<uint32_t>(id), static_cast<uint32_t>(count));
+  }
+  out[threadIdx.x] = 1;
+}
+FAGEN_EXPORT(named_count)
+
 // The lanes of `mask` call elect.sync with it; out[lane] = 1 where elected, 0
 // where not, -1 for lanes outside the mask.
 extern "C" __global__ void elect_lanes(int* out, unsigned mask) {
