@@ -347,7 +347,7 @@ void land_all_copies(Fiber& fiber);
 
 // -- warp specialisation: mbarrier.cpp, named_barrier.cpp, warp_specialize.cpp -------
 // Their per-block state is thread_local (one block per OS thread at a time), cleared
-// when a block starts (sync_twins_block_start); the describe_* name what blocked
+// when a block starts (the *_block_start calls); the describe_* name what blocked
 // threads wait for, for the deadlock message.
 void mbarrier_block_start();
 void named_barrier_block_start();
