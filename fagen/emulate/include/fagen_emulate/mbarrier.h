@@ -14,7 +14,8 @@
 //   released when the phase completes.
 // Faults (EmulationError naming the thread, the barrier and the .cu line): a use
 // before init, or before the init is visible to the user (init by another thread
-// needs fence.mbarrier_init by the initialising thread, then __syncthreads); an
+// needs fence.mbarrier_init by the initialising thread, then __syncthreads: named
+// barriers do not count for this yet); an
 // arrival beyond the expected count; a tx-count outside [-(2^20-1), 2^20-1]; a
 // counting thread that lets the barrier complete two phases between its waits
 // (the parity it waits for is ambiguous: the ABA problem); a wait that can never
