@@ -35,6 +35,9 @@ FAGEN_EMU_RUNTIME_API uint64_t mbarrier_arrive(void* bar, Site site);
 FAGEN_EMU_RUNTIME_API uint64_t mbarrier_arrive_expect_tx(void* bar, uint32_t tx_bytes, Site site);
 FAGEN_EMU_RUNTIME_API void mbarrier_expect_tx(void* bar, uint32_t tx_bytes, Site site);
 // mbarrier.complete_tx, and what an asynchronous copy (TMA) calls when its bytes land.
+// Call it on an emulated thread (the copy's issuing thread, say): faults name that
+// thread, and the barrier's init must be visible to it. If the delivery completes
+// the phase, its waiters are released.
 FAGEN_EMU_RUNTIME_API void mbarrier_complete_tx(void* bar, uint32_t tx_bytes, Site site);
 // One try_wait.parity: true if the phase with this parity has completed; false
 // after letting the block's other threads run once (the try's time limit).
