@@ -1,9 +1,10 @@
 // elect.sync, setmaxnreg and fence.proxy.async twins (fagen_emulate/warp_specialize.h).
 //
 // elect.sync (PTX ISA, "Parallel Synchronization and Communication Instructions:
-// elect.sync"): warp-collective over `membermask`; one lane is elected, the
-// lowest-numbered lane of the mask here (the ISA's example elects the leader that
-// way; the ISA only promises one lane).
+// elect.sync"): warp-collective over `membermask`; one leader is elected, the same
+// one for the same mask every time. Which lane the ISA leaves open; the twin elects
+// the lowest lane of the mask (a kernel must not depend on it; the GPU check is to
+// compare with the hardware's choice).
 //
 // setmaxnreg (PTX ISA, "Miscellaneous Instructions: setmaxnreg"):
 // .sync.aligned: every warp of the warpgroup (four consecutive warps, warp / 4)

@@ -2,9 +2,10 @@
 // Communication Instructions: elect.sync"): one lane of `mask` is elected.
 //
 // Warp-collective: every lane of `mask` calls it together. elect_one_sync is
-// true in the elected lane only (the emulator elects the lowest lane of the
-// mask); use it where one thread of a warp must act (an mbarrier arrival, a TMA
-// issue) after the warp agreed with __syncwarp.
+// true in the elected lane only; the ISA promises one leader, the same for the
+// same mask every time, not which lane (the emulator elects the lowest). Use it
+// where one thread of a warp must act (an mbarrier arrival, a TMA issue) after
+// the warp agreed with __syncwarp.
 //
 // Emulated twin: fagen_emu::elect_sync (fagen/emulate/src/warp_specialize.cpp).
 #pragma once

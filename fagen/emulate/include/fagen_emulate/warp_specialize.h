@@ -8,8 +8,8 @@
 //   lanes arrived; the barrier completes at `count` threads; bar.sync 0 with the
 //   whole block is __syncthreads. Mismatched counts, too many warps and a barrier
 //   that never completes are faults. Racecheck does not order threads by them yet.
-// - elect.sync: warp-collective over the mask; the lowest lane of the mask is
-//   elected (returned to every lane).
+// - elect.sync: warp-collective over the mask; one lane is elected, the same for
+//   the same mask every time (the ISA's rule); the twin picks the lowest lane.
 // - setmaxnreg.{inc,dec}.sync.aligned.u32 N: all live threads of the warpgroup
 //   (warps 4g..4g+3) at the same instruction; N in [24, 256], a multiple of 8.
 // - fence.proxy.async: recorded and counted (LaunchCounters::proxy_fences).
