@@ -12,7 +12,9 @@
 // and a multiple of 8; .inc raises the per-thread maximum to it, .dec lowers it.
 // The twin is a rendezvous of the warpgroup's live threads, and checks those
 // rules and, once the warpgroup has a count from an earlier setmaxnreg, that .inc
-// does not lower it and .dec does not raise it.
+// does not lower it and .dec does not raise it. Not checked: the ISA's demand that
+// the warpgroup's warps synchronise explicitly between two setmaxnreg (the
+// rendezvous itself orders them), and the CTA's register pool that .inc waits on.
 //
 // fence.proxy.async: orders the generic proxy's shared-memory accesses against
 // the async proxy's (TMA, wgmma operands). The twin records the fence (counted
