@@ -42,9 +42,8 @@ def line_of(source: str, text: str) -> int:
 #
 # From the PTX ISA (8.x), "Parallel Synchronization and Communication Instructions: mbarrier":
 # - "Contents of the mbarrier object": the current phase, the count of pending arrivals,
-#   the expected arrival count (of the next phase), the tx-count.
-# - "Size and range of the contents of mbarrier object": expected arrival count and pending
-#   arrival count in [0 or 1, 2^20 - 1] (init's count must be at least 1); tx-count in
+#   the expected arrival count (of the next phase), the tx-count; its table of valid ranges:
+#   expected arrival count [1, 2^20 - 1], pending arrival count [0, 2^20 - 1], tx-count
 #   [-(2^20 - 1), 2^20 - 1].
 # - "mbarrier.init": phase 0, pending = expected = count, tx-count 0.
 # - "expect-tx operation": tx-count += txCount; "complete-tx operation": tx-count -= txCount;
