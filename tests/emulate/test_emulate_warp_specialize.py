@@ -58,6 +58,8 @@ NAMED_FAULTS = {
     5: ("forward", r"thread 32 .*__syncthreads \(barrier 0 with all 128 threads\) while barrier 0 is in use with "
                    r"count 64 .*mismatched thread counts on barrier 0"),
     6: ("forward", r"deadlock: .*Named barrier 2 \(count 64.*threads 64-95 wait in bar.sync, 32 of 64"),
+    7: ("forward", r"thread 0 .*bar.arrive 3, 128: this thread already arrived at barrier 3 \(bar.arrive at .*\), "
+                   r"which has not completed since \(0 of 128 threads counted\): an arrival twice"),
 }
 
 

@@ -14,8 +14,8 @@
 //
 // A warp's arrival counts once all its live lanes have arrived (the .aligned
 // form: a warp arrives as a whole); a warp beyond the `count` threads already
-// arriving is a fault, as are mismatched counts and a count that is not a
-// multiple of 32. A bar.sync that can never complete is a deadlock that names
+// arriving is a fault, as are a thread arriving twice in one use, mismatched
+// counts and a count that is not a multiple of 32. A bar.sync that can never complete is a deadlock that names
 // the barrier.
 #include "runtime_internal.h"
 
@@ -90,6 +90,11 @@ void arrive(const char* op, unsigned id, unsigned count, bool wait, Site site) {
   } else if (b.count != count) {
     fail(site, "%s %u, %u while barrier %u is in use with count %u (%s at %s): mismatched thread counts on one "
                "barrier", op, id, count, id, b.count, b.first_op, format_site(b.site).c_str());
+  }
+  if (b.lanes[warp] & bit) {
+    fail(site, "%s %u, %u: this thread already arrived at barrier %u (%s at %s), which has not completed since "
+               "(%u of %u threads counted): an arrival twice in one use of the barrier", op, id, count, id,
+         b.first_op, format_site(b.site).c_str(), b.warps_done * 32, count);
   }
   if (b.lanes[warp] == 0) {
     if ((b.warps_started + 1) * 32 > count) {

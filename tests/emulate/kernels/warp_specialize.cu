@@ -40,7 +40,7 @@ FAGEN_EXPORT(named_handoff)
 // multiple of 32; 2 warps 2-3 name another count than warps 0-1; 3 warp 3 never
 // arrives (deadlock); 4 barrier id 16; 5 warp 0 at barrier 0 with 64 threads, the
 // other warps at __syncthreads (barrier 0 with all 128); 6 three warps at a
-// barrier for 64 threads.
+// barrier for 64 threads; 7 warps 0-1 bar.arrive twice at a barrier for 128.
 extern "C" __global__ void named_faults(int* out, int which) {
   const int warp = threadIdx.x / 32;
   switch (which) {
@@ -57,6 +57,14 @@ extern "C" __global__ void named_faults(int* out, int which) {
       }
       break;
     case 6: if (warp < 3) fagen::named_barrier_sync(2, 64); break;
+    case 7:
+      if (warp < 2) {
+        fagen::named_barrier_arrive(3, 128);
+        fagen::named_barrier_arrive(3, 128);
+      } else {
+        fagen::named_barrier_sync(3, 128);
+      }
+      break;
   }
   out[threadIdx.x] = 1;
 }
