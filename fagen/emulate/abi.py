@@ -4,7 +4,7 @@ loads this file on its own, to start fast).
 A module exports, per kernel K (see include/fagen_emulate/export.h):
     int fagen_launch_K(const LaunchConfig*, void** args, char* error, unsigned long size)
     const char* fagen_signature_K()     e.g. "pc:f16,p:f32,i32,i64"
-and fagen_emulate_kernels() -> "K1,K2", fagen_emulate_abi_version() -> 1.
+and fagen_emulate_kernels() -> "K1,K2", fagen_emulate_abi_version() -> ABI_VERSION.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ERROR_BUFFER_BYTES = 16384
 
 SCALAR_TYPES = {
@@ -55,6 +55,7 @@ LAUNCH_COUNTERS = (
     "shared_store_requests", "shared_store_wavefronts", "shared_store_conflicts",
     "ldmatrix_requests", "ldmatrix_wavefronts", "ldmatrix_conflicts",
     "mma", "barriers", "philox_calls", "cp_async_copies", "cp_async_bytes",
+    "proxy_fences",
 )
 
 
@@ -86,6 +87,7 @@ class LaunchConfig(ctypes.Structure):
         ("tensor_count", ctypes.c_uint32),
         ("tensors", ctypes.POINTER(TensorRange)),
         ("counters", ctypes.POINTER(LaunchCounters)),
+        ("seed", ctypes.c_uint64),
     ]
 
 
@@ -211,10 +213,11 @@ class Library:
 
 def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: int, values: list,
            instrument: int = 0, tensors=None, counters: LaunchCounters | None = None,
-           block_order: int = 0) -> str | None:
+           block_order: int = 0, seed: int = 0) -> str | None:
     """Run the grid; None, or the runtime's error message. `values` are ctypes objects, one per
     parameter; with `instrument`, `tensors` is a ctypes array of TensorRange (its counters are
-    filled in) and `counters` a LaunchCounters to fill; `block_order` is a BlockOrder."""
+    filled in) and `counters` a LaunchCounters to fill; `block_order` is a BlockOrder; `seed` the random
+    schedule's."""
     config = LaunchConfig()
     config.grid[:] = grid
     config.block[:] = block
@@ -223,6 +226,7 @@ def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: in
     config.schedule = schedule
     config.instrument = instrument
     config.block_order = block_order
+    config.seed = seed
     if tensors is not None and len(tensors):
         config.tensor_count = len(tensors)
         config.tensors = ctypes.cast(tensors, ctypes.POINTER(TensorRange))

@@ -18,7 +18,9 @@ from .errors import EmulationError
 THREADS_ENV = "FAGEN_EMULATE_THREADS"
 SCHEDULE_ENV = "FAGEN_EMULATE_SCHEDULE"
 # The Schedule enum of include/fagen_emulate/export.h.
-SCHEDULES = {"forward": 0, "reverse": 1, "warp-serial": 2, "warp-serial-reverse": 3}
+SCHEDULES = {"forward": 0, "reverse": 1, "warp-serial": 2, "warp-serial-reverse": 3, "producer-first": 4,
+             "consumer-first": 5, "random": 6}
+SEED_ENV = "FAGEN_EMULATE_SEED"
 BLOCK_ORDER_ENV = "FAGEN_EMULATE_BLOCK_ORDER"
 # The BlockOrder enum of include/fagen_emulate/export.h.
 BLOCK_ORDERS = {"forward": 0, "reverse": 1}
@@ -45,6 +47,18 @@ def schedule() -> int:
     if text not in SCHEDULES:
         raise EmulationError(f"{SCHEDULE_ENV}={text!r}: expected one of {', '.join(SCHEDULES)}")
     return SCHEDULES[text]
+
+
+def schedule_seed() -> int:
+    """FAGEN_EMULATE_SEED: the random schedule's seed, an unsigned 64-bit integer (default 0)."""
+    text = os.environ.get(SEED_ENV, "0")
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**64:
+        raise EmulationError(f"{SEED_ENV}={text!r}: expected an integer in [0, 2**64)")
+    return value
 
 
 def block_order() -> int:

@@ -16,7 +16,10 @@ Environment (read at each launch; fagen/emulate/README.md lists the build ones):
     FAGEN_EMULATE_SCHEDULE  the order in which a block's threads take turns: "forward"
                             (default) or "reverse" (thread by thread: warps advance in
                             lockstep), "warp-serial" or "warp-serial-reverse" (one warp
-                            runs a whole barrier interval before the next)
+                            runs a whole barrier interval before the next), "producer-first"
+                            or "consumer-first" (warpgroup 0, or the others, whenever they
+                            can run), "random" (a seeded random runnable thread)
+    FAGEN_EMULATE_SEED      the random schedule's seed (default 0)
     FAGEN_EMULATE_BLOCK_ORDER "forward" (default) or "reverse": the order blocks are taken
                             in (with one OS thread, the order they run in)
     FAGEN_EMULATE_RACECHECK "1" (or "lenient"): modules are built instrumented and every
@@ -34,7 +37,7 @@ from . import abi, instrumentation
 from .build import BuiltModule, build
 from .checked import CheckedModule
 from .errors import EmulationError
-from .launch_args import block_order, dim3, dtype_code, os_threads, racecheck_flags, schedule
+from .launch_args import block_order, dim3, dtype_code, os_threads, racecheck_flags, schedule, schedule_seed
 
 
 class EmulatedFunction:
@@ -78,14 +81,15 @@ class EmulatedFunction:
         flags = self.module.instrument_flags()
         if not flags:
             error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
-                               block_order=block_order())
+                               block_order=block_order(), seed=schedule_seed())
             if error is not None:
                 raise EmulationError(error)
             return
         tensors, indices = instrumentation.tensor_ranges(self.parameters, args)
         counters = abi.LaunchCounters()
         error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
-                           instrument=flags, tensors=tensors, counters=counters, block_order=block_order())
+                           instrument=flags, tensors=tensors, counters=counters, block_order=block_order(),
+                           seed=schedule_seed())
         if error is not None:
             raise instrumentation.launch_error(error, self.module.library_path, self.module.source_path)
         if flags & abi.INSTRUMENT_COUNTERS:

@@ -98,8 +98,8 @@ def test_environment_settings_are_checked(scale_module, monkeypatch):
     with pytest.raises(EmulationError, match="FAGEN_EMULATE_THREADS='zero'"):
         scale_module.get_function("scale")((3,), (128,), (x, y, *scalars))
     monkeypatch.setenv("FAGEN_EMULATE_THREADS", "2")
-    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "random")
-    with pytest.raises(EmulationError, match="FAGEN_EMULATE_SCHEDULE='random'"):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "sideways")  # ("random" is a schedule now)
+    with pytest.raises(EmulationError, match="FAGEN_EMULATE_SCHEDULE='sideways'"):
         scale_module.get_function("scale")((3,), (128,), (x, y, *scalars))
 
 

@@ -73,6 +73,7 @@ std::string describe_deadlock(const BlockRun& block) {
                  " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
     }
   }
+  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_warpgroup_waits(block);
   return message;
 }
 
@@ -280,6 +281,7 @@ int sync_threads_count(int predicate, Site site) {
                "warp-collective op called by part of the warp",
          format_lanes(p->arrived).c_str(), warp, p->op, format_site(p->site).c_str());
   }
+  check_named_barrier_zero_idle(site);
   if (block.first_exited >= 0) {
     std::vector<unsigned> exited;
     for (unsigned id = 0; id < block.thread_count; ++id)
@@ -318,7 +320,8 @@ int sync_threads_count(int predicate, Site site) {
   block.barriers_completed += 1;
   if (block.launch->config.schedule >= kScheduleWarpSerial) {
     // Warp-serial: the next phase starts from the first warp in order, not from
-    // the thread that happened to arrive last.
+    // the thread that happened to arrive last (the reordering schedules: the
+    // scheduler picks who runs next).
     switch_to_scheduler(self, /*finished=*/false);
   }
   return count;
@@ -427,6 +430,16 @@ void run_warp_serial(Worker& worker, BlockRun& block, bool reverse) {
 
 }  // namespace
 
+// -- for the reordering schedules (schedule_orders.cpp) and the sync twins ------------------
+
+void resume_fiber(Worker& worker, Fiber& fiber) { resume(worker, fiber); }
+void fail_deadlock_unless(bool ran, BlockRun& block) { mark_deadlock_unless(ran, block); }
+
+void reschedule_after_release() {
+  Fiber& fiber = *current_fiber;
+  if (schedule_reorders(fiber.block->launch->config.schedule)) switch_to_scheduler(fiber, /*finished=*/false);
+}
+
 bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   const LaunchConfig& config = launch.config;
   BlockRun block;
@@ -467,7 +480,12 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   block.live = block.thread_count;
 
   instrument_block_start(block);
-  if (config.schedule >= kScheduleWarpSerial) {
+  mbarrier_block_start();
+  named_barrier_block_start();
+  warpgroup_control_block_start();
+  if (schedule_reorders(config.schedule)) {
+    run_reordering_schedule(worker, block);
+  } else if (config.schedule >= kScheduleWarpSerial) {
     run_warp_serial(worker, block, config.schedule == kScheduleWarpSerialReverse);
   } else {
     run_thread_order(worker, block, config.schedule == kScheduleReverse);

@@ -175,6 +175,7 @@ void counters_block_end(BlockRun& block) {
   t.philox_calls += b.philox_calls;
   t.cp_async_copies += b.cp_async_copies;
   t.cp_async_bytes += b.cp_async_bytes;
+  t.proxy_fences += b.proxy_fences;
   for (std::size_t i = 0; i < state().tensors.size(); ++i) {
     inst.tensors[i]->read_bytes += state().tensors[i].read;
     inst.tensors[i]->written_bytes += state().tensors[i].written;
@@ -216,6 +217,8 @@ void count_cp_async_copy(int src_bytes) {
   state().block.cp_async_copies += 1;
   state().block.cp_async_bytes += static_cast<uint64_t>(src_bytes);
 }
+
+void count_proxy_fence_op() { state().block.proxy_fences += 1; }
 
 void count_ldmatrix_rows(const void* const* rows, int matrices) {
   uint64_t wavefronts = 0, conflicts = 0;

@@ -204,6 +204,10 @@ void count_cp_async(int src_bytes) {
   if (hook.inst && hook.inst->counting()) count_cp_async_copy(src_bytes);
 }
 
+void count_proxy_fence() {
+  if (hook.inst && hook.inst->counting()) count_proxy_fence_op();
+}
+
 void count_philox_call() {
   if (hook.inst && hook.inst->counting()) count_philox();
 }

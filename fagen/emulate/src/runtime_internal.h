@@ -7,6 +7,10 @@
 //   warp_ops.cpp         shuffles, ballot, __syncwarp on top of the rendezvous
 //   tensor_core.cpp      mma.sync and ldmatrix twins
 //   cp_async.cpp         cp.async twins
+//   mbarrier.cpp         mbarrier twins (phases, arrivals, tx-count)
+//   named_barrier.cpp    bar.sync / bar.arrive with an id and a thread count
+//   warp_specialize.cpp  elect.sync, setmaxnreg, fence.proxy.async
+//   schedule_orders.cpp  the producer-first, consumer-first and random schedules
 //   launch.cpp           grid launch on a pool of OS threads, per-block shared memory
 //   instrument.cpp       the hooks an instrumented kernel module calls on every
 //                        load and store (ThreadSanitizer's ABI, no libtsan)
@@ -297,6 +301,7 @@ SiteCode call_site(const void* pc, Site fallback);
 void count_mma();
 void count_ldmatrix(const void* const* row_addresses, int matrices);
 void count_cp_async(int src_bytes);
+void count_proxy_fence();
 // The name __syncwarp's rendezvous has (warp_ops.cpp): it orders lanes even when strict.
 extern const char kSyncWarpOp[];
 
@@ -319,6 +324,7 @@ void count_barrier();
 void count_mma_op();
 void count_philox();
 void count_cp_async_copy(int src_bytes);
+void count_proxy_fence_op();
 void count_ldmatrix_rows(const void* const* rows, int matrices);
 // Whether an address is the running block's shared memory (dynamic or static).
 bool is_shared_address(const void* address);
@@ -338,5 +344,28 @@ StaticShared static_shared_of(void (*kernel)());
 
 // -- cp_async.cpp -------------------------------------------------------------------
 void land_all_copies(Fiber& fiber);
+
+// -- warp specialisation: mbarrier.cpp, named_barrier.cpp, warp_specialize.cpp -------
+// Their per-block state is thread_local (one block per OS thread at a time), cleared
+// when a block starts (sync_twins_block_start); the describe_* name what blocked
+// threads wait for, for the deadlock message.
+void mbarrier_block_start();
+void named_barrier_block_start();
+void warpgroup_control_block_start();
+std::string describe_mbarrier_waits(const BlockRun& block);
+std::string describe_named_barrier_waits(const BlockRun& block);
+std::string describe_warpgroup_waits(const BlockRun& block);
+// __syncthreads is barrier 0: it must not meet a named use of barrier 0 in progress.
+void check_named_barrier_zero_idle(Site site);
+
+// -- the reordering schedules (schedule_orders.cpp) ----------------------------------
+bool schedule_reorders(int32_t schedule);  // producer-first, consumer-first, random
+void run_reordering_schedule(Worker& worker, BlockRun& block);
+// After an op released waiting threads: under a reordering schedule the running
+// thread (still runnable) hands the choice of who runs next to the scheduler.
+void reschedule_after_release();
+// block_scheduler.cpp, for the schedules
+void resume_fiber(Worker& worker, Fiber& fiber);
+void fail_deadlock_unless(bool ran, BlockRun& block);
 
 }  // namespace fagen_emu

@@ -12,7 +12,7 @@
 //     "f32", "f64", ..., and pointers as "p:<pointee>" or "pc:<pointee>"
 //     (pointer to const), e.g. "pc:f16,p:f32,i32,i64".
 // and registers k so that fagen_emulate_kernels() lists it. Every module also
-// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (3).
+// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (4).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,11 @@ enum Schedule : int32_t {
   kScheduleReverse = 1,           // the same, decreasing
   kScheduleWarpSerial = 2,        // one warp runs until it waits at a block barrier, then the next
   kScheduleWarpSerialReverse = 3, // the same, from the last warp
+  // The reordering schedules (src/schedule_orders.cpp): after every block, named or mbarrier
+  // release the scheduler picks who runs next.
+  kScheduleProducerFirst = 4,     // warpgroup 0 (the producer by convention) whenever it can run
+  kScheduleConsumerFirst = 5,     // the other warpgroups whenever they can run
+  kScheduleRandom = 6,            // a random runnable thread, from LaunchConfig::seed
 };
 
 // The order in which blocks are handed to the OS threads (with one OS thread, the
@@ -81,6 +86,7 @@ struct LaunchCounters {
   uint64_t philox_calls;     // per thread
   uint64_t cp_async_copies;  // 16-byte cp.async issued
   uint64_t cp_async_bytes;   // bytes they read from global memory (src-size)
+  uint64_t proxy_fences;     // fence.proxy.async, per thread
 };
 
 // Mirrored by ctypes in fagen/emulate/abi.py.
@@ -95,6 +101,7 @@ struct LaunchConfig {
   uint32_t tensor_count;
   TensorRange* tensors;
   LaunchCounters* counters;
+  uint64_t seed;       // the random schedule's (FAGEN_EMULATE_SEED)
 };
 
 using KernelThunk = void (*)(void (*kernel)(), void** args);
@@ -196,7 +203,7 @@ struct KernelRegistration {
 // Defined once per kernel module: a generated source includes the prelude,
 // hence this header, exactly once.
 FAGEN_EMU_API const char* fagen_emulate_kernels() { return ::fagen_emu::module_kernel_list(); }
-FAGEN_EMU_API int fagen_emulate_abi_version() { return 3; }
+FAGEN_EMU_API int fagen_emulate_abi_version() { return 4; }
 #endif
 
 #define FAGEN_EXPORT(kernel)                                                                            \
