@@ -12,7 +12,8 @@ import torch
 import tma_pipeline_case as case
 from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.twins,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MAP = np.dtype([("opaque", np.uint64, (16,))])   # a CUtensorMap's 128 bytes, passed by value
 
 
