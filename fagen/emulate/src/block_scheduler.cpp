@@ -483,12 +483,20 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   mbarrier_block_start();
   named_barrier_block_start();
   warpgroup_control_block_start();
+  tma_block_start();
   if (schedule_reorders(config.schedule)) {
     run_reordering_schedule(worker, block);
   } else if (config.schedule >= kScheduleWarpSerial) {
     run_warp_serial(worker, block, config.schedule == kScheduleWarpSerialReverse);
   } else {
     run_thread_order(worker, block, config.schedule == kScheduleReverse);
+  }
+  if (!block.failed) {
+    const std::string unfinished = tma_block_end();
+    if (!unfinished.empty()) {
+      block.failed = true;
+      block.error = unfinished;
+    }
   }
   instrument_block_end(block);
   if (block.failed) {

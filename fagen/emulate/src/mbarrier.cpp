@@ -151,7 +151,8 @@ uint64_t arrive_on(void* bar, Mbarrier& b, const char* op, Site site) {
   }
   const uint64_t token = b.phase;
   b.pending -= 1;
-  complete_if_done(b);
+  if (b.pending == 0 && b.tx != 0 && !b.waiters.empty()) tma_land_loads(bar);  // only bytes missing: they land
+  complete_if_done(use(bar, op, site));
   return token;
 }
 
@@ -237,6 +238,10 @@ void mbarrier_complete_tx(void* bar, uint32_t tx_bytes, Site site) {
 
 bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
   Mbarrier* b = &waitable(bar, parity, site);
+  if (!phase_done(*b, parity) && b->pending == 0) {  // a thread waits, only bytes are missing: they land
+    tma_land_loads(bar);
+    b = &use(bar, kWaitOp, site);
+  }
   if (!phase_done(*b, parity)) {
     yield_to_block();  // the try's time limit: others run, and a spin that never ends is a livelock
     b = &use(bar, kWaitOp, site);
@@ -247,13 +252,25 @@ bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
 }
 
 void mbarrier_wait_parity(void* bar, uint32_t parity, Site site) {
-  Mbarrier& b = waitable(bar, parity, site);
+  Mbarrier* found = &waitable(bar, parity, site);
+  if (!phase_done(*found, parity) && found->pending == 0) {  // a thread waits, only bytes are missing: they land
+    tma_land_loads(bar);
+    found = &use(bar, kWaitOp, site);
+  }
+  Mbarrier& b = *found;
   if (phase_done(b, parity)) {
     b.seen[me()] = b.phase;
     return;
   }
   b.waiters.push_back(Waiter{me(), parity, site});
   block_current(kWaitOp, site);  // released (and `seen` set) when the phase completes
+}
+
+bool mbarrier_waits_for_tx_only(void* bar) {
+  const auto found = barriers.find(reinterpret_cast<uintptr_t>(bar));
+  if (found == barriers.end()) return false;
+  const Mbarrier& b = found->second;
+  return b.pending == 0 && b.tx != 0 && !b.waiters.empty();
 }
 
 // -- the block's lifecycle ---------------------------------------------------------------

@@ -357,6 +357,12 @@ std::string describe_named_barrier_waits(const BlockRun& block);
 std::string describe_warpgroup_waits(const BlockRun& block);
 // __syncthreads is barrier 0: it must not meet a named use of barrier 0 in progress.
 void check_named_barrier_zero_idle(Site site);
+// TMA (tma.cpp): a load in flight lands when its barrier's phase waits for transaction bytes
+// alone and a thread waits on it; mbarrier.cpp calls tma_land_loads then.
+void tma_land_loads(void* bar);
+bool mbarrier_waits_for_tx_only(void* bar);  // mbarrier.cpp: no arrival pending, tx bytes, a waiter
+void tma_block_start();
+std::string tma_block_end();  // "" or why the block may not end so (a bulk operation still reading)
 
 // -- the reordering schedules (schedule_orders.cpp) ----------------------------------
 bool schedule_reorders(int32_t schedule);  // producer-first, consumer-first, random

@@ -1,6 +1,7 @@
 // The TMA twin's box (fagen_emulate/tma.h): which global elements a tile copy of a tensor map
-// reads or writes, and where they sit in shared memory under the map's swizzle.
-#include "runtime_internal.h"
+// reads or writes, and where they sit in shared memory under the map's swizzle. The copies'
+// asynchrony is tma.cpp's.
+#include "tma_box.h"
 
 #include <fagen_emulate/tma.h>
 
@@ -8,15 +9,6 @@
 #include <vector>
 
 namespace fagen_emu {
-namespace {
-
-// The box's element counts per dim, and its bytes; faults on a map the twin cannot read.
-struct BoxShape {
-  int rank = 0;
-  uint32_t counts[kTensorMapMaxRank] = {};
-  std::size_t elements = 1;
-  std::size_t bytes = 0;
-};
 
 BoxShape box_shape(const EmulatedTensorMap& map, Site site) {
   if (map.magic != kTensorMapMagic || map.version != kTensorMapVersion) {
@@ -34,6 +26,8 @@ BoxShape box_shape(const EmulatedTensorMap& map, Site site) {
   shape.bytes = shape.elements * map.element_bytes;
   return shape;
 }
+
+namespace {
 
 // The byte offset of the box element `flat` (dim 0 fastest) from the map's global address, or -1
 // when it lies outside the tensor.
@@ -57,6 +51,8 @@ unsigned char* swizzled(unsigned char* base, std::size_t offset, int swizzle) {
   return reinterpret_cast<unsigned char*>(address ^ (((address >> 7) & mask) << 4));
 }
 
+}  // namespace
+
 void check_shared_box(const void* shared, const EmulatedTensorMap& map, const BoxShape& shape, const char* what,
                       Site site) {
   if (reinterpret_cast<uintptr_t>(shared) % 128 != 0) {
@@ -71,6 +67,8 @@ void check_shared_box(const void* shared, const EmulatedTensorMap& map, const Bo
   check_dynamic_shared_range(shared, shape.bytes, what, site);
 }
 
+namespace {
+
 void fill_out_of_bounds(unsigned char* element, const EmulatedTensorMap& map) {
   std::memset(element, 0, map.element_bytes);
   if (map.oob_fill == 0) return;
@@ -81,46 +79,63 @@ void fill_out_of_bounds(unsigned char* element, const EmulatedTensorMap& map) {
 
 }  // namespace
 
-void tma_load_box_now(void* shared_dst, const EmulatedTensorMap* map, const int32_t* coords, Site site) {
-  const BoxShape shape = box_shape(*map, site);
-  check_shared_box(shared_dst, *map, shape, "cp.async.bulk.tensor load", site);
+void copy_box_in(void* shared_dst, const EmulatedTensorMap& map, const BoxShape& shape, const int32_t* coords,
+                 Site site) {
   auto* base = static_cast<unsigned char*>(shared_dst);
-  const auto* global = reinterpret_cast<const unsigned char*>(map->global_address);
+  const auto* global = reinterpret_cast<const unsigned char*>(map.global_address);
   const bool instrumented = instrumenting();
   for (std::size_t flat = 0; flat < shape.elements; ++flat) {
     unsigned char element[8];
-    const int64_t offset = global_offset(*map, shape, coords, flat);
+    const int64_t offset = global_offset(map, shape, coords, flat);
     if (offset < 0) {
-      fill_out_of_bounds(element, *map);
+      fill_out_of_bounds(element, map);
     } else {
       if (instrumented) {
-        global_access(thread_ref(*current_fiber), global + offset, map->element_bytes, false, false,
+        global_access(thread_ref(*current_fiber), global + offset, map.element_bytes, false, false,
                       runtime_site(site));
       }
-      std::memcpy(element, global + offset, map->element_bytes);
+      std::memcpy(element, global + offset, map.element_bytes);
     }
-    for (unsigned b = 0; b < map->element_bytes; ++b) {
-      *swizzled(base, flat * map->element_bytes + b, map->swizzle) = element[b];
+    for (unsigned b = 0; b < map.element_bytes; ++b) {
+      *swizzled(base, flat * map.element_bytes + b, map.swizzle) = element[b];
     }
   }
+}
+
+void copy_box_out(const EmulatedTensorMap& map, const BoxShape& shape, const int32_t* coords,
+                  const unsigned char* dense, Site site, const BoxElementWrite& write) {
+  auto* global = reinterpret_cast<unsigned char*>(map.global_address);
+  const bool instrumented = instrumenting();
+  for (std::size_t flat = 0; flat < shape.elements; ++flat) {
+    const int64_t offset = global_offset(map, shape, coords, flat);
+    if (offset < 0) continue;  // a store skips what lies outside the tensor
+    if (instrumented) {
+      global_access(thread_ref(*current_fiber), global + offset, map.element_bytes, true, false, runtime_site(site));
+    }
+    write(global + offset, dense + flat * map.element_bytes);
+  }
+}
+
+void unswizzle_box(const void* shared_src, const EmulatedTensorMap& map, const BoxShape& shape,
+                   unsigned char* dense) {
+  auto* base = const_cast<unsigned char*>(static_cast<const unsigned char*>(shared_src));
+  for (std::size_t i = 0; i < shape.bytes; ++i) dense[i] = *swizzled(base, i, map.swizzle);
+}
+
+void tma_load_box_now(void* shared_dst, const EmulatedTensorMap* map, const int32_t* coords, Site site) {
+  const BoxShape shape = box_shape(*map, site);
+  check_shared_box(shared_dst, *map, shape, "cp.async.bulk.tensor load", site);
+  copy_box_in(shared_dst, *map, shape, coords, site);
 }
 
 void tma_store_box_now(const EmulatedTensorMap* map, const int32_t* coords, const void* shared_src, Site site) {
   const BoxShape shape = box_shape(*map, site);
   check_shared_box(shared_src, *map, shape, "cp.async.bulk.tensor store", site);
-  auto* base = const_cast<unsigned char*>(static_cast<const unsigned char*>(shared_src));
-  auto* global = reinterpret_cast<unsigned char*>(map->global_address);
-  const bool instrumented = instrumenting();
-  for (std::size_t flat = 0; flat < shape.elements; ++flat) {
-    const int64_t offset = global_offset(*map, shape, coords, flat);
-    if (offset < 0) continue;  // a store skips what lies outside the tensor
-    if (instrumented) {
-      global_access(thread_ref(*current_fiber), global + offset, map->element_bytes, true, false, runtime_site(site));
-    }
-    for (unsigned b = 0; b < map->element_bytes; ++b) {
-      global[offset + b] = *swizzled(base, flat * map->element_bytes + b, map->swizzle);
-    }
-  }
+  std::vector<unsigned char> dense(shape.bytes);
+  unswizzle_box(shared_src, *map, shape, dense.data());
+  const unsigned bytes = map->element_bytes;
+  copy_box_out(*map, shape, coords, dense.data(), site,
+               [bytes](unsigned char* to, const unsigned char* from) { std::memcpy(to, from, bytes); });
 }
 
 }  // namespace fagen_emu
