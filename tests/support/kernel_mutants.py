@@ -20,6 +20,7 @@ from fagen.emulate import EmulationError
 from fagen.spec import Spec
 import barrier_mutations
 import kernel_checks as checks
+import twin_mutants
 from kernel_cases import poisoned_empty
 
 DEFAULT_SCALE_LOG2 = "(1.4426950408889634f * rsqrtf((float)kHeadDim))"   # log2(e) / sqrt(d): the default
@@ -259,9 +260,14 @@ SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scal
 
 
 def mutation_score() -> tuple[int, int, list[str]]:
-    """(killed, total, the survivors' names) over the kernel mutants and the barrier deletions
-    (justified barriers count as neither)."""
+    """(killed, total, the survivors' names) over the kernel mutants, the barrier deletions
+    (justified barriers count as neither) and the bugs planted in the twins' micro-kernels
+    (tests/support/twin_mutants.py)."""
     survivors, total = [], 0
+    for planted, outputs_correct in twin_mutants.all_planted():
+        total += 1
+        if twin_mutants.verdict(planted, outputs_correct) is not None:
+            survivors.append(planted.label)
     for mutant in MUTANTS:
         total += 1
         if killed_by(mutant) is None:
