@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_twin_launch import gpu_function, require_capability
 from stmatrix_case import CASES, SOURCE, expected_tile, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.twins,
@@ -16,22 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.twins,
 
 @pytest.mark.parametrize("count, transpose", CASES, ids=[f"x{c}{'.trans' if t else ''}" for c, t in CASES])
 def test_stmatrix_on_the_gpu(count, transpose):
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("stmatrix needs sm_90")
-    from fagen.kernels.compile import nvrtc_compile
-    import cupy
-
-    arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
-    cubin, _ = nvrtc_compile(SOURCE, arch)
-    module = cupy.cuda.function.Module()
-    module.load(cubin)
-    function = module.get_function("stmatrix_layout")
-
-    def kernel(grid, block, args, shared_mem=0):
-        converted = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
-        function(grid, block, converted, shared_mem=shared_mem)
-        torch.cuda.synchronize()
-
+    kernel = gpu_function(SOURCE, "stmatrix_layout", require_capability(9, 0))
     regs, perm, tile, back = run(kernel, "cuda", count, transpose)
     np.testing.assert_array_equal(tile, expected_tile(regs, perm, count, transpose))
     if count == 4:

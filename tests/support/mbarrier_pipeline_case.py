@@ -21,10 +21,10 @@ def pipeline():
     return load_module(KERNEL.read_text()).get_function("mbarrier_pipeline")
 
 
-def run(kernel, bug: int, tiles: int = 7, blocks: int = 2):
-    """(y, x): y should equal x; raises EmulationError on a fault."""
-    x = torch.randn(tiles * 128, generator=torch.Generator().manual_seed(tiles))
-    y = poison_(torch.empty(tiles * 128))
+def run(kernel, bug: int, tiles: int = 7, blocks: int = 2, device: str = "cpu"):
+    """(y, x): y should equal x; raises EmulationError on a fault (on the CPU)."""
+    x = torch.randn(tiles * 128, generator=torch.Generator().manual_seed(tiles)).to(device)
+    y = poison_(torch.empty(tiles * 128)).to(device)
     kernel((blocks,), (256,), (x, y, np.int32(tiles), np.int32(bug)))
     return y, x
 
