@@ -86,6 +86,7 @@ void fiber_main(void* argument) {
 
   // The thread has returned from the kernel.
   land_all_copies(fiber);
+  warpgroup_check_exit(fiber);
   const unsigned lane = fiber.coords.lane, warp = fiber.coords.warp;
   if (const PendingCollective* p = block.warps[warp].awaiting(lane)) {
     fail_current("lane " + std::to_string(lane) + " of warp " + std::to_string(warp) +
@@ -275,6 +276,7 @@ int sync_threads_count(int predicate, Site site) {
   Fiber& self = *current_fiber;
   BlockRun& block = *self.block;
   const unsigned lane = self.coords.lane, warp = self.coords.warp;
+  warpgroup_check_barrier(site);
   if (const PendingCollective* p = block.warps[warp].awaiting(lane)) {
     fail(site, "__syncthreads reached while lanes %s of warp %u wait for this lane in %s at %s: a "
                "warp-collective op called by part of the warp",

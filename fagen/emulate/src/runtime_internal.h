@@ -7,6 +7,8 @@
 //   warp_ops.cpp         shuffles, ballot, __syncwarp on top of the rendezvous
 //   tensor_core.cpp      mma.sync and ldmatrix twins
 //   cp_async.cpp         cp.async twins
+//   warpgroup.cpp        the warpgroup rendezvous (4 warps, 128 threads)
+//   wgmma.cpp            wgmma twins and their shared-memory descriptors
 //   launch.cpp           grid launch on a pool of OS threads, per-block shared memory
 //   instrument.cpp       the hooks an instrumented kernel module calls on every
 //                        load and store (ThreadSanitizer's ABI, no libtsan)
@@ -213,6 +215,35 @@ struct LaunchState {
   void record_error(const std::string& message);
 };
 
+// -- warpgroup.cpp ---------------------------------------------------------------------
+// A warpgroup-collective op (wgmma and its fence / commit / wait) as its compute function sees
+// it: the operands of the 128 threads of warpgroup `group`, thread t = linear id - 128 * group.
+struct WarpgroupRendezvous {
+  const char* op = nullptr;
+  Site site{};
+  unsigned group = 0;
+  const void* in[128] = {};
+  void* out[128] = {};
+};
+using WarpgroupCompute = void (*)(WarpgroupRendezvous& rendezvous);
+struct WgmmaState;  // wgmma.cpp: the warpgroup's wgmmas in flight and its fence bookkeeping
+
+struct WarpgroupState {
+  const char* op = nullptr;  // the op some threads wait in, or null
+  Site site{};
+  unsigned arrived = 0;
+  uint32_t arrived_lanes[4] = {};
+  std::shared_ptr<WgmmaState> wgmma;  // made at the warpgroup's first wgmma op
+};
+constexpr unsigned kMaxWarpgroups = kMaxThreadsPerBlock / 128;
+
+// All 128 threads of the caller's warpgroup at one op and call site; the last to arrive runs
+// `compute`. A thread of the warpgroup that exits, waits at a barrier or in another op is a fault.
+void warpgroup_collective(const char* op, const void* in, void* out, WarpgroupCompute compute, Site site);
+// Scheduler hooks: the running thread exits, or reaches __syncthreads at `site`.
+void warpgroup_check_exit(Fiber& fiber);
+void warpgroup_check_barrier(Site site);
+
 struct BlockRun {
   LaunchState* launch = nullptr;
   Worker* worker = nullptr;
@@ -223,6 +254,7 @@ struct BlockRun {
   unsigned live = 0;                 // threads not exited
   unsigned live_lanes[32] = {};      // per warp: lanes that exist and have not exited
   WarpState warps[32];
+  WarpgroupState warpgroups[kMaxWarpgroups];  // warpgroup.cpp
   unsigned barrier_arrived = 0;
   unsigned barrier_lanes[32] = {};   // per warp: lanes waiting at the barrier
   Site barrier_site{};

@@ -132,4 +132,5 @@ FAGEN_EMU_RUNTIME_API void count_philox_call();
 #include <fagen_emulate/intrinsics.h>
 #include <fagen_emulate/warp.h>
 #include <fagen_emulate/tensor_core.h>
+#include <fagen_emulate/wgmma.h>
 #include <fagen_emulate/export.h>

@@ -1,0 +1,357 @@
+// wgmma.mma_async .m64nNk16 .f32.{f16,bf16} and its fence / commit_group / wait_group, as
+// warpgroup rendezvous (warpgroup.cpp), with the shared-memory descriptors decoded here.
+//
+// Descriptor (PTX ISA "Matrix Descriptor Format"): start >> 4 in bits 13-0, LBO >> 4 in 29-16,
+// SBO >> 4 in 45-32, base offset in 51-49, swizzle in 63-62 (0 none, 1 128B, 2 64B, 3 32B).
+// Element (mn, k) of an operand (16-bit elements, 8 per 16-byte row of a core matrix; W the
+// swizzle width in bytes) sits at start + offset, swizzled on the absolute address:
+//   K-major  none:  (mn%8)*16 + (mn/8)*SBO + (k/8)*LBO + (k%8)*2
+//   K-major  W:     (mn%8)*W  + (mn/8)*SBO + k*2
+//   MN-major none:  (k%8)*16  + (k/8)*LBO  + (mn/8)*SBO + (mn%8)*2
+//   MN-major W:     (k%8)*W   + (k/8)*SBO  + (mn/(W/2))*LBO + (mn%(W/2))*2
+//   swizzle: address bits [4, 4+b) ^= bits [7, 7+b), b = 3, 2, 1 for 128B, 64B, 32B.
+// Fragments (thread t of the warpgroup, w = t/32, g = (t%32)/4, q = t%4):
+//   d[i]: D[16w + g + 8*((i/2)%2)][8*(i/4) + 2q + i%2]
+//   a[r]: A[16w + g + 8*(r%2)][8*(r/2) + 2q + {0, 1}], lower k in the low half.
+// Timing (fagen_emulate/wgmma.h): NaN accumulators from issue to the retiring wait; shared
+// operands read at issue and again at the wait (a fault if they differ); a missing wgmma.fence
+// found by comparing registers with what the twin last left in them.
+#include "runtime_internal.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace fagen_emu {
+
+namespace {
+
+const char kWgmmaSS[] = "wgmma.mma_async (A, B from shared memory)";
+const char kWgmmaRS[] = "wgmma.mma_async (A from registers)";
+const char kFence[] = "wgmma.fence";
+const char kCommit[] = "wgmma.commit_group";
+const char kWait[] = "wgmma.wait_group";
+
+// One thread's operands of a wgmma, as it passes them to the rendezvous.
+struct Issue {
+  MmaInput input;
+  int n, scale_d, scale_a, scale_b, trans_a, trans_b;
+  uint64_t a_desc, b_desc;
+  const uint32_t* a_regs;  // null: A from shared memory
+  float* d;
+};
+
+// An operand tile in shared memory: the host address of element (mn, k) at mn * 16 + k, and
+// its bits as read at issue.
+struct Tile {
+  std::vector<const uint16_t*> where;
+  std::vector<uint16_t> bits;
+};
+
+struct InFlight {
+  Site site;
+  Issue issue;  // thread 0's (the rendezvous checked that the others agree)
+  uint32_t group = 0;
+  bool a_from_registers = false;
+  Tile a, b;                    // a unused when A came from registers
+  std::vector<uint16_t> a_regs;  // 64 x 16 A bits from registers
+  float* d[128] = {};
+  bool chained = false;          // C is the result of an earlier wgmma in flight on the same d
+  std::vector<float> c;          // else C as it was at issue, thread-major
+};
+
+// What the twin last left in some registers (accumulators or A fragments) of all 128 threads,
+// and the fence count then: a later wgmma finding them changed with no fence since is a fault.
+struct Registers {
+  std::vector<void*> where;  // per thread
+  std::size_t bytes = 0;     // per thread
+  std::vector<unsigned char> seen;
+  uint64_t fences = 0;
+};
+
+}  // namespace
+
+struct WgmmaState {
+  std::vector<InFlight> in_flight;  // in issue order
+  uint32_t committed = 0;
+  uint64_t fences = 0;
+  bool fenced_since_wait = false;
+  std::vector<Registers> registers;
+};
+
+namespace {
+
+WgmmaState& wgmma_state(const WarpgroupRendezvous& w) {
+  auto& slot = current_fiber->block->warpgroups[w.group].wgmma;
+  if (!slot) slot = std::make_shared<WgmmaState>();
+  return *slot;
+}
+
+const Issue& issue_of(const WarpgroupRendezvous& w, unsigned t) { return *static_cast<const Issue*>(w.in[t]); }
+
+double decode(MmaInput input, uint16_t bits) {
+  if (input == MmaInput::f16) return __half2float(__ushort_as_half(bits));
+  return bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+
+uint32_t swizzle(uint32_t address, unsigned mode) {
+  const unsigned bits = mode == 1 ? 3 : mode == 2 ? 2 : mode == 3 ? 1 : 0;
+  return address ^ (((address >> 7) & ((1u << bits) - 1u)) << 4);
+}
+
+// The shared-window address of element (mn, k) of the operand `desc` describes.
+uint32_t element_address(uint64_t desc, bool mn_major, int mn, int k) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3fff) << 4;
+  const uint32_t lbo = static_cast<uint32_t>(desc >> 16 & 0x3fff) << 4;
+  const uint32_t sbo = static_cast<uint32_t>(desc >> 32 & 0x3fff) << 4;
+  const unsigned mode = static_cast<unsigned>(desc >> 62);
+  const uint32_t width = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
+  const uint32_t m = static_cast<uint32_t>(mn), kk = static_cast<uint32_t>(k);
+  uint32_t offset;
+  if (!mn_major) {
+    offset = mode == 0 ? (m % 8) * 16 + (m / 8) * sbo + (kk / 8) * lbo + (kk % 8) * 2
+                       : (m % 8) * width + (m / 8) * sbo + kk * 2;
+  } else {
+    const uint32_t per_row = width / 2;  // elements of MN in one swizzle-width row
+    offset = mode == 0 ? (kk % 8) * 16 + (kk / 8) * lbo + (m / 8) * sbo + (m % 8) * 2
+                       : (kk % 8) * width + (kk / 8) * sbo + (m / per_row) * lbo + (m % per_row) * 2;
+  }
+  return swizzle(start + offset, mode);
+}
+
+Tile read_tile(uint64_t desc, bool mn_major, int rows, const char* name, Site site) {
+  if ((desc >> 49 & 7) != 0) {
+    fail(site, "wgmma: %s descriptor 0x%016llx has base offset %u: the emulator models base offset 0 only", name,
+         static_cast<unsigned long long>(desc), static_cast<unsigned>(desc >> 49 & 7));
+  }
+  const uint64_t size = current_fiber->block->launch->config.shared_mem_bytes;
+  Tile tile;
+  tile.where.resize(static_cast<std::size_t>(rows) * 16);
+  tile.bits.resize(tile.where.size());
+  for (int mn = 0; mn < rows; ++mn) {
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t address = element_address(desc, mn_major, mn, k);
+      if (address < kDynamicSharedWindowBase || address + 2 > kDynamicSharedWindowBase + size) {
+        fail(site, "wgmma: %s element (%d, %d) of descriptor 0x%016llx is at shared address 0x%x, outside the "
+                   "launch's %llu bytes of dynamic shared memory (at 0x%x)", name, mn, k,
+             static_cast<unsigned long long>(desc), address, static_cast<unsigned long long>(size),
+             kDynamicSharedWindowBase);
+      }
+      const auto* host = reinterpret_cast<const uint16_t*>(dynamic_shared_base() + (address - kDynamicSharedWindowBase));
+      tile.where[static_cast<std::size_t>(mn) * 16 + k] = host;
+      std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * 16 + k], host, 2);
+    }
+  }
+  return tile;
+}
+
+// Reads the tile again at the retiring wait: the ISA lets the wgmma read it any time until then.
+void reread_tile(Tile& tile, const char* name, const InFlight& op, Site wait_site) {
+  for (std::size_t i = 0; i < tile.where.size(); ++i) {
+    uint16_t now;
+    std::memcpy(&now, tile.where[i], 2);
+    if (now != tile.bits[i]) {
+      const uint32_t address = static_cast<uint32_t>(reinterpret_cast<const unsigned char*>(tile.where[i]) -
+                                                     dynamic_shared_base()) + kDynamicSharedWindowBase;
+      fail(wait_site, "the wgmma issued at %s reads %s element (%zu, %zu) at shared address 0x%x, which changed "
+                      "between its issue and the wgmma.wait_group that retires it (0x%04x -> 0x%04x)",
+           format_site(op.site).c_str(), name, i / 16, i % 16, address, tile.bits[i], now);
+    }
+    tile.bits[i] = now;
+  }
+}
+
+Registers* find_registers(WgmmaState& state, void* const* where, std::size_t bytes) {
+  for (Registers& r : state.registers)
+    if (r.bytes == bytes && std::equal(r.where.begin(), r.where.end(), where)) return &r;
+  return nullptr;
+}
+
+// What the twin leaves in the registers `where` (128 threads, `bytes` each) now.
+void remember_registers(WgmmaState& state, void* const* where, std::size_t bytes) {
+  Registers* r = find_registers(state, where, bytes);
+  if (!r) {
+    state.registers.emplace_back();
+    r = &state.registers.back();
+    r->where.assign(where, where + 128);
+    r->bytes = bytes;
+  }
+  r->seen.resize(128 * bytes);
+  for (unsigned t = 0; t < 128; ++t) std::memcpy(&r->seen[t * bytes], where[t], bytes);
+  r->fences = state.fences;
+}
+
+// The ISA's rule: a wgmma.fence between a thread's register write and the wgmma that uses it.
+void check_fence(WgmmaState& state, void* const* where, std::size_t bytes, const char* what, Site site) {
+  const Registers* r = find_registers(state, where, bytes);
+  if (!r) {
+    if (!state.fenced_since_wait) {
+      fail(site, "wgmma uses %s no wgmma.fence has ordered since they were written (none since the last "
+                 "wgmma.wait_group or the kernel's start)", what);
+    }
+    return;
+  }
+  if (r->fences != state.fences) return;
+  for (unsigned t = 0; t < 128; ++t) {
+    if (std::memcmp(&r->seen[t * bytes], where[t], bytes) != 0) {
+      fail(site, "wgmma uses %s that thread %u wrote after the last wgmma left them, with no wgmma.fence in "
+                 "between", what, t);
+    }
+  }
+}
+
+void check_uniform(const WarpgroupRendezvous& w) {
+  const Issue& first = issue_of(w, 0);
+  for (unsigned t = 1; t < 128; ++t) {
+    const Issue& other = issue_of(w, t);
+    if (other.a_desc != first.a_desc || other.b_desc != first.b_desc || other.scale_d != first.scale_d ||
+        other.n != first.n || other.input != first.input) {
+      fail(w.site, "wgmma: thread %u passes descriptors 0x%016llx / 0x%016llx and scale-d %d, thread 0 "
+                   "0x%016llx / 0x%016llx and %d: they must agree across the warpgroup", t,
+           static_cast<unsigned long long>(other.a_desc), static_cast<unsigned long long>(other.b_desc),
+           other.scale_d, static_cast<unsigned long long>(first.a_desc),
+           static_cast<unsigned long long>(first.b_desc), first.scale_d);
+    }
+  }
+}
+
+bool same_accumulator(const InFlight& op, float* const* d) { return std::equal(op.d, op.d + 128, d); }
+
+void compute_issue(WarpgroupRendezvous& w) {
+  WgmmaState& state = wgmma_state(w);
+  check_uniform(w);
+  InFlight op;
+  op.site = w.site;
+  op.issue = issue_of(w, 0);
+  op.group = state.committed;
+  op.a_from_registers = op.issue.a_regs != nullptr;
+  const std::size_t d_bytes = sizeof(float) * static_cast<std::size_t>(op.issue.n / 2);
+  void* d_where[128];
+  void* a_where[128];
+  for (unsigned t = 0; t < 128; ++t) {
+    op.d[t] = issue_of(w, t).d;
+    d_where[t] = op.d[t];
+    a_where[t] = const_cast<uint32_t*>(issue_of(w, t).a_regs);
+  }
+  check_fence(state, d_where, d_bytes, "accumulators", w.site);
+  if (op.a_from_registers) {
+    check_fence(state, a_where, 4 * sizeof(uint32_t), "A registers", w.site);
+    remember_registers(state, a_where, 4 * sizeof(uint32_t));
+    op.a_regs.resize(64 * 16);
+    for (unsigned t = 0; t < 128; ++t) {
+      const uint32_t* regs = issue_of(w, t).a_regs;
+      const unsigned row = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
+      for (unsigned r = 0; r < 4; ++r) {
+        const unsigned m = row + 8 * (r % 2), k = 8 * (r / 2) + 2 * q;
+        op.a_regs[m * 16 + k] = static_cast<uint16_t>(regs[r] & 0xffffu);
+        op.a_regs[m * 16 + k + 1] = static_cast<uint16_t>(regs[r] >> 16);
+      }
+    }
+  } else {
+    op.a = read_tile(op.issue.a_desc, op.issue.trans_a != 0, 64, "A", w.site);
+  }
+  op.b = read_tile(op.issue.b_desc, op.issue.trans_b != 0, op.issue.n, "B", w.site);
+  for (const InFlight& earlier : state.in_flight) op.chained |= same_accumulator(earlier, op.d);
+  if (!op.chained) {
+    op.c.resize(128 * static_cast<std::size_t>(op.issue.n / 2));
+    for (unsigned t = 0; t < 128; ++t) std::memcpy(&op.c[t * (op.issue.n / 2)], op.d[t], d_bytes);
+  }
+  const float poison = std::numeric_limits<float>::quiet_NaN();
+  for (unsigned t = 0; t < 128; ++t)
+    for (int i = 0; i < op.issue.n / 2; ++i) op.d[t][i] = poison;
+  remember_registers(state, d_where, d_bytes);
+  state.in_flight.push_back(std::move(op));
+}
+
+// D = A * B + C for one retired wgmma, written into every thread's accumulators.
+void retire(WgmmaState& state, InFlight& op, Site wait_site) {
+  const Issue& is = op.issue;
+  const int n = is.n;
+  if (!op.a_from_registers) reread_tile(op.a, "A", op, wait_site);
+  reread_tile(op.b, "B", op, wait_site);
+  const std::vector<uint16_t>& a_bits = op.a_from_registers ? op.a_regs : op.a.bits;
+  std::vector<double> a(64 * 16), b(static_cast<std::size_t>(n) * 16);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = is.scale_a * decode(is.input, a_bits[i]);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = is.scale_b * decode(is.input, op.b.bits[i]);
+  for (unsigned t = 0; t < 128; ++t) {
+    const unsigned row0 = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
+    for (int i = 0; i < n / 2; ++i) {
+      const unsigned m = row0 + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * q + i % 2;
+      double sum = 0.0;
+      if (is.scale_d) sum = op.chained ? op.d[t][i] : op.c[t * (n / 2) + i];
+      for (unsigned k = 0; k < 16; ++k) sum += a[m * 16 + k] * b[col * 16 + k];
+      op.d[t][i] = static_cast<float>(sum);
+    }
+  }
+  void* d_where[128];
+  for (unsigned t = 0; t < 128; ++t) d_where[t] = op.d[t];
+  remember_registers(state, d_where, sizeof(float) * static_cast<std::size_t>(n / 2));
+}
+
+void compute_fence(WarpgroupRendezvous& w) {
+  WgmmaState& state = wgmma_state(w);
+  state.fences += 1;
+  state.fenced_since_wait = true;
+}
+
+void compute_commit(WarpgroupRendezvous& w) { wgmma_state(w).committed += 1; }
+
+void compute_wait(WarpgroupRendezvous& w) {
+  WgmmaState& state = wgmma_state(w);
+  const uint32_t kept = static_cast<uint32_t>(*static_cast<const int*>(w.in[0]));
+  const uint32_t first_kept = state.committed > kept ? state.committed - kept : 0;
+  std::size_t remaining = 0;
+  for (std::size_t i = 0; i < state.in_flight.size(); ++i) {
+    if (state.in_flight[i].group < first_kept) {
+      retire(state, state.in_flight[i], w.site);
+    } else {
+      state.in_flight[remaining++] = std::move(state.in_flight[i]);
+    }
+  }
+  state.in_flight.resize(remaining);
+  state.fenced_since_wait = false;
+}
+
+void issue(const Issue& operands, const char* op, Site site) {
+  if (operands.n < 8 || operands.n > 256 || operands.n % 8 != 0) {
+    fail(site, "%s: N = %d, but .m64nNk16 takes N a multiple of 8 in [8, 256]", op, operands.n);
+  }
+  warpgroup_collective(op, &operands, nullptr, &compute_issue, site);
+}
+
+}  // namespace
+
+uint32_t shared_window_address(const void* p, Site site) {
+  const auto* base = dynamic_shared_base();
+  const auto* byte = static_cast<const unsigned char*>(p);
+  if (byte < base || byte > base + kMaxDynamicSharedBytes) {
+    fail(site, "shared_window_address(%p): the emulator gives shared-window addresses to dynamic shared memory "
+               "only (extern __shared__ smem[])", p);
+  }
+  return kDynamicSharedWindowBase + static_cast<uint32_t>(byte - base);
+}
+
+void wgmma_ss(MmaInput input, int n, float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, int scale_a,
+              int scale_b, int trans_a, int trans_b, Site site) {
+  const Issue operands{input, n, scale_d != 0, scale_a, scale_b, trans_a, trans_b, a_desc, b_desc, nullptr, d};
+  issue(operands, kWgmmaSS, site);
+}
+
+void wgmma_rs(MmaInput input, int n, float* d, const uint32_t* a, uint64_t b_desc, int scale_d, int scale_a,
+              int scale_b, int trans_b, Site site) {
+  const Issue operands{input, n, scale_d != 0, scale_a, scale_b, 0, trans_b, 0, b_desc, a, d};
+  issue(operands, kWgmmaRS, site);
+}
+
+void wgmma_fence(Site site) { warpgroup_collective(kFence, nullptr, nullptr, &compute_fence, site); }
+
+void wgmma_commit(Site site) { warpgroup_collective(kCommit, nullptr, nullptr, &compute_commit, site); }
+
+void wgmma_wait(int pending_groups, Site site) {
+  if (pending_groups < 0 || pending_groups > 7) {
+    fail(site, "wgmma.wait_group %d: the count must be in [0, 7]", pending_groups);
+  }
+  warpgroup_collective(kWait, &pending_groups, nullptr, &compute_wait, site);
+}
+
+}  // namespace fagen_emu
