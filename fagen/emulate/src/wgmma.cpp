@@ -137,7 +137,8 @@ Tile read_tile(uint64_t desc, bool mn_major, int rows, const char* name, Site si
              static_cast<unsigned long long>(desc), address, static_cast<unsigned long long>(size),
              kDynamicSharedWindowBase);
       }
-      const auto* host = reinterpret_cast<const uint16_t*>(dynamic_shared_base() + (address - kDynamicSharedWindowBase));
+      const unsigned char* byte = dynamic_shared_base() + (address - kDynamicSharedWindowBase);
+      const auto* host = reinterpret_cast<const uint16_t*>(byte);
       tile.where[static_cast<std::size_t>(mn) * 16 + k] = host;
       std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * 16 + k], host, 2);
     }
