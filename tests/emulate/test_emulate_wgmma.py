@@ -87,3 +87,53 @@ def test_swapped_lbo_and_sbo_give_wrong_results(probes):
     # Without room past the tile, the swapped strides read past the launch's shared memory.
     with pytest.raises(EmulationError, match="outside the launch's"):
         run_probe(probes, 64, False, False, 0, 0, 0, np.random.default_rng(6), mutate=swap)
+
+
+# -- the wrappers' GPU side -----------------------------------------------------------------
+
+EVERY_N = r"""
+#include <fagen/wgmma.cuh>
+template <int N>
+__device__ void every(float* out, uint64_t a_desc, uint64_t b_desc, const uint32_t* a_in, int scale_d) {
+  float d[N / 2];
+  for (int i = 0; i < N / 2; ++i) d[i] = out[i];
+  uint32_t a[4] = {a_in[0], a_in[1], a_in[2], a_in[3]};
+  fagen::wgmma_fence();
+  fagen::wgmma_ss<N, false>(d, a_desc, b_desc, scale_d);
+  fagen::wgmma_ss<N, true, 1, 1, -1, 1>(d, a_desc, b_desc, scale_d);
+  fagen::wgmma_rs<N, true, 1>(d, a, b_desc, scale_d);
+  fagen::wgmma_rs<N, false, 0, 1, -1>(d, a, b_desc, scale_d);
+  fagen::wgmma_commit();
+  fagen::wgmma_wait<0>();
+  fagen::wgmma_fence_operands<N>(d);
+  for (int i = 0; i < N / 2; ++i) out[i * 128 + threadIdx.x] = d[i];
+}
+template <int... Ns> struct Shapes {
+  static __device__ void run(float* out, uint64_t a, uint64_t b, const uint32_t* r, int s) {
+    (every<Ns>(out, a, b, r, s), ...);
+  }
+};
+extern "C" __global__ void every_n(float* out, const uint32_t* a_in, int scale_d) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = fagen::shared_window_address(smem);
+  const uint64_t a = fagen::make_smem_desc(base, 16, 1024, fagen::kSwizzle128B);
+  const uint64_t b = fagen::make_smem_desc(base + 8192, 2048, 128, fagen::kSwizzleNone);
+  Shapes<8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192,
+         200, 208, 216, 224, 232, 240, 248, 256>::run(out, a, b, a_in, scale_d);
+}
+"""
+
+
+def test_wrappers_compile_for_sm90a_with_nvrtc():
+    """Every N of .m64nNk16, A from shared memory and from registers, f16 and bf16, with the
+    transpose and negate immediates: NVRTC (and ptxas, for sm_90a) accept the inline PTX."""
+    from nvrtc_ptx import nvrtc_ptx
+
+    ptx = nvrtc_ptx(EVERY_N, "sm_90a")
+    for n in range(8, 257, 8):
+        for dtype in ("f16", "bf16"):
+            shape = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype}"
+            assert ptx.count(shape) == 2, shape
+    assert "wgmma.fence.sync.aligned" in ptx and "wgmma.commit_group.sync.aligned" in ptx
+    assert "wgmma.wait_group.sync.aligned 0" in ptx
+    assert "wgmma.mma_async" in nvrtc_ptx(probe_source(), "sm_90a")
