@@ -18,7 +18,7 @@ import isa_wgmma
 import wgmma_probe as probe_kernels
 import wgmma_tiles as tiles
 from fagen.emulate import EmulationError, load_module
-from wgmma_probe import PROBES, bits16, probe_name, probe_source
+from wgmma_probe import NEGATED, PROBES, bits16, probe_name, probe_source
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def small_ints(shape, rng, low=-4, high=4) -> np.ndarray:
     return rng.integers(low, high + 1, size=shape).astype(np.float64)
 
 
-def run_probe(probes, n, bf16, regs, ta, tb, mode, rng, *, scale_d=1, mutate=None, k_slice=True, pad=0):
+def run_probe(probes, n, bf16, regs, ta, tb, mode, rng, *, scale_d=1, mutate=None, k_slice=True, pad=0, negate=""):
     """Runs one probe; returns (D as read through the ISA table, the float64 reference)."""
     A, B, C = small_ints((64, 16), rng), small_ints((n, 16), rng), small_ints((64, n), rng, -50, 50)
     a_bits, b_bits = bits16(A, bf16), bits16(B, bf16)
@@ -48,8 +48,8 @@ def run_probe(probes, n, bf16, regs, ta, tb, mode, rng, *, scale_d=1, mutate=Non
     params = [pa.offset, pa.lbo, pa.sbo, pa.mode, pb.offset, pb.lbo, pb.sbo, pb.mode, scale_d]
     if mutate:
         params = mutate(params)
-    d = probe_kernels.launch(probes, (n, bf16, regs, ta, tb), image, params, a_bits, C)
-    expected = A @ B.T + (C if scale_d else 0)
+    d = probe_kernels.launch(probes, (n, bf16, regs, ta, tb, negate), image, params, a_bits, C)
+    expected = (-1 if negate else 1) * (A @ B.T) + (C if scale_d else 0)
     return d, expected
 
 
@@ -57,6 +57,13 @@ def run_probe(probes, n, bf16, regs, ta, tb, mode, rng, *, scale_d=1, mutate=Non
 @pytest.mark.parametrize("probe", PROBES, ids=[probe_name(*p) for p in PROBES])
 def test_wgmma_matches_numpy(probes, probe, mode):
     d, expected = run_probe(probes, *probe, mode, np.random.default_rng(hash((probe, mode)) % 2**32))
+    np.testing.assert_array_equal(d, expected)
+
+
+@pytest.mark.parametrize("probe", NEGATED, ids=[probe_name(*p) for p in NEGATED])
+def test_negated_operands(probes, probe):
+    *shape, negate = probe
+    d, expected = run_probe(probes, *shape, 2, np.random.default_rng(7), negate=negate)
     np.testing.assert_array_equal(d, expected)
 
 

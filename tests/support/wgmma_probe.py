@@ -19,16 +19,19 @@ I32 = np.int32
 PROBES = ([(n, False, False, ta, tb) for n in (8, 64, 256) for ta in (0, 1) for tb in (0, 1)]
           + [(64, True, False, 1, 0), (24, True, False, 0, 1)]
           + [(n, False, True, 0, tb) for n in (8, 64, 256) for tb in (0, 1)])
+# The same with imm-scale-a or imm-scale-b = -1 (a sixth field: which operand is negated).
+NEGATED = [(64, False, False, 0, 1, "a"), (32, True, True, 0, 0, "b")]
 
 
-def probe_name(n, bf16, regs, ta, tb) -> str:
-    return f"probe_n{n}_{'bf16' if bf16 else 'f16'}_{'rs' if regs else 'ss'}_{ta}{tb}"
+def probe_name(n, bf16, regs, ta, tb, negate="") -> str:
+    suffix = f"_neg{negate}" if negate else ""
+    return f"probe_n{n}_{'bf16' if bf16 else 'f16'}_{'rs' if regs else 'ss'}_{ta}{tb}{suffix}"
 
 
 PROBE = r"""
 // One wgmma of the warpgroup: shared image -> tile (1024-aligned), descriptors from p[0..7]
 // (A offset, LBO, SBO, swizzle; B likewise), C from c_in, registers dumped to out.
-template <int N, bool kBf16, bool kRegs, int kTransA, int kTransB>
+template <int N, bool kBf16, bool kRegs, int kTransA, int kTransB, int kScaleA = 1, int kScaleB = 1>
 __device__ void probe(const unsigned char* image, int image_bytes, const int* p, const uint32_t* a_regs,
                       const float* c_in, float* out) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -45,9 +48,9 @@ __device__ void probe(const unsigned char* image, int image_bytes, const int* p,
   const uint64_t b_desc = fagen::make_smem_desc(base + p[4], p[5], p[6], p[7]);
   fagen::wgmma_fence();
   if (kRegs) {
-    fagen::wgmma_rs<N, kBf16, kTransB>(d, a, b_desc, p[8]);
+    fagen::wgmma_rs<N, kBf16, kTransB, kScaleA, kScaleB>(d, a, b_desc, p[8]);
   } else {
-    fagen::wgmma_ss<N, kBf16, kTransA, kTransB>(d, a_desc, b_desc, p[8]);
+    fagen::wgmma_ss<N, kBf16, kTransA, kTransB, kScaleA, kScaleB>(d, a_desc, b_desc, p[8]);
   }
   fagen::wgmma_commit();
   fagen::wgmma_wait<0>();
@@ -59,12 +62,13 @@ __device__ void probe(const unsigned char* image, int image_bytes, const int* p,
 
 def probe_source() -> str:
     lines = ["#include <fagen/prelude.cuh>", "#include <fagen/wgmma.cuh>", PROBE]
-    for n, bf16, regs, ta, tb in PROBES:
-        name = probe_name(n, bf16, regs, ta, tb)
+    for n, bf16, regs, ta, tb, *negate in PROBES + NEGATED:
+        name = probe_name(n, bf16, regs, ta, tb, *negate)
+        scales = {"a": ", -1, 1", "b": ", 1, -1"}[negate[0]] if negate else ""
         lines.append(
             f'extern "C" __global__ void {name}(const unsigned char* image, int image_bytes, const int* p, '
             f"const uint32_t* a_regs, const float* c_in, float* out) {{\n"
-            f"  probe<{n}, {'true' if bf16 else 'false'}, {'true' if regs else 'false'}, {ta}, {tb}>"
+            f"  probe<{n}, {'true' if bf16 else 'false'}, {'true' if regs else 'false'}, {ta}, {tb}{scales}>"
             f"(image, image_bytes, p, a_regs, c_in, out);\n}}\nFAGEN_EXPORT({name})")
     return "\n".join(lines) + "\n"
 
