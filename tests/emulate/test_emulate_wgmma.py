@@ -18,7 +18,7 @@ import isa_wgmma
 import wgmma_probe as probe_kernels
 import wgmma_tiles as tiles
 from fagen.emulate import EmulationError, load_module
-from wgmma_probe import NEGATED, PROBES, bits16, probe_name, probe_source
+from wgmma_probe import FP8_PROBES, NEGATED, PROBES, bits8, bits16, fp8_probe_name, probe_name, probe_source
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,27 @@ def test_negated_operands(probes, probe):
     np.testing.assert_array_equal(d, expected)
 
 
+@pytest.mark.parametrize("mode", list(tiles.SWIZZLES.values()), ids=list(tiles.SWIZZLES))
+@pytest.mark.parametrize("probe", FP8_PROBES, ids=[fp8_probe_name(*p) for p in FP8_PROBES])
+def test_fp8_wgmma_matches_numpy(probes, probe, mode):
+    """.m64nNk32 with e4m3 / e5m2 inputs: 8-bit elements, 32 of them along K, K-major."""
+    n, a_type, b_type, _ = probe
+    rng = np.random.default_rng(hash((probe, mode)) % 2**32)
+    A, B, C = small_ints((64, 32), rng), small_ints((n, 32), rng), small_ints((64, n), rng, -50, 50)
+    a_bits, b_bits = bits8(A, a_type), bits8(B, b_type)
+    shift = 32 * (tiles.WIDTH[mode] // 32 - 1) if mode else 0  # a k-slice inside a swizzle row
+    pa = tiles.canonical(64, False, mode, shift)
+    b_at = -(-(shift + pa.span) // 1024) * 1024
+    pb = tiles.canonical(n, False, mode, b_at + shift)
+    size = -(-(pb.offset + pb.span) // 1024) * 1024
+    image = bits8(small_ints((size,), rng, -3, 3) + 0.5, "e4m3")
+    tiles.place(image, a_bits, pa)
+    tiles.place(image, b_bits, pb)
+    params = [pa.offset, pa.lbo, pa.sbo, pa.mode, pb.offset, pb.lbo, pb.sbo, pb.mode, 1]
+    d = probe_kernels.launch(probes, probe, image, params, a_bits, C)
+    np.testing.assert_array_equal(d, A @ B.T + C)
+
+
 def test_scale_d_zero_overwrites(probes):
     d, expected = run_probe(probes, 64, False, False, 0, 1, 1, np.random.default_rng(5), scale_d=0)
     np.testing.assert_array_equal(d, expected)
@@ -110,6 +131,8 @@ __device__ void every(float* out, uint64_t a_desc, uint64_t b_desc, const uint32
   fagen::wgmma_ss<N, true, 1, 1, -1, 1>(d, a_desc, b_desc, scale_d);
   fagen::wgmma_rs<N, true, 1>(d, a, b_desc, scale_d);
   fagen::wgmma_rs<N, false, 0, 1, -1>(d, a, b_desc, scale_d);
+  fagen::wgmma_ss_fp8<N, false, true>(d, a_desc, b_desc, scale_d);
+  fagen::wgmma_rs_fp8<N, true, false, -1, 1>(d, a, b_desc, scale_d);
   fagen::wgmma_commit();
   fagen::wgmma_wait<0>();
   fagen::wgmma_fence_operands<N>(d);
@@ -132,8 +155,9 @@ extern "C" __global__ void every_n(float* out, const uint32_t* a_in, int scale_d
 
 
 def test_wrappers_compile_for_sm90a_with_nvrtc():
-    """Every N of .m64nNk16, A from shared memory and from registers, f16 and bf16, with the
-    transpose and negate immediates: NVRTC (and ptxas, for sm_90a) accept the inline PTX."""
+    """Every N of .m64nNk16 (f16, bf16) and .m64nNk32 (e4m3 x e5m2, e5m2 x e4m3), A from shared
+    memory and from registers, with the transpose and negate immediates: NVRTC (and ptxas, for
+    sm_90a) accept the inline PTX."""
     from nvrtc_ptx import nvrtc_ptx
 
     ptx = nvrtc_ptx(EVERY_N, "sm_90a")
@@ -141,6 +165,9 @@ def test_wrappers_compile_for_sm90a_with_nvrtc():
         for dtype in ("f16", "bf16"):
             shape = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype}"
             assert ptx.count(shape) == 2, shape
+        for types in ("e4m3.e5m2", "e5m2.e4m3"):
+            shape = f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{types}"
+            assert ptx.count(shape) == 1, shape
     assert "wgmma.fence.sync.aligned" in ptx and "wgmma.commit_group.sync.aligned" in ptx
     assert "wgmma.wait_group.sync.aligned 0" in ptx
     assert "wgmma.mma_async" in nvrtc_ptx(probe_source(), "sm_90a")

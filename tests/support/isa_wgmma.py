@@ -10,6 +10,11 @@ Shared Memory Matrix Layouts" (#asynchronous-warpgroup-level-matrix-register-fra
   for every further 8 columns with the next four registers (columns 8-15: d4..d7, ...,
   columns N-8..N-1: d(N/2-4)..d(N/2-1)).
 
+- "WGMMA .m64nNk32 register fragment layout for matrix A" (.e4m3/.e5m2): the 64 x 32 A tile,
+  again one 16-row slice per warp as mma.m16n8k32's 8-bit A figure: four .b32 registers of four
+  elements, a0..a3 at row groupID, columns 4 * threadID_in_group + 0..3; a4..a7 the same 8 rows
+  down; a8..a11 and a12..a15 the same 16 columns to the right.
+
 So the grids here are the mma.sync figures already transcribed in isa_fragments.py, placed per
 warp and per column block as the wgmma figures draw them: read off the figures, not off the
 emulator's formulas.
@@ -37,3 +42,16 @@ def a_fragment() -> dict[tuple[int, int], tuple[int, int]]:
     a = isa.parse(isa.MMA_A)
     return {(32 * warp + lane, element): (16 * warp + row, column)
             for warp in range(4) for (lane, element), (row, column) in a.items()}
+
+
+def a_fragment_8bit() -> dict[tuple[int, int], tuple[int, int]]:
+    """{(thread, element): (row, column)} of 8-bit A (64 x 32) from registers; element e is byte
+    e % 4 of register e // 4 (the figure's rule above: no 8-bit grid is transcribed yet)."""
+    where = {}
+    for thread in range(128):
+        warp, group, quad = thread // 32, thread % 32 // 4, thread % 4
+        for element in range(16):
+            register = element // 4
+            where[(thread, element)] = (16 * warp + group + 8 * (register % 2),
+                                        16 * (register // 2) + 4 * quad + element % 4)
+    return where

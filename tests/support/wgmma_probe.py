@@ -23,6 +23,15 @@ PROBES = ([(n, False, False, ta, tb) for n in (8, 64, 256) for ta in (0, 1) for 
 NEGATED = [(64, False, False, 0, 1, "a"), (32, True, True, 0, 0, "b")]
 
 
+# 8-bit inputs, K-major only: (N, A type, B type, A from registers).
+FP8_PROBES = [(64, "e4m3", "e4m3", False), (256, "e5m2", "e4m3", False), (8, "e4m3", "e5m2", True),
+              (64, "e5m2", "e5m2", True)]
+
+
+def fp8_probe_name(n, a_type, b_type, regs) -> str:
+    return f"probe8_n{n}_{a_type}_{b_type}_{'rs' if regs else 'ss'}"
+
+
 def probe_name(n, bf16, regs, ta, tb, negate="") -> str:
     suffix = f"_neg{negate}" if negate else ""
     return f"probe_n{n}_{'bf16' if bf16 else 'f16'}_{'rs' if regs else 'ss'}_{ta}{tb}{suffix}"
@@ -31,7 +40,7 @@ def probe_name(n, bf16, regs, ta, tb, negate="") -> str:
 PROBE = r"""
 // One wgmma of the warpgroup: shared image -> tile (1024-aligned), descriptors from p[0..7]
 // (A offset, LBO, SBO, swizzle; B likewise), C from c_in, registers dumped to out.
-template <int N, bool kBf16, bool kRegs, int kTransA, int kTransB, int kScaleA = 1, int kScaleB = 1>
+template <int N, class Wgmma>
 __device__ void probe(const unsigned char* image, int image_bytes, const int* p, const uint32_t* a_regs,
                       const float* c_in, float* out) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -47,29 +56,53 @@ __device__ void probe(const unsigned char* image, int image_bytes, const int* p,
   const uint64_t a_desc = fagen::make_smem_desc(base + p[0], p[1], p[2], p[3]);
   const uint64_t b_desc = fagen::make_smem_desc(base + p[4], p[5], p[6], p[7]);
   fagen::wgmma_fence();
-  if (kRegs) {
-    fagen::wgmma_rs<N, kBf16, kTransB, kScaleA, kScaleB>(d, a, b_desc, p[8]);
-  } else {
-    fagen::wgmma_ss<N, kBf16, kTransA, kTransB, kScaleA, kScaleB>(d, a_desc, b_desc, p[8]);
-  }
+  Wgmma::run(d, a, a_desc, b_desc, p[8]);
   fagen::wgmma_commit();
   fagen::wgmma_wait<0>();
   fagen::wgmma_fence_operands<N>(d);
   for (int i = 0; i < N / 2; ++i) out[threadIdx.x * (N / 2) + i] = d[i];
 }
+
+template <int N, bool kBf16, bool kRegs, int kTransA, int kTransB, int kScaleA = 1, int kScaleB = 1>
+struct Wide {  // 16-bit inputs
+  static __device__ void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t a_desc, uint64_t b_desc, int s) {
+    if (kRegs) {
+      fagen::wgmma_rs<N, kBf16, kTransB, kScaleA, kScaleB>(d, a, b_desc, s);
+    } else {
+      fagen::wgmma_ss<N, kBf16, kTransA, kTransB, kScaleA, kScaleB>(d, a_desc, b_desc, s);
+    }
+  }
+};
+
+template <int N, bool kAE5M2, bool kBE5M2, bool kRegs>
+struct Narrow {  // 8-bit inputs
+  static __device__ void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t a_desc, uint64_t b_desc, int s) {
+    if (kRegs) {
+      fagen::wgmma_rs_fp8<N, kAE5M2, kBE5M2>(d, a, b_desc, s);
+    } else {
+      fagen::wgmma_ss_fp8<N, kAE5M2, kBE5M2>(d, a_desc, b_desc, s);
+    }
+  }
+};
 """
 
 
 def probe_source() -> str:
     lines = ["#include <fagen/prelude.cuh>", "#include <fagen/wgmma.cuh>", PROBE]
+    kernels = []
     for n, bf16, regs, ta, tb, *negate in PROBES + NEGATED:
-        name = probe_name(n, bf16, regs, ta, tb, *negate)
         scales = {"a": ", -1, 1", "b": ", 1, -1"}[negate[0]] if negate else ""
+        kernels.append((probe_name(n, bf16, regs, ta, tb, *negate), n,
+                        f"Wide<{n}, {str(bf16).lower()}, {str(regs).lower()}, {ta}, {tb}{scales}>"))
+    for n, a_type, b_type, regs in FP8_PROBES:
+        kernels.append((fp8_probe_name(n, a_type, b_type, regs), n,
+                        f"Narrow<{n}, {str(a_type == 'e5m2').lower()}, {str(b_type == 'e5m2').lower()}, "
+                        f"{str(regs).lower()}>"))
+    for name, n, op in kernels:
         lines.append(
             f'extern "C" __global__ void {name}(const unsigned char* image, int image_bytes, const int* p, '
             f"const uint32_t* a_regs, const float* c_in, float* out) {{\n"
-            f"  probe<{n}, {'true' if bf16 else 'false'}, {'true' if regs else 'false'}, {ta}, {tb}{scales}>"
-            f"(image, image_bytes, p, a_regs, c_in, out);\n}}\nFAGEN_EXPORT({name})")
+            f"  probe<{n}, {op}>(image, image_bytes, p, a_regs, c_in, out);\n}}\nFAGEN_EXPORT({name})")
     return "\n".join(lines) + "\n"
 
 
@@ -78,11 +111,21 @@ def bits16(values: np.ndarray, bf16: bool) -> np.ndarray:
     return t.view(torch.int16).numpy().astype(np.uint16)
 
 
+def bits8(values: np.ndarray, kind: str) -> np.ndarray:
+    dtype = torch.float8_e5m2 if kind == "e5m2" else torch.float8_e4m3fn
+    t = torch.from_numpy(values).to(dtype)
+    assert torch.equal(t.double(), torch.from_numpy(values)), "values must be exact in the 8-bit type"
+    return t.view(torch.uint8).numpy()
+
+
 def a_registers(a_bits: np.ndarray) -> np.ndarray:
-    """128 x 4 registers holding A (64 x 16) where the ISA's A table puts it."""
+    """128 x 4 registers holding A (64 x 16 16-bit or 64 x 32 8-bit elements) where the ISA's A
+    table puts it."""
     regs = np.zeros((128, 4), dtype=np.uint32)
-    for (thread, element), (row, col) in isa_wgmma.a_fragment().items():
-        regs[thread, element // 2] |= np.uint32(a_bits[row, col]) << np.uint32(16 * (element % 2))
+    wide = a_bits.dtype.itemsize == 2
+    table, per = (isa_wgmma.a_fragment(), 2) if wide else (isa_wgmma.a_fragment_8bit(), 4)
+    for (thread, element), (row, col) in table.items():
+        regs[thread, element // per] |= np.uint32(a_bits[row, col]) << np.uint32(32 // per * (element % per))
     return regs
 
 
@@ -105,7 +148,7 @@ def launch(module, probe, image: np.ndarray, params, a_bits: np.ndarray, c: np.n
     through the ISA's accumulator table."""
     n = probe[0]
     out = torch.full((128, n // 2), float("nan"))
-    kernel = module.get_function(probe_name(*probe))
+    kernel = module.get_function(fp8_probe_name(*probe) if isinstance(probe[1], str) else probe_name(*probe))
     kernel((1, 1, 1), (128, 1, 1),
            (torch.from_numpy(image), I32(image.size), torch.tensor(params, dtype=torch.int32),
             torch.from_numpy(a_registers(a_bits).view(np.int32)), torch.from_numpy(c_registers(c, n)), out),

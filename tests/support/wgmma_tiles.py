@@ -1,8 +1,9 @@
 """wgmma operand tiles in shared memory, as the tests lay them out (tests/emulate/test_emulate_wgmma.py).
 
 A second reading of the ISA's "Shared Memory Matrix Layout" and "Strides" sections, written as
-the canonical layouts CuTe's comments describe (shapes and strides in 16-byte units, T = 8
-16-bit elements per unit), not as the emulator's formulas:
+the canonical layouts CuTe's comments describe (strides in elements, T = 16 bytes / element
+size: 8 16-bit or 16 8-bit elements per 16-byte unit; K = 32 bytes of elements), not as the
+emulator's formulas:
   K-major,  interleave: ((8, m), (T, 2)) : ((1T, SBO), (1, LBO))
   K-major,  swizzle W:  ((8, m), (T, 2)) : ((W/16 T, SBO), (1, T))
   MN-major, interleave: ((T, 1, m), (8, k)) : ((1, T, SBO), (1T, LBO))
@@ -18,7 +19,6 @@ import numpy as np
 
 SWIZZLES = {"none": 0, "128B": 1, "64B": 2, "32B": 3}
 WIDTH = {0: 16, 1: 128, 2: 64, 3: 32}  # bytes of one swizzle row (16: the interleave core row)
-T = 8  # 16-bit elements per 16 bytes
 
 
 def swizzle(address: int, mode: int) -> int:
@@ -26,22 +26,17 @@ def swizzle(address: int, mode: int) -> int:
     return address ^ (((address >> 7) & ((1 << bits) - 1)) << 4)
 
 
-def _layout_offset(coords, shape, stride) -> int:
-    """An element offset of a flat (coordinate, shape, stride) mode list: sum coord_i * stride_i."""
-    return sum(c * s for c, s in zip(coords, stride))
-
-
-def element_offset(mn: int, k: int, mn_major: bool, mode: int, lbo: int, sbo: int) -> int:
-    """Byte offset (before the swizzle) of element (mn, k), LBO and SBO in bytes."""
-    w = WIDTH[mode] // 16
-    L, S = lbo // 2, sbo // 2  # element units
+def element_offset(mn: int, k: int, mn_major: bool, mode: int, lbo: int, sbo: int, size: int = 2) -> int:
+    """Byte offset (before the swizzle) of element (mn, k) of `size`-byte elements, LBO and SBO in bytes."""
+    w, T = WIDTH[mode] // 16, 16 // size
+    L, S = lbo // size, sbo // size  # element units
     if not mn_major:
         coords = (mn % 8, mn // 8, k % T, k // T)
         stride = (T, S, 1, L) if mode == 0 else (w * T, S, 1, T)
     else:
         coords = (mn % T, (mn // T) % w, mn // (T * w), k % 8, k // 8)
         stride = (1, T, S, T, L) if mode == 0 else (1, T, L, w * T, S)
-    return 2 * _layout_offset(coords, None, stride)
+    return size * sum(c * s for c, s in zip(coords, stride))
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,7 @@ class Placement:
 
 
 def canonical(rows: int, mn_major: bool, mode: int, offset: int) -> Placement:
-    """A packing of a rows x 16 operand with LBO != SBO wherever both matter."""
+    """A packing of a rows x K operand (K = 32 bytes) with LBO != SBO wherever both matter."""
     width = WIDTH[mode]
     groups = -(-rows // 8)
     if not mn_major and mode == 0:  # 8-row core matrices along MN, the two k halves far apart
@@ -71,10 +66,11 @@ def canonical(rows: int, mn_major: bool, mode: int, offset: int) -> Placement:
 
 
 def place(image: np.ndarray, tile: np.ndarray, p: Placement, base: int = 1024) -> None:
-    """Write `tile` (rows x 16, uint16 bits) into `image` (uint8) as the wgmma will read it;
-    `base`: the image's shared-window address (a multiple of 1024 in the tests' kernels)."""
+    """Write `tile` (rows x K, uint16 or uint8 bits) into `image` (uint8) as the wgmma will read
+    it; `base`: the image's shared-window address (a multiple of 1024 in the tests' kernels)."""
+    size = tile.dtype.itemsize
     for mn in range(tile.shape[0]):
-        for k in range(16):
-            address = swizzle(base + p.offset + element_offset(mn, k, p.mn_major, p.mode, p.lbo, p.sbo), p.mode)
-            at = address - base
-            image[at:at + 2] = np.frombuffer(np.uint16(tile[mn, k]).tobytes(), dtype=np.uint8)
+        for k in range(tile.shape[1]):
+            offset = element_offset(mn, k, p.mn_major, p.mode, p.lbo, p.sbo, size)
+            at = swizzle(base + p.offset + offset, p.mode) - base
+            image[at:at + size] = np.frombuffer(tile[mn, k].tobytes(), dtype=np.uint8)

@@ -1,10 +1,12 @@
-// wgmma.mma_async .m64nNk16 .f32.{f16,bf16} and its fence / commit_group / wait_group, as
-// warpgroup rendezvous (warpgroup.cpp), with the shared-memory descriptors decoded here.
+// wgmma.mma_async .m64nNk16 .f32.{f16,bf16}, .m64nNk32 .f32.{e4m3,e5m2} and its fence /
+// commit_group / wait_group, as warpgroup rendezvous (warpgroup.cpp), with the shared-memory
+// descriptors decoded here.
 //
 // Descriptor (PTX ISA "Matrix Descriptor Format"): start >> 4 in bits 13-0, LBO >> 4 in 29-16,
 // SBO >> 4 in 45-32, base offset in 51-49, swizzle in 63-62 (0 none, 1 128B, 2 64B, 3 32B).
-// Element (mn, k) of an operand (16-bit elements, 8 per 16-byte row of a core matrix; W the
-// swizzle width in bytes) sits at start + offset, swizzled on the absolute address:
+// Element (mn, k) of an operand (shown for 16-bit elements, 8 per 16-byte row of a core matrix;
+// 8-bit ones: 16 per row, 1 byte each; W the swizzle width in bytes) sits at start + offset,
+// swizzled on the absolute address:
 //   K-major  none:  (mn%8)*16 + (mn/8)*SBO + (k/8)*LBO + (k%8)*2
 //   K-major  W:     (mn%8)*W  + (mn/8)*SBO + k*2
 //   MN-major none:  (k%8)*16  + (k/8)*LBO  + (mn/8)*SBO + (mn%8)*2
@@ -12,7 +14,8 @@
 //   swizzle: address bits [4, 4+b) ^= bits [7, 7+b), b = 3, 2, 1 for 128B, 64B, 32B.
 // Fragments (thread t of the warpgroup, w = t/32, g = (t%32)/4, q = t%4):
 //   d[i]: D[16w + g + 8*((i/2)%2)][8*(i/4) + 2q + i%2]
-//   a[r]: A[16w + g + 8*(r%2)][8*(r/2) + 2q + {0, 1}], lower k in the low half.
+//   a[r]: A[16w + g + 8*(r%2)][8*(r/2) + 2q + {0, 1}], lower k in the low half
+//         (8-bit: A[16w + g + 8*(r%2)][16*(r/2) + 4q + {0..3}], lowest k in the low byte).
 // Timing (fagen_emulate/wgmma.h): NaN accumulators from issue to the retiring wait; shared
 // operands read at issue and again at the wait (a fault if they differ); a missing wgmma.fence
 // found by comparing registers with what the twin last left in them.
@@ -34,18 +37,19 @@ const char kWait[] = "wgmma.wait_group";
 
 // One thread's operands of a wgmma, as it passes them to the rendezvous.
 struct Issue {
-  MmaInput input;
+  WgmmaInput a_type, b_type;
   int n, scale_d, scale_a, scale_b, trans_a, trans_b;
   uint64_t a_desc, b_desc;
   const uint32_t* a_regs;  // null: A from shared memory
   float* d;
 };
 
-// An operand tile in shared memory: the host address of element (mn, k) at mn * 16 + k, and
-// its bits as read at issue.
+// An operand tile in shared memory: the host address of element (mn, k) at mn * K + k, and
+// its bits as read at issue (an 8-bit element in the low byte).
 struct Tile {
-  std::vector<const uint16_t*> where;
+  std::vector<const unsigned char*> where;
   std::vector<uint16_t> bits;
+  int bytes = 2;
 };
 
 struct InFlight {
@@ -89,9 +93,31 @@ WgmmaState& wgmma_state(const WarpgroupRendezvous& w) {
 
 const Issue& issue_of(const WarpgroupRendezvous& w, unsigned t) { return *static_cast<const Issue*>(w.in[t]); }
 
-double decode(MmaInput input, uint16_t bits) {
-  if (input == MmaInput::f16) return __half2float(__ushort_as_half(bits));
-  return bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+// Bytes per element; K of .m64nNk{K} is 32 bytes of it.
+int element_bytes(WgmmaInput type) { return type == WgmmaInput::f16 || type == WgmmaInput::bf16 ? 2 : 1; }
+int k_of(WgmmaInput type) { return 32 / element_bytes(type); }
+
+// e4m3: bias 7, no infinities, S.1111.111 is NaN; e5m2: bias 15, IEEE-like (infinities, NaNs).
+double decode_fp8(unsigned bits, int exponent_bits, bool e4m3) {
+  const int mantissa_bits = 7 - exponent_bits, bias = (1 << (exponent_bits - 1)) - 1;
+  const unsigned exponent = bits >> mantissa_bits & ((1u << exponent_bits) - 1);
+  const unsigned mantissa = bits & ((1u << mantissa_bits) - 1);
+  const double sign = bits & 0x80u ? -1.0 : 1.0;
+  const unsigned top = (1u << exponent_bits) - 1;
+  if (e4m3 && exponent == top && mantissa == 7) return std::nan("");
+  if (!e4m3 && exponent == top) return mantissa ? std::nan("") : sign * HUGE_VAL;
+  if (exponent == 0) return sign * std::ldexp(mantissa, 1 - bias - mantissa_bits);
+  return sign * std::ldexp(mantissa + (1u << mantissa_bits), static_cast<int>(exponent) - bias - mantissa_bits);
+}
+
+double decode(WgmmaInput type, uint16_t bits) {
+  switch (type) {
+    case WgmmaInput::f16: return __half2float(__ushort_as_half(bits));
+    case WgmmaInput::bf16: return bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+    case WgmmaInput::e4m3: return decode_fp8(bits & 0xffu, 4, true);
+    case WgmmaInput::e5m2: return decode_fp8(bits & 0xffu, 5, false);
+  }
+  return 0.0;
 }
 
 uint32_t swizzle(uint32_t address, unsigned mode) {
@@ -99,48 +125,51 @@ uint32_t swizzle(uint32_t address, unsigned mode) {
   return address ^ (((address >> 7) & ((1u << bits) - 1u)) << 4);
 }
 
-// The shared-window address of element (mn, k) of the operand `desc` describes.
-uint32_t element_address(uint64_t desc, bool mn_major, int mn, int k) {
+// The shared-window address of element (mn, k) of the operand `desc` describes (elements of
+// `size` bytes, so a 16-byte core-matrix row holds 16 / size of them).
+uint32_t element_address(uint64_t desc, bool mn_major, int mn, int k, uint32_t size) {
   const uint32_t start = static_cast<uint32_t>(desc & 0x3fff) << 4;
   const uint32_t lbo = static_cast<uint32_t>(desc >> 16 & 0x3fff) << 4;
   const uint32_t sbo = static_cast<uint32_t>(desc >> 32 & 0x3fff) << 4;
   const unsigned mode = static_cast<unsigned>(desc >> 62);
   const uint32_t width = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
   const uint32_t m = static_cast<uint32_t>(mn), kk = static_cast<uint32_t>(k);
+  const uint32_t core = 16 / size;  // elements in a 16-byte core-matrix row
   uint32_t offset;
   if (!mn_major) {
-    offset = mode == 0 ? (m % 8) * 16 + (m / 8) * sbo + (kk / 8) * lbo + (kk % 8) * 2
-                       : (m % 8) * width + (m / 8) * sbo + kk * 2;
+    offset = mode == 0 ? (m % 8) * 16 + (m / 8) * sbo + (kk / core) * lbo + (kk % core) * size
+                       : (m % 8) * width + (m / 8) * sbo + kk * size;
   } else {
-    const uint32_t per_row = width / 2;  // elements of MN in one swizzle-width row
-    offset = mode == 0 ? (kk % 8) * 16 + (kk / 8) * lbo + (m / 8) * sbo + (m % 8) * 2
-                       : (kk % 8) * width + (kk / 8) * sbo + (m / per_row) * lbo + (m % per_row) * 2;
+    const uint32_t per_row = width / size;  // elements of MN in one swizzle-width row
+    offset = mode == 0 ? (kk % 8) * 16 + (kk / 8) * lbo + (m / core) * sbo + (m % core) * size
+                       : (kk % 8) * width + (kk / 8) * sbo + (m / per_row) * lbo + (m % per_row) * size;
   }
   return swizzle(start + offset, mode);
 }
 
-Tile read_tile(uint64_t desc, bool mn_major, int rows, const char* name, Site site) {
+Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const char* name, Site site) {
   if ((desc >> 49 & 7) != 0) {
     fail(site, "wgmma: %s descriptor 0x%016llx has base offset %u: the emulator models base offset 0 only", name,
          static_cast<unsigned long long>(desc), static_cast<unsigned>(desc >> 49 & 7));
   }
   const uint64_t size = current_fiber->block->launch->config.shared_mem_bytes;
+  const int bytes = element_bytes(type), depth = k_of(type);
   Tile tile;
-  tile.where.resize(static_cast<std::size_t>(rows) * 16);
-  tile.bits.resize(tile.where.size());
+  tile.bytes = bytes;
+  tile.where.resize(static_cast<std::size_t>(rows) * depth);
+  tile.bits.assign(tile.where.size(), 0);
   for (int mn = 0; mn < rows; ++mn) {
-    for (int k = 0; k < 16; ++k) {
-      const uint32_t address = element_address(desc, mn_major, mn, k);
-      if (address < kDynamicSharedWindowBase || address + 2 > kDynamicSharedWindowBase + size) {
+    for (int k = 0; k < depth; ++k) {
+      const uint32_t address = element_address(desc, mn_major, mn, k, static_cast<uint32_t>(bytes));
+      if (address < kDynamicSharedWindowBase || address + bytes > kDynamicSharedWindowBase + size) {
         fail(site, "wgmma: %s element (%d, %d) of descriptor 0x%016llx is at shared address 0x%x, outside the "
                    "launch's %llu bytes of dynamic shared memory (at 0x%x)", name, mn, k,
              static_cast<unsigned long long>(desc), address, static_cast<unsigned long long>(size),
              kDynamicSharedWindowBase);
       }
       const unsigned char* byte = dynamic_shared_base() + (address - kDynamicSharedWindowBase);
-      const auto* host = reinterpret_cast<const uint16_t*>(byte);
-      tile.where[static_cast<std::size_t>(mn) * 16 + k] = host;
-      std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * 16 + k], host, 2);
+      tile.where[static_cast<std::size_t>(mn) * depth + k] = byte;
+      std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * depth + k], byte, static_cast<std::size_t>(bytes));
     }
   }
   return tile;
@@ -149,14 +178,14 @@ Tile read_tile(uint64_t desc, bool mn_major, int rows, const char* name, Site si
 // Reads the tile again at the retiring wait: the ISA lets the wgmma read it any time until then.
 void reread_tile(Tile& tile, const char* name, const InFlight& op, Site wait_site) {
   for (std::size_t i = 0; i < tile.where.size(); ++i) {
-    uint16_t now;
-    std::memcpy(&now, tile.where[i], 2);
+    uint16_t now = 0;
+    std::memcpy(&now, tile.where[i], static_cast<std::size_t>(tile.bytes));
     if (now != tile.bits[i]) {
-      const uint32_t address = static_cast<uint32_t>(reinterpret_cast<const unsigned char*>(tile.where[i]) -
-                                                     dynamic_shared_base()) + kDynamicSharedWindowBase;
+      const uint32_t address = static_cast<uint32_t>(tile.where[i] - dynamic_shared_base()) + kDynamicSharedWindowBase;
       fail(wait_site, "the wgmma issued at %s reads %s element (%zu, %zu) at shared address 0x%x, which changed "
                       "between its issue and the wgmma.wait_group that retires it (0x%04x -> 0x%04x)",
-           format_site(op.site).c_str(), name, i / 16, i % 16, address, tile.bits[i], now);
+           format_site(op.site).c_str(), name, i / k_of(op.issue.a_type), i % k_of(op.issue.a_type), address,
+           tile.bits[i], now);
     }
     tile.bits[i] = now;
   }
@@ -206,7 +235,7 @@ void check_uniform(const WarpgroupRendezvous& w) {
   for (unsigned t = 1; t < 128; ++t) {
     const Issue& other = issue_of(w, t);
     if (other.a_desc != first.a_desc || other.b_desc != first.b_desc || other.scale_d != first.scale_d ||
-        other.n != first.n || other.input != first.input) {
+        other.n != first.n || other.a_type != first.a_type || other.b_type != first.b_type) {
       fail(w.site, "wgmma: thread %u passes descriptors 0x%016llx / 0x%016llx and scale-d %d, thread 0 "
                    "0x%016llx / 0x%016llx and %d: they must agree across the warpgroup", t,
            static_cast<unsigned long long>(other.a_desc), static_cast<unsigned long long>(other.b_desc),
@@ -238,20 +267,23 @@ void compute_issue(WarpgroupRendezvous& w) {
   if (op.a_from_registers) {
     check_fence(state, a_where, 4 * sizeof(uint32_t), "A registers", w.site);
     remember_registers(state, a_where, 4 * sizeof(uint32_t));
-    op.a_regs.resize(64 * 16);
+    // Register r holds `per` elements, the lowest k in the lowest bits.
+    const unsigned depth = static_cast<unsigned>(k_of(op.issue.a_type)), bits = 8u * element_bytes(op.issue.a_type);
+    const unsigned per = 32 / bits;
+    op.a_regs.resize(64 * depth);
     for (unsigned t = 0; t < 128; ++t) {
       const uint32_t* regs = issue_of(w, t).a_regs;
       const unsigned row = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
       for (unsigned r = 0; r < 4; ++r) {
-        const unsigned m = row + 8 * (r % 2), k = 8 * (r / 2) + 2 * q;
-        op.a_regs[m * 16 + k] = static_cast<uint16_t>(regs[r] & 0xffffu);
-        op.a_regs[m * 16 + k + 1] = static_cast<uint16_t>(regs[r] >> 16);
+        const unsigned m = row + 8 * (r % 2), k = depth / 2 * (r / 2) + per * q;
+        for (unsigned j = 0; j < per; ++j)
+          op.a_regs[m * depth + k + j] = static_cast<uint16_t>(regs[r] >> (bits * j) & ((1u << bits) - 1u));
       }
     }
   } else {
-    op.a = read_tile(op.issue.a_desc, op.issue.trans_a != 0, 64, "A", w.site);
+    op.a = read_tile(op.issue.a_desc, op.issue.trans_a != 0, 64, op.issue.a_type, "A", w.site);
   }
-  op.b = read_tile(op.issue.b_desc, op.issue.trans_b != 0, op.issue.n, "B", w.site);
+  op.b = read_tile(op.issue.b_desc, op.issue.trans_b != 0, op.issue.n, op.issue.b_type, "B", w.site);
   for (const InFlight& earlier : state.in_flight) op.chained |= same_accumulator(earlier, op.d);
   if (!op.chained) {
     op.c.resize(128 * static_cast<std::size_t>(op.issue.n / 2));
@@ -271,16 +303,17 @@ void retire(WgmmaState& state, InFlight& op, Site wait_site) {
   if (!op.a_from_registers) reread_tile(op.a, "A", op, wait_site);
   reread_tile(op.b, "B", op, wait_site);
   const std::vector<uint16_t>& a_bits = op.a_from_registers ? op.a_regs : op.a.bits;
-  std::vector<double> a(64 * 16), b(static_cast<std::size_t>(n) * 16);
-  for (std::size_t i = 0; i < a.size(); ++i) a[i] = is.scale_a * decode(is.input, a_bits[i]);
-  for (std::size_t i = 0; i < b.size(); ++i) b[i] = is.scale_b * decode(is.input, op.b.bits[i]);
+  const unsigned depth = static_cast<unsigned>(k_of(is.a_type));
+  std::vector<double> a(64 * depth), b(static_cast<std::size_t>(n) * depth);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = is.scale_a * decode(is.a_type, a_bits[i]);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = is.scale_b * decode(is.b_type, op.b.bits[i]);
   for (unsigned t = 0; t < 128; ++t) {
     const unsigned row0 = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
     for (int i = 0; i < n / 2; ++i) {
       const unsigned m = row0 + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * q + i % 2;
       double sum = 0.0;
       if (is.scale_d) sum = op.chained ? op.d[t][i] : op.c[t * (n / 2) + i];
-      for (unsigned k = 0; k < 16; ++k) sum += a[m * 16 + k] * b[col * 16 + k];
+      for (unsigned k = 0; k < depth; ++k) sum += a[m * depth + k] * b[col * depth + k];
       op.d[t][i] = static_cast<float>(sum);
     }
   }
@@ -315,7 +348,15 @@ void compute_wait(WarpgroupRendezvous& w) {
 
 void issue(const Issue& operands, const char* op, Site site) {
   if (operands.n < 8 || operands.n > 256 || operands.n % 8 != 0) {
-    fail(site, "%s: N = %d, but .m64nNk16 takes N a multiple of 8 in [8, 256]", op, operands.n);
+    fail(site, "%s: N = %d, but .m64nNk16 / .m64nNk32 take N a multiple of 8 in [8, 256]", op, operands.n);
+  }
+  const int bytes = element_bytes(operands.a_type);
+  if (bytes != element_bytes(operands.b_type) || (bytes == 2 && operands.a_type != operands.b_type)) {
+    fail(site, "%s: A and B types %d and %d: 16-bit inputs must match, 8-bit ones pair with 8-bit ones", op,
+         static_cast<int>(operands.a_type), static_cast<int>(operands.b_type));
+  }
+  if (bytes == 1 && (operands.trans_a || operands.trans_b)) {
+    fail(site, "%s: imm-trans with 8-bit inputs: the ISA allows only K-major e4m3 / e5m2 operands", op);
   }
   warpgroup_collective(op, &operands, nullptr, &compute_issue, site);
 }
@@ -332,15 +373,15 @@ uint32_t shared_window_address(const void* p, Site site) {
   return kDynamicSharedWindowBase + static_cast<uint32_t>(byte - base);
 }
 
-void wgmma_ss(MmaInput input, int n, float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, int scale_a,
-              int scale_b, int trans_a, int trans_b, Site site) {
-  const Issue operands{input, n, scale_d != 0, scale_a, scale_b, trans_a, trans_b, a_desc, b_desc, nullptr, d};
+void wgmma_ss(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, uint64_t a_desc, uint64_t b_desc, int scale_d,
+              int scale_a, int scale_b, int trans_a, int trans_b, Site site) {
+  const Issue operands{a_type, b_type, n, scale_d != 0, scale_a, scale_b, trans_a, trans_b, a_desc, b_desc, nullptr, d};
   issue(operands, kWgmmaSS, site);
 }
 
-void wgmma_rs(MmaInput input, int n, float* d, const uint32_t* a, uint64_t b_desc, int scale_d, int scale_a,
-              int scale_b, int trans_b, Site site) {
-  const Issue operands{input, n, scale_d != 0, scale_a, scale_b, 0, trans_b, 0, b_desc, a, d};
+void wgmma_rs(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, const uint32_t* a, uint64_t b_desc, int scale_d,
+              int scale_a, int scale_b, int trans_b, Site site) {
+  const Issue operands{a_type, b_type, n, scale_d != 0, scale_a, scale_b, 0, trans_b, 0, b_desc, a, d};
   issue(operands, kWgmmaRS, site);
 }
 

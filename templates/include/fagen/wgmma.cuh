@@ -1,5 +1,6 @@
 // fagen/wgmma.cuh — warpgroup tensor-core products (sm_90a), one warpgroup of 128 threads:
 //   wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16}   N = 8, 16, ..., 256
+//   wgmma.mma_async.sync.aligned.m64nNk32.f32.{e4m3,e5m2}.{e4m3,e5m2} (wgmma_ss_fp8 / _rs_fp8)
 //   wgmma.fence.sync.aligned;  wgmma.commit_group.sync.aligned;  wgmma.wait_group.sync.aligned N;
 //
 // D (64 x N, fp32) = A (64 x 16) * B (16 x N) + (scale_d ? D : 0), A and B negated by the
@@ -118,6 +119,19 @@ struct WgmmaAsm;
                : FAGEN_WGMMA_O##B(d)                                                                \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kScaleA), \
                  "n"(kScaleB), "n"(kTransB))
+#define FAGEN_WGMMA_SS8(N, B, TA, TB, i0, i1, i2, i3, i4)                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " i2 ", 0;\n"                                      \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." #TA "." #TB " {" FAGEN_WGMMA_D##B  \
+               "}, " i0 ", " i1 ", p, " i3 ", " i4 ";\n}\n"                                         \
+               : FAGEN_WGMMA_O##B(d)                                                                \
+               : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kScaleA), "n"(kScaleB))
+#define FAGEN_WGMMA_RS8(N, B, TA, TB, i0, i1, i2, i3, i4, i5, i6, i7)                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " i5 ", 0;\n"                                      \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32." #TA "." #TB " {" FAGEN_WGMMA_D##B  \
+               "}, {" i0 ", " i1 ", " i2 ", " i3 "}, " i4 ", p, " i6 ", " i7 ";\n}\n"               \
+               : FAGEN_WGMMA_O##B(d)                                                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d), "n"(kScaleA), \
+                 "n"(kScaleB))
 #define FAGEN_WGMMA_SHAPE(N, B, i0, i1, i2, i3, i4, i5, i6, i7, i8)                                 \
   template <>                                                                                       \
   struct WgmmaAsm<N> {                                                                              \
@@ -135,6 +149,30 @@ struct WgmmaAsm;
         FAGEN_WGMMA_RS(N, B, bf16, i0, i1, i2, i3, i4, i5, i6, i7, i8);                             \
       } else {                                                                                      \
         FAGEN_WGMMA_RS(N, B, f16, i0, i1, i2, i3, i4, i5, i6, i7, i8);                              \
+      }                                                                                             \
+    }                                                                                               \
+    template <int kScaleA, int kScaleB, bool kAE5M2, bool kBE5M2>                                   \
+    static __device__ __forceinline__ void ss8(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d) { \
+      if (kAE5M2 && kBE5M2) {                                                                       \
+        FAGEN_WGMMA_SS8(N, B, e5m2, e5m2, i0, i1, i2, i3, i4);                                      \
+      } else if (kAE5M2) {                                                                          \
+        FAGEN_WGMMA_SS8(N, B, e5m2, e4m3, i0, i1, i2, i3, i4);                                      \
+      } else if (kBE5M2) {                                                                          \
+        FAGEN_WGMMA_SS8(N, B, e4m3, e5m2, i0, i1, i2, i3, i4);                                      \
+      } else {                                                                                      \
+        FAGEN_WGMMA_SS8(N, B, e4m3, e4m3, i0, i1, i2, i3, i4);                                      \
+      }                                                                                             \
+    }                                                                                               \
+    template <int kScaleA, int kScaleB, bool kAE5M2, bool kBE5M2>                                   \
+    static __device__ __forceinline__ void rs8(float* d, const uint32_t* a, uint64_t b_desc, int scale_d) { \
+      if (kAE5M2 && kBE5M2) {                                                                       \
+        FAGEN_WGMMA_RS8(N, B, e5m2, e5m2, i0, i1, i2, i3, i4, i5, i6, i7);                          \
+      } else if (kAE5M2) {                                                                          \
+        FAGEN_WGMMA_RS8(N, B, e5m2, e4m3, i0, i1, i2, i3, i4, i5, i6, i7);                          \
+      } else if (kBE5M2) {                                                                          \
+        FAGEN_WGMMA_RS8(N, B, e4m3, e5m2, i0, i1, i2, i3, i4, i5, i6, i7);                          \
+      } else {                                                                                      \
+        FAGEN_WGMMA_RS8(N, B, e4m3, e4m3, i0, i1, i2, i3, i4, i5, i6, i7);                          \
       }                                                                                             \
     }                                                                                               \
   };
@@ -173,6 +211,8 @@ FAGEN_WGMMA_SHAPE(248, 31, "%124", "%125", "%126", "%127", "%128", "%129", "%130
 FAGEN_WGMMA_SHAPE(256, 32, "%128", "%129", "%130", "%131", "%132", "%133", "%134", "%135", "%136")
 
 #undef FAGEN_WGMMA_SHAPE
+#undef FAGEN_WGMMA_RS8
+#undef FAGEN_WGMMA_SS8
 #undef FAGEN_WGMMA_RS
 #undef FAGEN_WGMMA_SS
 
@@ -191,8 +231,9 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a_desc, uin
                                          int scale_d FAGEN_CALL_SITE_PARAMS) {
   wgmma_check_immediates<N, kScaleA, kScaleB, kTransA, kTransB>();
 #ifdef FAGEN_EMULATE
-  ::fagen_emu::wgmma_ss(kBf16 ? ::fagen_emu::MmaInput::bf16 : ::fagen_emu::MmaInput::f16, N, d, a_desc, b_desc,
-                        scale_d, kScaleA, kScaleB, kTransA, kTransB, FAGEN_CALL_SITE);
+  constexpr auto type = kBf16 ? ::fagen_emu::WgmmaInput::bf16 : ::fagen_emu::WgmmaInput::f16;
+  ::fagen_emu::wgmma_ss(type, type, N, d, a_desc, b_desc, scale_d, kScaleA, kScaleB, kTransA, kTransB,
+                        FAGEN_CALL_SITE);
 #else
   WgmmaAsm<N>::template ss<kScaleA, kScaleB, kTransA, kTransB, kBf16>(d, a_desc, b_desc, scale_d);
 #endif
@@ -204,10 +245,39 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
                                          int scale_d FAGEN_CALL_SITE_PARAMS) {
   wgmma_check_immediates<N, kScaleA, kScaleB, 0, kTransB>();
 #ifdef FAGEN_EMULATE
-  ::fagen_emu::wgmma_rs(kBf16 ? ::fagen_emu::MmaInput::bf16 : ::fagen_emu::MmaInput::f16, N, d, a, b_desc,
-                        scale_d, kScaleA, kScaleB, kTransB, FAGEN_CALL_SITE);
+  constexpr auto type = kBf16 ? ::fagen_emu::WgmmaInput::bf16 : ::fagen_emu::WgmmaInput::f16;
+  ::fagen_emu::wgmma_rs(type, type, N, d, a, b_desc, scale_d, kScaleA, kScaleB, kTransB, FAGEN_CALL_SITE);
 #else
   WgmmaAsm<N>::template rs<kScaleA, kScaleB, kTransB, kBf16>(d, a, b_desc, scale_d);
+#endif
+}
+
+// 8-bit inputs, .m64nNk32 (K = 32 bytes as for 16-bit K = 16): kAE5M2 / kBE5M2 pick e5m2 over
+// e4m3 for A / B. K-major operands only (no imm-trans for 8-bit types). From registers, a[r]
+// holds A[16w + g + 8 * (r % 2)][16 * (r / 2) + 4q + {0, 1, 2, 3}], the lowest k in the low byte.
+template <int N, bool kAE5M2, bool kBE5M2, int kScaleA = 1, int kScaleB = 1>
+__device__ __forceinline__ void wgmma_ss_fp8(float (&d)[N / 2], uint64_t a_desc, uint64_t b_desc,
+                                             int scale_d FAGEN_CALL_SITE_PARAMS) {
+  wgmma_check_immediates<N, kScaleA, kScaleB, 0, 0>();
+#ifdef FAGEN_EMULATE
+  using ::fagen_emu::WgmmaInput;
+  ::fagen_emu::wgmma_ss(kAE5M2 ? WgmmaInput::e5m2 : WgmmaInput::e4m3, kBE5M2 ? WgmmaInput::e5m2 : WgmmaInput::e4m3,
+                        N, d, a_desc, b_desc, scale_d, kScaleA, kScaleB, 0, 0, FAGEN_CALL_SITE);
+#else
+  WgmmaAsm<N>::template ss8<kScaleA, kScaleB, kAE5M2, kBE5M2>(d, a_desc, b_desc, scale_d);
+#endif
+}
+
+template <int N, bool kAE5M2, bool kBE5M2, int kScaleA = 1, int kScaleB = 1>
+__device__ __forceinline__ void wgmma_rs_fp8(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_desc,
+                                             int scale_d FAGEN_CALL_SITE_PARAMS) {
+  wgmma_check_immediates<N, kScaleA, kScaleB, 0, 0>();
+#ifdef FAGEN_EMULATE
+  using ::fagen_emu::WgmmaInput;
+  ::fagen_emu::wgmma_rs(kAE5M2 ? WgmmaInput::e5m2 : WgmmaInput::e4m3, kBE5M2 ? WgmmaInput::e5m2 : WgmmaInput::e4m3,
+                        N, d, a, b_desc, scale_d, kScaleA, kScaleB, 0, FAGEN_CALL_SITE);
+#else
+  WgmmaAsm<N>::template rs8<kScaleA, kScaleB, kAE5M2, kBE5M2>(d, a, b_desc, scale_d);
 #endif
 }
 

@@ -22,10 +22,15 @@ constexpr uint32_t kDynamicSharedWindowBase = 0x400;
 
 FAGEN_EMU_RUNTIME_API uint32_t shared_window_address(const void* p, Site site);
 
-FAGEN_EMU_RUNTIME_API void wgmma_ss(MmaInput input, int n, float* d, uint64_t a_desc, uint64_t b_desc, int scale_d,
-                                    int scale_a, int scale_b, int trans_a, int trans_b, Site site);
-FAGEN_EMU_RUNTIME_API void wgmma_rs(MmaInput input, int n, float* d, const uint32_t* a, uint64_t b_desc,
-                                    int scale_d, int scale_a, int scale_b, int trans_b, Site site);
+// Input types: 16-bit ones (K = 16, A and B of one type, either major-ness) and 8-bit ones
+// (K = 32, any pair, K-major only).
+enum class WgmmaInput : int { f16 = 0, bf16 = 1, e4m3 = 2, e5m2 = 3 };
+
+FAGEN_EMU_RUNTIME_API void wgmma_ss(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, uint64_t a_desc,
+                                    uint64_t b_desc, int scale_d, int scale_a, int scale_b, int trans_a, int trans_b,
+                                    Site site);
+FAGEN_EMU_RUNTIME_API void wgmma_rs(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, const uint32_t* a,
+                                    uint64_t b_desc, int scale_d, int scale_a, int scale_b, int trans_b, Site site);
 FAGEN_EMU_RUNTIME_API void wgmma_fence(Site site);
 FAGEN_EMU_RUNTIME_API void wgmma_commit(Site site);
 FAGEN_EMU_RUNTIME_API void wgmma_wait(int pending_groups, Site site);
