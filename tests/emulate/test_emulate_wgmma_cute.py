@@ -65,16 +65,16 @@ def parse(text: str) -> dict:
             continue
         kind, *fields = line.split()
         if kind == "tile":
-            name, rows, kmajor, mode, slice_, desc, start, *offsets = fields
+            name, rows, kmajor, mode, slice_, desc, start, size, *offsets = fields
             records["tile"].append(dict(name=name, rows=int(rows), k_major=kmajor == "1", mode=int(mode),
-                                        slice=int(slice_), desc=int(desc), start=int(start),
-                                        offsets=np.array(offsets, dtype=np.int64).reshape(int(rows), 16)))
+                                        slice=int(slice_), desc=int(desc), start=int(start), size=int(size),
+                                        offsets=np.array(offsets, dtype=np.int64).reshape(int(rows), -1)))
         elif kind == "acc":
             n, thread, value, row, col = map(int, fields)
             records["acc"].setdefault(n, {})[(thread, value)] = (row, col)
         elif kind == "afrag":
-            thread, value, row, col = map(int, fields)
-            records["afrag"][(thread, value)] = (row, col)
+            size, thread, value, row, col = map(int, fields)
+            records["afrag"].setdefault(size, {})[(thread, value)] = (row, col)
         else:
             records[kind].append(tuple(int(f) for f in fields))
     return records
@@ -134,15 +134,17 @@ def test_tests_layout_reading_matches_cute(oracle):
     for tile in oracle["tile"]:
         lbo, sbo, mode = descriptor_fields(tile["desc"])
         assert mode == tile["mode"]
-        ours = [[tiles.swizzle(tile["start"] + tiles.element_offset(mn, k, not tile["k_major"], mode, lbo, sbo), mode)
-                 for k in range(16)] for mn in range(tile["rows"])]
+        size = tile["size"]
+        ours = [[tiles.swizzle(tile["start"] + tiles.element_offset(mn, k, not tile["k_major"], mode, lbo, sbo, size),
+                               mode) for k in range(32 // size)] for mn in range(tile["rows"])]
         np.testing.assert_array_equal(np.array(ours), tile["offsets"], err_msg=f"{tile['name']} rows {tile['rows']}")
 
 
 def test_fragment_tables_match_cute(oracle):
     for n, where in oracle["acc"].items():
         assert where == isa_wgmma.accumulator(n), f"CLayout_64x{n}"
-    assert oracle["afrag"] == isa_wgmma.a_fragment(), "ALayout_64x16"
+    assert oracle["afrag"][2] == isa_wgmma.a_fragment(), "ALayout_64x16"
+    assert oracle["afrag"][1] == isa_wgmma.a_fragment_8bit(), "ALayout_64x32"
 
 
 @pytest.fixture(scope="module")
@@ -150,20 +152,22 @@ def probes():
     return load_module(wgmma_probe.probe_source())
 
 
-def pick(oracle, rows: int, k_major: bool, mode: int, slice_: str):
-    found = [t for t in oracle["tile"] if t["rows"] == rows and t["k_major"] == k_major and t["mode"] == mode]
+def pick(oracle, rows: int, k_major: bool, mode: int, slice_: str, size: int = 2):
+    found = [t for t in oracle["tile"]
+             if t["rows"] == rows and t["k_major"] == k_major and t["mode"] == mode and t["size"] == size]
     if not found:
         return None
     return found[-1] if slice_ == "last" else found[0]
 
 
 def image_of(tile: dict, values: np.ndarray, image: np.ndarray, at: int) -> list[int]:
-    """Writes `values` (rows x 16 uint16) where CuTe's layout puts them, `at` bytes into the image;
-    returns the probe's (offset, LBO, SBO, swizzle) from make_gmma_desc's descriptor."""
+    """Writes `values` (rows x K, uint16 or uint8) where CuTe's layout puts them, `at` bytes into
+    the image; returns the probe's (offset, LBO, SBO, swizzle) from make_gmma_desc's descriptor."""
+    size = values.dtype.itemsize
     for mn in range(tile["rows"]):
-        for k in range(16):
+        for k in range(values.shape[1]):
             offset = at + int(tile["offsets"][mn, k])
-            image[offset:offset + 2] = np.frombuffer(values[mn, k].tobytes(), dtype=np.uint8)
+            image[offset:offset + size] = np.frombuffer(values[mn, k].tobytes(), dtype=np.uint8)
     lbo, sbo, mode = descriptor_fields(tile["desc"])
     return [at + tile["start"], lbo, sbo, mode]
 
@@ -192,3 +196,23 @@ def test_twin_reads_cute_tiles(oracle, probes, mode, slice_):
         np.testing.assert_array_equal(d, A @ B.T + C, err_msg=f"{wgmma_probe.probe_name(*probe)}")
         ran += 1
     assert ran >= 8
+
+
+@pytest.mark.parametrize("slice_", ["first", "last"])
+@pytest.mark.parametrize("mode", list(MODES.values()), ids=list(MODES))
+def test_twin_reads_cute_fp8_tiles(oracle, probes, mode, slice_):
+    """The same for e4m3 / e5m2 operands (K-major, K = 32), A from shared memory or from
+    registers packed by the table test_fragment_tables_match_cute holds to ALayout_64x32."""
+    rng = np.random.default_rng(10 + mode)
+    for probe in wgmma_probe.FP8_PROBES:
+        n, a_type, b_type, _ = probe
+        a_tile, b_tile = pick(oracle, 64, True, mode, slice_, 1), pick(oracle, n, True, mode, slice_, 1)
+        A = rng.integers(-4, 5, (64, 32)).astype(np.float64)
+        B = rng.integers(-4, 5, (n, 32)).astype(np.float64)
+        C = rng.integers(-50, 51, (64, n)).astype(np.float64)
+        a_bits, b_bits = wgmma_probe.bits8(A, a_type), wgmma_probe.bits8(B, b_type)
+        b_at = 64 * 128  # past the widest A tile (64 x 128 bytes)
+        image = wgmma_probe.bits8(rng.integers(-3, 4, b_at + 256 * 128) + 0.5, "e4m3")
+        params = image_of(a_tile, a_bits, image, 0) + image_of(b_tile, b_bits, image, b_at) + [1]
+        d = wgmma_probe.launch(probes, probe, image, params, a_bits, C)
+        np.testing.assert_array_equal(d, A @ B.T + C, err_msg=f"{wgmma_probe.fp8_probe_name(*probe)}")
