@@ -1,4 +1,5 @@
-// fagen_emulate/wgmma.h — the emulated twins of templates/include/fagen/{wgmma,smem_desc}.cuh.
+// fagen_emulate/wgmma.h — the emulated twins of templates/include/fagen/{wgmma,smem_desc}.cuh:
+// wgmma .m64nNk16 (f16, bf16) and .m64nNk32 (e4m3, e5m2), f32 accumulators.
 // Kernels call the wrappers, never these directly.
 //
 // wgmma ops are warpgroup-collective: the 128 threads of warps 4i..4i+3 must all call the same
