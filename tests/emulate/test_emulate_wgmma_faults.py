@@ -96,3 +96,8 @@ def test_missing_fence_after_rescaling_the_accumulator(pipeline):
 def test_part_of_the_warpgroup_is_a_fault(pipeline):
     with pytest.raises(EmulationError, match="warpgroup"):
         launch(pipeline, 5)
+
+
+def test_deadlock_names_the_warpgroup_wait(pipeline):
+    with pytest.raises(EmulationError, match=r"deadlock.*Warpgroup 0: threads 0,32,64,96 wait in wgmma\.fence"):
+        launch(pipeline, 6)

@@ -73,7 +73,7 @@ std::string describe_deadlock(const BlockRun& block) {
                  " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
     }
   }
-  return message;
+  return message + describe_warpgroup_waits(block);
 }
 
 void fiber_main(void* argument) {

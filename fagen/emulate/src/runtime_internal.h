@@ -243,6 +243,8 @@ void warpgroup_collective(const char* op, const void* in, void* out, WarpgroupCo
 // Scheduler hooks: the running thread exits, or reaches __syncthreads at `site`.
 void warpgroup_check_exit(Fiber& fiber);
 void warpgroup_check_barrier(Site site);
+// " Warpgroup i: threads ... wait in op at site." for each warpgroup op some threads wait in.
+std::string describe_warpgroup_waits(const BlockRun& block);
 
 struct BlockRun {
   LaunchState* launch = nullptr;

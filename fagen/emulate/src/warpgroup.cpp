@@ -81,6 +81,17 @@ void warpgroup_collective(const char* op, const void* in, void* out, WarpgroupCo
   }
 }
 
+std::string describe_warpgroup_waits(const BlockRun& block) {
+  std::string message;
+  for (unsigned group = 0; group < kMaxWarpgroups; ++group) {
+    const WarpgroupState& state = block.warpgroups[group];
+    if (state.op == nullptr) continue;
+    message += " Warpgroup " + std::to_string(group) + ": threads " + waiting_threads(state, group) + " wait in " +
+               state.op + " at " + format_site(state.site) + ".";
+  }
+  return message;
+}
+
 void warpgroup_check_exit(Fiber& fiber) {
   BlockRun& block = *fiber.block;
   const unsigned group = fiber.coords.warp / 4;

@@ -4,7 +4,8 @@
 // (uniform over the block, so every thread takes the same branches):
 //   0 none; 1 no wgmma.fence before the first wgmma; 2 the B tile overwritten before the wait;
 //   3 wait_group 1 where 0 is needed; 4 accumulators rescaled by the threads, no fence after;
-//   5 one warp skips the wgmma.
+//   5 one warp skips the wgmma; 6 lanes 1-31 of each warp wait in __syncwarp for lane 0, which
+//   waits in wgmma.fence for them (a deadlock).
 #include <fagen/prelude.cuh>
 #include <fagen/wgmma.cuh>
 
@@ -28,6 +29,7 @@ extern "C" __global__ void wgmma_pipeline(const unsigned char* image, int image_
   const int t = threadIdx.x;
   float d[kN / 2], e[kN / 2];
   for (int i = 0; i < kN / 2; ++i) d[i] = e[i] = 0.f;
+  if (bug == 6 && t % 32 != 0) __syncwarp();
   if (bug != 1) fagen::wgmma_fence();
   if (bug == 5 && t >= 96) return;
   fagen::wgmma_ss<kN, false>(d, descriptor(base, p), descriptor(base, p + 4), 1);
