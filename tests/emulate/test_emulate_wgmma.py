@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import isa_wgmma
 import wgmma_probe as probe_kernels
@@ -86,6 +87,31 @@ def test_fp8_wgmma_matches_numpy(probes, probe, mode):
     params = [pa.offset, pa.lbo, pa.sbo, pa.mode, pb.offset, pb.lbo, pb.sbo, pb.mode, 1]
     d = probe_kernels.launch(probes, probe, image, params, a_bits, C)
     np.testing.assert_array_equal(d, A @ B.T + C)
+
+
+@pytest.mark.parametrize("probe", [(64, "e4m3", "e4m3", False), (64, "e5m2", "e5m2", True)], ids=["e4m3", "e5m2"])
+def test_fp8_decodes_every_finite_code(probes, probe):
+    """Every finite 8-bit code (subnormals too) as A, picked out by a one-hot B: D is exactly the
+    code's value as torch reads it (e4m3fn / e5m2). Infinities and NaNs are left out: times the
+    one-hot B's zeros they would turn whole rows to NaN."""
+    n, kind, _, _ = probe
+    dtype = torch.float8_e5m2 if kind == "e5m2" else torch.float8_e4m3fn
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(dtype).double().numpy()
+    finite = np.isfinite(values)
+    a_bits = np.where(finite, codes.numpy(), 0).astype(np.uint8)
+    a_bits = np.concatenate([a_bits, np.zeros(64 * 32 - 256, dtype=np.uint8)]).reshape(64, 32)
+    B = np.zeros((n, 32))
+    B[np.arange(32), np.arange(32)] = 1.0
+    b_bits = bits8(B, kind)
+    pa, pb = tiles.canonical(64, False, 0, 0), tiles.canonical(n, False, 0, 2048)
+    image = np.zeros(4096, dtype=np.uint8)
+    tiles.place(image, a_bits, pa)
+    tiles.place(image, b_bits, pb)
+    params = [pa.offset, pa.lbo, pa.sbo, pa.mode, pb.offset, pb.lbo, pb.sbo, pb.mode, 1]
+    d = probe_kernels.launch(probes, probe, image, params, a_bits, np.zeros((64, n)))
+    expected = np.where(finite, values, 0.0)
+    np.testing.assert_array_equal(d[:8, :32].reshape(-1), expected)
 
 
 def test_scale_d_zero_overwrites(probes):

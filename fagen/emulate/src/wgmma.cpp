@@ -58,7 +58,7 @@ struct InFlight {
   uint32_t group = 0;
   bool a_from_registers = false;
   Tile a, b;                    // a unused when A came from registers
-  std::vector<uint16_t> a_regs;  // 64 x 16 A bits from registers
+  std::vector<uint16_t> a_regs;  // 64 x K A bits from registers
   float* d[128] = {};
   bool chained = false;          // C is the result of an earlier wgmma in flight on the same d
   std::vector<float> c;          // else C as it was at issue, thread-major
@@ -212,7 +212,9 @@ void remember_registers(WgmmaState& state, void* const* where, std::size_t bytes
 }
 
 // The ISA's rule: a wgmma.fence between a thread's register write and the wgmma that uses it.
-void check_fence(WgmmaState& state, void* const* where, std::size_t bytes, const char* what, Site site) {
+// `first_thread`: the block's id of the warpgroup's thread 0, for the message.
+void check_fence(WgmmaState& state, void* const* where, std::size_t bytes, const char* what, unsigned first_thread,
+                 Site site) {
   const Registers* r = find_registers(state, where, bytes);
   if (!r) {
     if (!state.fenced_since_wait) {
@@ -225,7 +227,7 @@ void check_fence(WgmmaState& state, void* const* where, std::size_t bytes, const
   for (unsigned t = 0; t < 128; ++t) {
     if (std::memcmp(&r->seen[t * bytes], where[t], bytes) != 0) {
       fail(site, "wgmma uses %s that thread %u wrote after the last wgmma left them, with no wgmma.fence in "
-                 "between", what, t);
+                 "between", what, first_thread + t);
     }
   }
 }
@@ -236,10 +238,10 @@ void check_uniform(const WarpgroupRendezvous& w) {
     const Issue& other = issue_of(w, t);
     if (other.a_desc != first.a_desc || other.b_desc != first.b_desc || other.scale_d != first.scale_d ||
         other.n != first.n || other.a_type != first.a_type || other.b_type != first.b_type) {
-      fail(w.site, "wgmma: thread %u passes descriptors 0x%016llx / 0x%016llx and scale-d %d, thread 0 "
-                   "0x%016llx / 0x%016llx and %d: they must agree across the warpgroup", t,
+      fail(w.site, "wgmma: thread %u passes descriptors 0x%016llx / 0x%016llx and scale-d %d, thread %u "
+                   "0x%016llx / 0x%016llx and %d: they must agree across the warpgroup", 128 * w.group + t,
            static_cast<unsigned long long>(other.a_desc), static_cast<unsigned long long>(other.b_desc),
-           other.scale_d, static_cast<unsigned long long>(first.a_desc),
+           other.scale_d, 128 * w.group, static_cast<unsigned long long>(first.a_desc),
            static_cast<unsigned long long>(first.b_desc), first.scale_d);
     }
   }
@@ -263,9 +265,9 @@ void compute_issue(WarpgroupRendezvous& w) {
     d_where[t] = op.d[t];
     a_where[t] = const_cast<uint32_t*>(issue_of(w, t).a_regs);
   }
-  check_fence(state, d_where, d_bytes, "accumulators", w.site);
+  check_fence(state, d_where, d_bytes, "accumulators", 128 * w.group, w.site);
   if (op.a_from_registers) {
-    check_fence(state, a_where, 4 * sizeof(uint32_t), "A registers", w.site);
+    check_fence(state, a_where, 4 * sizeof(uint32_t), "A registers", 128 * w.group, w.site);
     remember_registers(state, a_where, 4 * sizeof(uint32_t));
     // Register r holds `per` elements, the lowest k in the lowest bits.
     const unsigned depth = static_cast<unsigned>(k_of(op.issue.a_type)), bits = 8u * element_bytes(op.issue.a_type);
