@@ -16,7 +16,7 @@ import torch
 
 import isa_wgmma
 import wgmma_tiles as tiles
-from fagen.emulate import EmulationError, load_module
+from fagen.emulate import EmulationError, RaceError, load_module
 
 SOURCE = (Path(__file__).parent / "kernels" / "wgmma_bugs.cu").read_text()
 N = 16
@@ -101,3 +101,15 @@ def test_part_of_the_warpgroup_is_a_fault(pipeline):
 def test_deadlock_names_the_warpgroup_wait(pipeline):
     with pytest.raises(EmulationError, match=r"deadlock.*Warpgroup 0: threads 0,32,64,96 wait in wgmma\.fence"):
         launch(pipeline, 6)
+
+
+def test_racecheck_sees_the_wgmma_read_the_copy_races_with():
+    """Racecheck: the wgmma's operand reads (attributed to the warpgroup's thread 0) against the
+    threads' unordered copy into the tile; clean with the barrier."""
+    checked = load_module(SOURCE, racecheck=True).get_function("wgmma_pipeline")
+    results, expected = launch(checked, 0)
+    np.testing.assert_array_equal(results[0], expected[0])
+    issue = line_of("fagen::wgmma_ss<kN, false>(d, descriptor(base, p), desc")
+    copy = line_of("tile[i] = image[i];")
+    with pytest.raises(RaceError, match=rf"thread 0 .* reads it at \w+\.cu:{issue} .* wrote it at \w+\.cu:{copy} "):
+        launch(checked, 7)

@@ -85,6 +85,19 @@ struct WgmmaState {
 
 namespace {
 
+// The kernel's return address of the wgmma op being completed (every thread calls it from the
+// same site), so that racecheck can name the .cu line.
+__thread const void* wgmma_caller = nullptr;
+
+// Racecheck: the wgmma reads its operands on behalf of its warpgroup, attributed to the
+// warpgroup's thread 0, at issue and again at the retiring wait. A thread's write to an operand
+// tile must be ordered before the issue by a barrier (on the GPU also by fence.proxy.async),
+// and a write after it must wait for a barrier after the retiring wait.
+void operand_read(unsigned group, const unsigned char* byte, int bytes, SiteCode site) {
+  const Fiber& reader = current_fiber->block->fibers[128 * group];
+  shared_access(thread_ref(reader), byte, static_cast<std::size_t>(bytes), /*write=*/false, site);
+}
+
 WgmmaState& wgmma_state(const WarpgroupRendezvous& w) {
   auto& slot = current_fiber->block->warpgroups[w.group].wgmma;
   if (!slot) slot = std::make_shared<WgmmaState>();
@@ -147,7 +160,10 @@ uint32_t element_address(uint64_t desc, bool mn_major, int mn, int k, uint32_t s
   return swizzle(start + offset, mode);
 }
 
-Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const char* name, Site site) {
+Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const char* name, unsigned group,
+               Site site) {
+  const bool instrumented = instrumenting();
+  const SiteCode code = instrumented ? call_site(wgmma_caller, site) : 0;
   if ((desc >> 49 & 7) != 0) {
     fail(site, "wgmma: %s descriptor 0x%016llx has base offset %u: the emulator models base offset 0 only", name,
          static_cast<unsigned long long>(desc), static_cast<unsigned>(desc >> 49 & 7));
@@ -169,6 +185,7 @@ Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const ch
       }
       const unsigned char* byte = dynamic_shared_base() + (address - kDynamicSharedWindowBase);
       tile.where[static_cast<std::size_t>(mn) * depth + k] = byte;
+      if (instrumented) operand_read(group, byte, bytes, code);
       std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * depth + k], byte, static_cast<std::size_t>(bytes));
     }
   }
@@ -176,7 +193,9 @@ Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const ch
 }
 
 // Reads the tile again at the retiring wait: the ISA lets the wgmma read it any time until then.
-void reread_tile(Tile& tile, const char* name, const InFlight& op, Site wait_site) {
+void reread_tile(Tile& tile, const char* name, const InFlight& op, unsigned group, Site wait_site) {
+  const bool instrumented = instrumenting();
+  const SiteCode code = instrumented ? call_site(wgmma_caller, wait_site) : 0;
   for (std::size_t i = 0; i < tile.where.size(); ++i) {
     uint16_t now = 0;
     std::memcpy(&now, tile.where[i], static_cast<std::size_t>(tile.bytes));
@@ -188,6 +207,7 @@ void reread_tile(Tile& tile, const char* name, const InFlight& op, Site wait_sit
            tile.bits[i], now);
     }
     tile.bits[i] = now;
+    if (instrumented) operand_read(group, tile.where[i], tile.bytes, code);
   }
 }
 
@@ -283,9 +303,9 @@ void compute_issue(WarpgroupRendezvous& w) {
       }
     }
   } else {
-    op.a = read_tile(op.issue.a_desc, op.issue.trans_a != 0, 64, op.issue.a_type, "A", w.site);
+    op.a = read_tile(op.issue.a_desc, op.issue.trans_a != 0, 64, op.issue.a_type, "A", w.group, w.site);
   }
-  op.b = read_tile(op.issue.b_desc, op.issue.trans_b != 0, op.issue.n, op.issue.b_type, "B", w.site);
+  op.b = read_tile(op.issue.b_desc, op.issue.trans_b != 0, op.issue.n, op.issue.b_type, "B", w.group, w.site);
   for (const InFlight& earlier : state.in_flight) op.chained |= same_accumulator(earlier, op.d);
   if (!op.chained) {
     op.c.resize(128 * static_cast<std::size_t>(op.issue.n / 2));
@@ -299,11 +319,11 @@ void compute_issue(WarpgroupRendezvous& w) {
 }
 
 // D = A * B + C for one retired wgmma, written into every thread's accumulators.
-void retire(WgmmaState& state, InFlight& op, Site wait_site) {
+void retire(WgmmaState& state, InFlight& op, unsigned group, Site wait_site) {
   const Issue& is = op.issue;
   const int n = is.n;
-  if (!op.a_from_registers) reread_tile(op.a, "A", op, wait_site);
-  reread_tile(op.b, "B", op, wait_site);
+  if (!op.a_from_registers) reread_tile(op.a, "A", op, group, wait_site);
+  reread_tile(op.b, "B", op, group, wait_site);
   const std::vector<uint16_t>& a_bits = op.a_from_registers ? op.a_regs : op.a.bits;
   const unsigned depth = static_cast<unsigned>(k_of(is.a_type));
   std::vector<double> a(64 * depth), b(static_cast<std::size_t>(n) * depth);
@@ -339,7 +359,7 @@ void compute_wait(WarpgroupRendezvous& w) {
   std::size_t remaining = 0;
   for (std::size_t i = 0; i < state.in_flight.size(); ++i) {
     if (state.in_flight[i].group < first_kept) {
-      retire(state, state.in_flight[i], w.site);
+      retire(state, state.in_flight[i], w.group, w.site);
     } else {
       state.in_flight[remaining++] = std::move(state.in_flight[i]);
     }
@@ -377,12 +397,14 @@ uint32_t shared_window_address(const void* p, Site site) {
 
 void wgmma_ss(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, uint64_t a_desc, uint64_t b_desc, int scale_d,
               int scale_a, int scale_b, int trans_a, int trans_b, Site site) {
+  wgmma_caller = __builtin_return_address(0);
   const Issue operands{a_type, b_type, n, scale_d != 0, scale_a, scale_b, trans_a, trans_b, a_desc, b_desc, nullptr, d};
   issue(operands, kWgmmaSS, site);
 }
 
 void wgmma_rs(WgmmaInput a_type, WgmmaInput b_type, int n, float* d, const uint32_t* a, uint64_t b_desc, int scale_d,
               int scale_a, int scale_b, int trans_b, Site site) {
+  wgmma_caller = __builtin_return_address(0);
   const Issue operands{a_type, b_type, n, scale_d != 0, scale_a, scale_b, 0, trans_b, 0, b_desc, a, d};
   issue(operands, kWgmmaRS, site);
 }
@@ -395,6 +417,7 @@ void wgmma_wait(int pending_groups, Site site) {
   if (pending_groups < 0 || pending_groups > 7) {
     fail(site, "wgmma.wait_group %d: the count must be in [0, 7]", pending_groups);
   }
+  wgmma_caller = __builtin_return_address(0);
   warpgroup_collective(kWait, &pending_groups, nullptr, &compute_wait, site);
 }
 

@@ -5,7 +5,8 @@
 //   0 none; 1 no wgmma.fence before the first wgmma; 2 the B tile overwritten before the wait;
 //   3 wait_group 1 where 0 is needed; 4 accumulators rescaled by the threads, no fence after;
 //   5 one warp skips the wgmma; 6 lanes 1-31 of each warp wait in __syncwarp for lane 0, which
-//   waits in wgmma.fence for them (a deadlock).
+//   waits in wgmma.fence for them (a deadlock); 7 no barrier between the threads' copy into the
+//   tile and the wgmmas that read it (a race).
 #include <fagen/prelude.cuh>
 #include <fagen/wgmma.cuh>
 
@@ -25,7 +26,7 @@ extern "C" __global__ void wgmma_pipeline(const unsigned char* image, int image_
   unsigned char* tile = smem + (1024 - window % 1024) % 1024;
   const uint32_t base = fagen::shared_window_address(tile);
   for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) tile[i] = image[i];
-  __syncthreads();
+  if (bug != 7) __syncthreads();
   const int t = threadIdx.x;
   float d[kN / 2], e[kN / 2];
   for (int i = 0; i < kN / 2; ++i) d[i] = e[i] = 0.f;
