@@ -98,6 +98,16 @@ def test_part_of_the_warpgroup_is_a_fault(pipeline):
         launch(pipeline, 5)
 
 
+def test_descriptors_must_agree_across_the_warpgroup(pipeline):
+    with pytest.raises(EmulationError, match="thread 5 passes descriptors .* they must agree across the warpgroup"):
+        launch(pipeline, 8)
+
+
+def test_base_offset_is_not_modelled(pipeline):
+    with pytest.raises(EmulationError, match="has base offset 1: the emulator models base offset 0 only"):
+        launch(pipeline, 9)
+
+
 def test_deadlock_names_the_warpgroup_wait(pipeline):
     with pytest.raises(EmulationError, match=r"deadlock.*Warpgroup 0: threads 0,32,64,96 wait in wgmma\.fence"):
         launch(pipeline, 6)

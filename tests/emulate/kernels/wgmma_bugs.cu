@@ -6,14 +6,15 @@
 //   3 wait_group 1 where 0 is needed; 4 accumulators rescaled by the threads, no fence after;
 //   5 one warp skips the wgmma; 6 lanes 1-31 of each warp wait in __syncwarp for lane 0, which
 //   waits in wgmma.fence for them (a deadlock); 7 no barrier between the threads' copy into the
-//   tile and the wgmmas that read it (a race).
+//   tile and the wgmmas that read it (a race); 8 thread 5 passes another B descriptor; 9 the A
+//   descriptor has base offset 1 (not modelled).
 #include <fagen/prelude.cuh>
 #include <fagen/wgmma.cuh>
 
 constexpr int kN = 16;
 
-__device__ uint64_t descriptor(uint32_t base, const int* p) {
-  return fagen::make_smem_desc(base + p[0], p[1], p[2], p[3]);
+__device__ uint64_t descriptor(uint32_t base, const int* p, uint32_t base_offset = 0) {
+  return fagen::make_smem_desc(base + p[0], p[1], p[2], p[3], base_offset);
 }
 
 // out[0 .. 128 * 8): D1 = A0 B0 + A1 B1 (two chained wgmmas, one group); then
@@ -34,7 +35,8 @@ extern "C" __global__ void wgmma_pipeline(const unsigned char* image, int image_
   if (bug != 1) fagen::wgmma_fence();
   if (bug == 5 && t >= 96) return;
   fagen::wgmma_ss<kN, false>(d, descriptor(base, p), descriptor(base, p + 4), 1);
-  fagen::wgmma_ss<kN, false>(d, descriptor(base, p + 8), descriptor(base, p + 12), 1);
+  const uint64_t b1 = descriptor(base, bug == 8 && t == 5 ? p + 4 : p + 12);
+  fagen::wgmma_ss<kN, false>(d, descriptor(base, p + 8, bug == 9 ? 1 : 0), b1, 1);
   fagen::wgmma_commit();
   fagen::wgmma_ss<kN, false>(e, descriptor(base, p + 8), descriptor(base, p + 12), 0);
   fagen::wgmma_commit();
