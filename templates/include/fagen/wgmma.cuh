@@ -24,8 +24,9 @@
 //
 // Emulated twin: fagen_emu::wgmma_ss / wgmma_rs / wgmma_fence / wgmma_commit / wgmma_wait
 // (fagen/emulate/src/wgmma.cpp): a warpgroup rendezvous that poisons the accumulators with NaN at
-// issue, reads the shared operands at the retiring wait (a fault if they changed since issue) and
-// faults on a missing fence. Exact products summed in double, rounded to fp32 once.
+// issue, reads the shared operands at issue and again at the retiring wait (a fault if they
+// changed), computes D there and faults on a missing fence. Exact products summed in double,
+// rounded to fp32 once.
 #pragma once
 
 #include <fagen/prelude.cuh>
