@@ -73,7 +73,8 @@ std::string describe_deadlock(const BlockRun& block) {
                  " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
     }
   }
-  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_warpgroup_waits(block);
+  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_setmaxnreg_waits(block) +
+             describe_warpgroup_waits(block);
   return message;
 }
 
@@ -87,6 +88,7 @@ void fiber_main(void* argument) {
 
   // The thread has returned from the kernel.
   land_all_copies(fiber);
+  warpgroup_check_exit(fiber);
   const unsigned lane = fiber.coords.lane, warp = fiber.coords.warp;
   if (const PendingCollective* p = block.warps[warp].awaiting(lane)) {
     fail_current("lane " + std::to_string(lane) + " of warp " + std::to_string(warp) +
@@ -276,6 +278,7 @@ int sync_threads_count(int predicate, Site site) {
   Fiber& self = *current_fiber;
   BlockRun& block = *self.block;
   const unsigned lane = self.coords.lane, warp = self.coords.warp;
+  warpgroup_check_barrier(site);
   if (const PendingCollective* p = block.warps[warp].awaiting(lane)) {
     fail(site, "__syncthreads reached while lanes %s of warp %u wait for this lane in %s at %s: a "
                "warp-collective op called by part of the warp",

@@ -11,6 +11,8 @@
 //   named_barrier.cpp    bar.sync / bar.arrive with an id and a thread count
 //   warp_specialize.cpp  elect.sync, setmaxnreg, fence.proxy.async
 //   schedule_orders.cpp  the producer-first, consumer-first and random schedules
+//   warpgroup.cpp        the warpgroup rendezvous (4 warps, 128 threads)
+//   wgmma.cpp            wgmma twins and their shared-memory descriptors
 //   launch.cpp           grid launch on a pool of OS threads, per-block shared memory
 //   instrument.cpp       the hooks an instrumented kernel module calls on every
 //                        load and store (ThreadSanitizer's ABI, no libtsan)
@@ -217,6 +219,37 @@ struct LaunchState {
   void record_error(const std::string& message);
 };
 
+// -- warpgroup.cpp ---------------------------------------------------------------------
+// A warpgroup-collective op (wgmma and its fence / commit / wait) as its compute function sees
+// it: the operands of the 128 threads of warpgroup `group`, thread t = linear id - 128 * group.
+struct WarpgroupRendezvous {
+  const char* op = nullptr;
+  Site site{};
+  unsigned group = 0;
+  const void* in[128] = {};
+  void* out[128] = {};
+};
+using WarpgroupCompute = void (*)(WarpgroupRendezvous& rendezvous);
+struct WgmmaState;  // wgmma.cpp: the warpgroup's wgmmas in flight and its fence bookkeeping
+
+struct WarpgroupState {
+  const char* op = nullptr;  // the op some threads wait in, or null
+  Site site{};
+  unsigned arrived = 0;
+  uint32_t arrived_lanes[4] = {};
+  std::shared_ptr<WgmmaState> wgmma;  // made at the warpgroup's first wgmma op
+};
+constexpr unsigned kMaxWarpgroups = kMaxThreadsPerBlock / 128;
+
+// All 128 threads of the caller's warpgroup at one op and call site; the last to arrive runs
+// `compute`. A thread of the warpgroup that exits, waits at a barrier or in another op is a fault.
+void warpgroup_collective(const char* op, const void* in, void* out, WarpgroupCompute compute, Site site);
+// Scheduler hooks: the running thread exits, or reaches __syncthreads at `site`.
+void warpgroup_check_exit(Fiber& fiber);
+void warpgroup_check_barrier(Site site);
+// " Warpgroup i: threads ... wait in op at site." for each warpgroup op some threads wait in.
+std::string describe_warpgroup_waits(const BlockRun& block);
+
 struct BlockRun {
   LaunchState* launch = nullptr;
   Worker* worker = nullptr;
@@ -227,6 +260,7 @@ struct BlockRun {
   unsigned live = 0;                 // threads not exited
   unsigned live_lanes[32] = {};      // per warp: lanes that exist and have not exited
   WarpState warps[32];
+  WarpgroupState warpgroups[kMaxWarpgroups];  // warpgroup.cpp
   unsigned barrier_arrived = 0;
   unsigned barrier_lanes[32] = {};   // per warp: lanes waiting at the barrier
   Site barrier_site{};
@@ -354,7 +388,7 @@ void named_barrier_block_start();
 void warpgroup_control_block_start();
 std::string describe_mbarrier_waits(const BlockRun& block);
 std::string describe_named_barrier_waits(const BlockRun& block);
-std::string describe_warpgroup_waits(const BlockRun& block);
+std::string describe_setmaxnreg_waits(const BlockRun& block);
 // __syncthreads is barrier 0: it must not meet a named use of barrier 0 in progress.
 void check_named_barrier_zero_idle(Site site);
 // TMA (tma.cpp): a load in flight lands when its barrier's phase waits for transaction bytes

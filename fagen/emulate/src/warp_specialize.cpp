@@ -128,7 +128,7 @@ void warpgroup_control_block_start() {
   for (WarpgroupCall& call : warpgroups) call = WarpgroupCall{};
 }
 
-std::string describe_warpgroup_waits(const BlockRun& block) {
+std::string describe_setmaxnreg_waits(const BlockRun& block) {
   std::string text;
   for (unsigned group = 0; group < kWarpgroups; ++group) {
     const WarpgroupCall& call = warpgroups[group];
