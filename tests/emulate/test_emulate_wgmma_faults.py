@@ -8,19 +8,13 @@ rule, or gives NaN where the kernel read an accumulator still in flight.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
 
-import isa_wgmma
-import wgmma_tiles as tiles
+import wgmma_pipeline_case as case
 from fagen.emulate import EmulationError, RaceError, load_module
 
-SOURCE = (Path(__file__).parent / "kernels" / "wgmma_bugs.cu").read_text()
-N = 16
-I32 = np.int32
+SOURCE, N, launch = case.SOURCE, case.N, case.launch
 
 
 @pytest.fixture(scope="module")
@@ -33,34 +27,6 @@ def line_of(text: str) -> int:
         if text in line:
             return number
     raise AssertionError(text)
-
-
-def operands(rng):
-    """Two (A, B) pairs placed K-major with the 128B swizzle, their params and the image."""
-    pairs = [(rng.integers(-4, 5, (64, 16)).astype(np.float64), rng.integers(-4, 5, (N, 16)).astype(np.float64))
-             for _ in range(2)]
-    image = np.zeros(2 * (8192 + 2048), dtype=np.uint8)
-    params, offset = [], 0
-    for tile in (x for pair in pairs for x in pair):
-        placement = tiles.canonical(tile.shape[0], False, 1, offset)
-        offset += placement.span  # spans are multiples of 1024: every tile starts on the swizzle pattern
-        tiles.place(image, torch.from_numpy(tile).half().view(torch.int16).numpy().astype(np.uint16), placement)
-        params += [placement.offset, placement.lbo, placement.sbo, placement.mode]
-    return pairs, image, params
-
-
-def launch(pipeline, bug: int, seed: int = 0):
-    pairs, image, params = operands(np.random.default_rng(seed))
-    out = torch.full((3, 128, N // 2), float("nan"))
-    pipeline((1, 1, 1), (128, 1, 1), (torch.from_numpy(image), I32(image.size), torch.tensor(params, dtype=torch.int32),
-                                      out, I32(bug)), shared_mem=image.size + 1024)
-    where = isa_wgmma.accumulator(N)
-    results = np.full((3, 64, N), np.nan)
-    for (thread, register), (row, col) in where.items():
-        results[:, row, col] = out[:, thread, register].numpy()
-    (a0, b0), (a1, b1) = pairs
-    d1 = a0 @ b0.T + a1 @ b1.T
-    return results, (d1, a1 @ b1.T, 2 * d1 + a0 @ b0.T)
 
 
 def test_clean_pipeline(pipeline):

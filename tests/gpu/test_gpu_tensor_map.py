@@ -1,6 +1,7 @@
 """The driver's own reading of the tensor-map rules that `TensorMapSpec.check` transcribes: every
-map `check` accepts, the driver encodes; every map `check` refuses (tests/kernels/test_tensor_map.py's
-cases, tests/support/tensor_map_cases.py), the driver refuses too. Marked `gpu`: cuTensorMapEncodeTiled needs the CUDA driver."""
+map `check` accepts, the driver encodes; every map `check` refuses (the cases of
+tests/support/tensor_map_cases.py), the driver refuses too. Marked `gpu` and `twins`:
+cuTensorMapEncodeTiled needs the CUDA driver."""
 
 from __future__ import annotations
 

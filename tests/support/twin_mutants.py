@@ -56,8 +56,10 @@ def all_planted() -> list[tuple[PlantedBug, Callable[[int], bool]]]:
     """Every micro-kernel's planted bugs, each with the runner that checks it."""
     import mbarrier_pipeline_case
     import tma_pipeline_case
+    import tma_wgmma_case
+    import wgmma_pipeline_case
 
     found = []
-    for case in (mbarrier_pipeline_case, tma_pipeline_case):
+    for case in (mbarrier_pipeline_case, tma_pipeline_case, wgmma_pipeline_case, tma_wgmma_case):
         found += [(planted, case.outputs_correct) for planted in case.PLANTED]
     return found
