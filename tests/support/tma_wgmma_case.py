@@ -52,4 +52,5 @@ PLANTED = [
                SCHEDULES),
     PlantedBug("TMA into wgmma", "the warpgroup does not wait for the tiles' mbarrier", 3, SCHEDULES),
     PlantedBug("TMA into wgmma", "the k-step is half of k16", 4, SCHEDULES),
+    PlantedBug("TMA into wgmma", "LBO and SBO swapped", 5, SCHEDULES),
 ]

@@ -8,7 +8,7 @@
 // `bug` plants one fault (tests/support/tma_wgmma_case.py): 0 none; 1 the descriptors say 64B while
 // the maps say 128B; 2 the descriptors take CUtensorMapSwizzle's number for 128B (3, which a
 // descriptor reads as 32B); 3 the warpgroup does not wait for the tiles' mbarrier; 4 the k-step
-// is 16 bytes (one 8-element half of k16).
+// is 16 bytes (one 8-element half of k16); 5 LBO and SBO swapped.
 #include <fagen/prelude.cuh>
 #include <fagen/mbarrier.cuh>
 #include <fagen/smem_desc.cuh>
@@ -41,8 +41,9 @@ extern "C" __global__ void tma_wgmma(const __grid_constant__ fagen::TensorMap a_
   float acc[32];
   fagen::wgmma_fence();
   for (int k = 0; k < 4; ++k) {
-    const uint64_t a = fagen::make_smem_desc(a0 + step * k, 16, 1024, swizzle);
-    const uint64_t b = fagen::make_smem_desc(b0 + step * k, 16, 1024, swizzle);
+    const uint32_t lbo = bug == 5 ? 1024 : 16, sbo = bug == 5 ? 16 : 1024;
+    const uint64_t a = fagen::make_smem_desc(a0 + step * k, lbo, sbo, swizzle);
+    const uint64_t b = fagen::make_smem_desc(b0 + step * k, lbo, sbo, swizzle);
     fagen::wgmma_ss<64, true>(acc, a, b, k > 0 ? 1 : 0);
   }
   fagen::wgmma_commit();
