@@ -151,10 +151,10 @@ def test_setmaxnreg_register_counts_follow_the_isa(module, registers):
 
 
 SETMAXNREG_FAULTS = {
-    1: (256, r"deadlock: .*Threads 0-95 wait in setmaxnreg.dec.sync.aligned.u32 40 at .* for threads 96-127 of "
-             r"warpgroup 0"),
-    2: (256, r"thread 64 .*setmaxnreg.dec.sync.aligned.u32 32 while other threads of warpgroup 0 wait in "
-             r"setmaxnreg.dec.sync.aligned.u32 40 .*every warp of a warpgroup must execute the same setmaxnreg"),
+    1: (256, r"thread 96 .*exited, but threads 0-95 of warpgroup 0 wait for it in setmaxnreg.dec.sync.aligned.u32 "
+             r"at .*called by part of the warpgroup"),
+    2: (256, r"thread 64 .*setmaxnreg.dec.sync.aligned.u32 called while threads 0-63 of warpgroup 0 wait in "
+             r"setmaxnreg.dec.sync.aligned.u32 at .*the warpgroup diverged"),
     3: (256, r"setmaxnreg.inc.sync.aligned.u32 232 in warpgroup \d, whose register count is 240: .inc must not "
              r"lower it"),
     4: (256, r"setmaxnreg.dec.sync.aligned.u32 20: the register count must be in \[24, 256\]"),

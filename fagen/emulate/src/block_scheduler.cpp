@@ -73,8 +73,7 @@ std::string describe_deadlock(const BlockRun& block) {
                  " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
     }
   }
-  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_setmaxnreg_waits(block) +
-             describe_warpgroup_waits(block);
+  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_warpgroup_waits(block);
   return message;
 }
 
@@ -485,7 +484,6 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
   instrument_block_start(block);
   mbarrier_block_start();
   named_barrier_block_start();
-  warpgroup_control_block_start();
   tma_block_start();
   if (schedule_reorders(config.schedule)) {
     run_reordering_schedule(worker, block);

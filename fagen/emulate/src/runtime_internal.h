@@ -238,6 +238,7 @@ struct WarpgroupState {
   unsigned arrived = 0;
   uint32_t arrived_lanes[4] = {};
   std::shared_ptr<WgmmaState> wgmma;  // made at the warpgroup's first wgmma op
+  unsigned registers = 0;             // setmaxnreg's count once set (0: the launch's)
 };
 constexpr unsigned kMaxWarpgroups = kMaxThreadsPerBlock / 128;
 
@@ -385,10 +386,8 @@ void land_all_copies(Fiber& fiber);
 // threads wait for, for the deadlock message.
 void mbarrier_block_start();
 void named_barrier_block_start();
-void warpgroup_control_block_start();
 std::string describe_mbarrier_waits(const BlockRun& block);
 std::string describe_named_barrier_waits(const BlockRun& block);
-std::string describe_setmaxnreg_waits(const BlockRun& block);
 // __syncthreads is barrier 0: it must not meet a named use of barrier 0 in progress.
 void check_named_barrier_zero_idle(Site site);
 // TMA (tma.cpp): a load in flight lands when its barrier's phase waits for transaction bytes

@@ -10,9 +10,10 @@
 // .sync.aligned: every warp of the warpgroup (four consecutive warps, warp / 4)
 // executes the same setmaxnreg; the register count is an immediate in [24, 256]
 // and a multiple of 8; .inc raises the per-thread maximum to it, .dec lowers it.
-// The twin is a rendezvous of the warpgroup's live threads, and checks those
-// rules and, once the warpgroup has a count from an earlier setmaxnreg, that .inc
-// does not lower it and .dec does not raise it. Not checked: the ISA's demand that
+// The twin is the warpgroup rendezvous of wgmma (warpgroup.cpp: all 128 threads
+// at one op and call site), and checks those rules and, once the warpgroup has a
+// count from an earlier setmaxnreg, that .inc does not lower it and .dec does not
+// raise it. Not checked: the ISA's demand that
 // the warpgroup's warps synchronise explicitly between two setmaxnreg (the
 // rendezvous itself orders them), and the CTA's register pool that .inc waits on.
 //
@@ -24,7 +25,6 @@
 namespace fagen_emu {
 namespace {
 
-constexpr unsigned kWarpgroups = kMaxThreadsPerBlock / 128;
 const char kElect[] = "elect.sync";
 const char kSetmaxnregInc[] = "setmaxnreg.inc.sync.aligned.u32";
 const char kSetmaxnregDec[] = "setmaxnreg.dec.sync.aligned.u32";
@@ -34,17 +34,6 @@ void compute_elect(WarpRendezvous& w) {
   for (unsigned lane = 0; lane < 32; ++lane)
     if (w.mask >> lane & 1u) *static_cast<unsigned*>(w.out[lane]) = leader;
 }
-
-// A setmaxnreg some threads of a warpgroup wait in.
-struct WarpgroupCall {
-  const char* op = nullptr;  // null: none in progress
-  unsigned registers = 0;
-  Site site{};
-  unsigned arrived[4] = {};  // per warp of the warpgroup: lanes arrived
-  unsigned count = 0;        // the warpgroup's register count once set (0: the launch's)
-};
-
-thread_local WarpgroupCall warpgroups[kWarpgroups];
 
 void check_register_count(const char* op, unsigned registers, Site site) {
   if (registers < 24 || registers > 256 || registers % 8 != 0) {
@@ -59,54 +48,30 @@ void check_whole_warpgroup(const BlockRun& block, const char* op, unsigned group
   }
 }
 
-bool all_arrived(const BlockRun& block, const WarpgroupCall& call, unsigned group) {
-  for (unsigned k = 0; k < 4; ++k)
-    if (call.arrived[k] != block.live_lanes[4 * group + k]) return false;
-  return true;
-}
-
-void finish(BlockRun& block, WarpgroupCall& call, unsigned group, Site site) {
-  const bool raise = call.op == kSetmaxnregInc;
-  if (call.count != 0 && (raise ? call.registers < call.count : call.registers > call.count)) {
-    fail(site, "%s %u in warpgroup %u, whose register count is %u: .inc must not lower it, .dec must not raise it",
-         call.op, call.registers, group, call.count);
-  }
-  for (unsigned k = 0; k < 4; ++k) {
-    for (unsigned lanes = call.arrived[k]; lanes; lanes &= lanes - 1) {
-      Fiber& fiber = block.fibers[(4 * group + k) * 32 + static_cast<unsigned>(__builtin_ctz(lanes))];
-      if (&fiber == current_fiber) continue;
-      fiber.state = FiberState::runnable;
-      fiber.blocked_in = nullptr;
+// The warpgroup's 128 threads met at one setmaxnreg (warpgroup.cpp's rendezvous: the same op at
+// the same call site); `in[t]` is thread t's register count.
+void compute_setmaxnreg(WarpgroupRendezvous& w) {
+  const unsigned registers = *static_cast<const unsigned*>(w.in[0]);
+  for (unsigned t = 1; t < 128; ++t) {
+    const unsigned other = *static_cast<const unsigned*>(w.in[t]);
+    if (other != registers) {
+      fail(w.site, "%s: threads %u and %u of warpgroup %u name %u and %u registers: every warp of a warpgroup must "
+                   "execute the same setmaxnreg", w.op, 128 * w.group, 128 * w.group + t, w.group, registers, other);
     }
   }
-  const unsigned registers = call.registers;
-  call = WarpgroupCall{};
-  call.count = registers;
-  block.idle_yields = 0;
+  WarpgroupState& state = current_fiber->block->warpgroups[w.group];
+  const bool raise = w.op == kSetmaxnregInc;
+  if (state.registers != 0 && (raise ? registers < state.registers : registers > state.registers)) {
+    fail(w.site, "%s %u in warpgroup %u, whose register count is %u: .inc must not lower it, .dec must not raise it",
+         w.op, registers, w.group, state.registers);
+  }
+  state.registers = registers;
 }
 
 void setmaxnreg(const char* op, unsigned registers, Site site) {
   check_register_count(op, registers, site);
-  Fiber& self = *current_fiber;
-  BlockRun& block = *self.block;
-  const unsigned group = self.coords.warp / 4;
-  check_whole_warpgroup(block, op, group, site);
-  WarpgroupCall& call = warpgroups[group];
-  if (call.op == nullptr) {
-    call.op = op;
-    call.registers = registers;
-    call.site = site;
-  } else if (call.op != op || call.registers != registers || call.site.line != site.line) {
-    fail(site, "%s %u while other threads of warpgroup %u wait in %s %u at %s: every warp of a warpgroup must "
-               "execute the same setmaxnreg", op, registers, group, call.op, call.registers,
-         format_site(call.site).c_str());
-  }
-  call.arrived[self.coords.warp % 4] |= 1u << self.coords.lane;
-  if (all_arrived(block, call, group)) {
-    finish(block, call, group, site);
-    return;
-  }
-  block_current(op, site);
+  check_whole_warpgroup(*current_fiber->block, op, current_fiber->coords.warp / 4, site);
+  warpgroup_collective(op, &registers, nullptr, &compute_setmaxnreg, site);
 }
 
 }  // namespace
@@ -122,33 +87,6 @@ void setmaxnreg_dec(unsigned registers, Site site) { setmaxnreg(kSetmaxnregDec, 
 
 void fence_proxy_async(Site) {
   count_proxy_fence();
-}
-
-void warpgroup_control_block_start() {
-  for (WarpgroupCall& call : warpgroups) call = WarpgroupCall{};
-}
-
-std::string describe_setmaxnreg_waits(const BlockRun& block) {
-  std::string text;
-  for (unsigned group = 0; group < kWarpgroups; ++group) {
-    const WarpgroupCall& call = warpgroups[group];
-    if (call.op == nullptr) continue;
-    std::vector<unsigned> waiting, missing;
-    for (unsigned k = 0; k < 4; ++k) {
-      const unsigned warp = 4 * group + k;
-      for (unsigned lane = 0; lane < 32 && warp * 32 + lane < block.thread_count; ++lane) {
-        if (call.arrived[k] >> lane & 1u) {
-          waiting.push_back(warp * 32 + lane);
-        } else {
-          missing.push_back(warp * 32 + lane);  // still running elsewhere, or exited
-        }
-      }
-    }
-    text += " Threads " + format_threads(waiting) + " wait in " + call.op + " " + std::to_string(call.registers) +
-            " at " + format_site(call.site) + " for threads " + format_threads(missing) + " of warpgroup " +
-            std::to_string(group) + ".";
-  }
-  return text;
 }
 
 }  // namespace fagen_emu
