@@ -160,6 +160,8 @@ SETMAXNREG_FAULTS = {
     4: (256, r"setmaxnreg.dec.sync.aligned.u32 20: the register count must be in \[24, 256\]"),
     5: (256, r"setmaxnreg.inc.sync.aligned.u32 100: the register count must be in \[24, 256\] and a multiple of 8"),
     6: (96, r"setmaxnreg.dec.sync.aligned.u32 in warpgroup 0 \(warps 0-3\), but the block has only 96 threads"),
+    7: (512, r"the warpgroups' setmaxnreg counts \(24, 240, 240, 240\) need 95232 registers, more than the SM's "
+             r"register file of 65536"),
 }
 
 

@@ -26,6 +26,7 @@ namespace fagen_emu {
 namespace {
 
 const char kElect[] = "elect.sync";
+constexpr unsigned kRegisterFile = 65536;  // 32-bit registers per SM on sm_90
 const char kSetmaxnregInc[] = "setmaxnreg.inc.sync.aligned.u32";
 const char kSetmaxnregDec[] = "setmaxnreg.dec.sync.aligned.u32";
 
@@ -48,6 +49,25 @@ void check_whole_warpgroup(const BlockRun& block, const char* op, unsigned group
   }
 }
 
+// Once every warpgroup of the block has set its count, they must fit the SM's register file
+// together (setmaxnreg.inc waits for registers the others release: more than the file holds
+// would wait forever on the GPU). A warpgroup yet to set one holds the launch's count, which the
+// emulator does not know, so the check waits for all of them.
+void check_register_file(const BlockRun& block, Site site) {
+  unsigned total = 0;
+  std::string counts;
+  for (unsigned group = 0; group < block.thread_count / 128; ++group) {
+    const unsigned registers = block.warpgroups[group].registers;
+    if (registers == 0) return;
+    total += 128 * registers;
+    counts += (counts.empty() ? "" : ", ") + std::to_string(registers);
+  }
+  if (total > kRegisterFile) {
+    fail(site, "the warpgroups' setmaxnreg counts (%s) need %u registers, more than the SM's register file of %u",
+         counts.c_str(), total, kRegisterFile);
+  }
+}
+
 // The warpgroup's 128 threads met at one setmaxnreg (warpgroup.cpp's rendezvous: the same op at
 // the same call site); `in[t]` is thread t's register count.
 void compute_setmaxnreg(WarpgroupRendezvous& w) {
@@ -66,6 +86,7 @@ void compute_setmaxnreg(WarpgroupRendezvous& w) {
          w.op, registers, w.group, state.registers);
   }
   state.registers = registers;
+  check_register_file(*current_fiber->block, w.site);
 }
 
 void setmaxnreg(const char* op, unsigned registers, Site site) {

@@ -95,7 +95,8 @@ FAGEN_EXPORT(elect_lanes)
 // 0 none (warpgroup 0 lowers to 24, the others raise to 240, then lower to 232);
 // 1 warp 3 skips it; 2 warps 2-3 name another count; 3 .inc to below the current
 // count; 4 a count of 20 and 5 of 100 (the twin called directly: the wrapper
-// refuses them at compile time); 6 none, but the block has no whole warpgroup.
+// refuses them at compile time); 6 none, but the block has no whole warpgroup; 7 (512 threads)
+// warpgroup 0 lowers to 24 and three raise to 240, more than the register file holds.
 extern "C" __global__ void setmaxnreg_rules(int* out, int which) {
   const int warp = threadIdx.x / 32;
   if (which == 0 || which == 6) {
@@ -116,6 +117,12 @@ extern "C" __global__ void setmaxnreg_rules(int* out, int which) {
   } else if (which == 3) {
     fagen::setmaxnreg_inc<240>();
     fagen::setmaxnreg_inc<232>();
+  } else if (which == 7) {
+    if (warp < 4) {
+      fagen::setmaxnreg_dec<24>();
+    } else {
+      fagen::setmaxnreg_inc<240>();
+    }
   }
 #ifdef FAGEN_EMULATE
   if (which == 4) ::fagen_emu::setmaxnreg_dec(20, {__FILE__, __LINE__});
