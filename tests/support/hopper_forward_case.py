@@ -1,0 +1,81 @@
+"""The prototype Hopper forward micro-kernel (tests/emulate/kernels/hopper_forward.cu): inputs, tensor
+maps, the launch and the check against the float64 oracle, shared by the emulator's test
+(tests/emulate/test_emulate_hopper_forward.py) and the GPU's (tests/gpu/test_gpu_hopper_forward.py),
+so the twin and the hardware run the same kernel on the same inputs against the same rule."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fagen.emulate import assert_written, load_module, poison_
+from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
+from fagen.reference import attention_forward, attention_same_dtype
+
+KERNEL = Path(__file__).parents[1] / "emulate" / "kernels" / "hopper_forward.cu"
+HEAD_DIM, BLOCK_M, BLOCK_N, THREADS = 128, 128, 128, 384
+SHARED = 1024 + 128 * 128 * 2 * (1 + 2 * 2)   # alignment slack, Q, two stages of K and V
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# FlashAttention-2's rule (DESIGN.md "Numerics"): the output's error against the float64 oracle at
+# most twice a same-dtype PyTorch implementation's, with the suite's absolute floor
+# (tests/support/kernel_cases.py); L within the suite's 1e-3 of the oracle's logsumexp.
+OUTPUT_FACTOR, ABS_FLOOR, LSE_TOLERANCE = 2.0, 1e-5, 1e-3
+
+
+def inputs(batch: int, nq: int, nk: int, heads: int, dtype: str, seed: int = 0):
+    """q (B, Nq, H, 128), k and v (B, Nk, H, 128): standard normal, in `dtype`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, n, heads, HEAD_DIM, generator=generator).to(DTYPES[dtype])
+            for n in (nq, nk, nk)]
+
+
+def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encode: str) -> list[bytes]:
+    """One map per operand, box (1, 128 rows, 1, 64 columns) with the 128B swizzle: a 128-column
+    tile is two boxes. `encode`: "emulated_bytes" or "driver_bytes"."""
+    return [getattr(TensorMapSpec.of_tensor(t, (1, 128, 1, 64), swizzle=Swizzle.B128), encode)(t.data_ptr())
+            for t in (q, k, v)]
+
+
+@functools.lru_cache(maxsize=1)
+def module():
+    return load_module(KERNEL.read_text())
+
+
+def launch(kernel, q, k, v, encode: str):
+    """(out, lse) of one launch of `kernel` (a RawKernel-style callable) on q, k, v where they live."""
+    batch, nq, heads, _ = q.shape
+    nk = k.shape[1]
+    out = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(batch, heads, nq, device=q.device))
+    grid = (math.ceil(nq / BLOCK_M), heads, batch)
+    kernel(grid, (THREADS,), (*maps(q, k, v, encode), out, lse, np.int32(nq), np.int32(nk), np.int32(heads),
+                              np.float32(1 / math.sqrt(HEAD_DIM))), shared_mem=SHARED)
+    return out.cpu(), lse.cpu()
+
+
+def run_emulated(batch: int, nq: int, nk: int, heads: int, dtype: str = "bf16"):
+    q, k, v = inputs(batch, nq, nk, heads, dtype)
+    out, lse = launch(module().get_function(f"hopper_forward_{dtype}"), q, k, v, "emulated_bytes")
+    return (q, k, v), out, lse
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check(q, k, v, out, lse) -> dict:
+    """Assert FlashAttention-2's rule on O and the tolerance on L; returns the errors."""
+    assert_written(out, "out")
+    assert_written(lse, "lse")
+    q, k, v = (t.cpu() for t in (q, k, v))
+    ref_out, ref_lse = attention_forward(q, k, v)
+    pt_out = attention_same_dtype(q, k, v, torch.zeros_like(q))[0]
+    errors = {"out": max_error(out, ref_out), "pytorch_out": max_error(pt_out, ref_out),
+              "lse": max_error(lse, ref_lse)}
+    assert errors["out"] <= OUTPUT_FACTOR * errors["pytorch_out"] + ABS_FLOOR, errors
+    assert errors["lse"] < LSE_TOLERANCE, errors
+    return errors
