@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fagen.emulate import assert_written, load_module, poison_
+from fagen.emulate import assert_written, load_module, poison_, unwritten_mask
 from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
 from fagen.reference import attention_forward, attention_same_dtype
 
 KERNEL = Path(__file__).parents[1] / "emulate" / "kernels" / "hopper_forward.cu"
 HEAD_DIM, BLOCK_M, BLOCK_N, THREADS = 128, 128, 128, 384
 SHARED = 1024 + 128 * 128 * 2 * (1 + 2 * 2)   # alignment slack, Q, two stages of K and V
+TAIL = BLOCK_M   # rows of poison past the outputs, where a store of a row past Nq would land
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # FlashAttention-2's rule (DESIGN.md "Numerics"): the output's error against the float64 oracle at
 # most twice a same-dtype PyTorch implementation's, with the suite's absolute floor
@@ -40,26 +41,31 @@ def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encode: str) -> list
             for t in (q, k, v)]
 
 
-@functools.lru_cache(maxsize=1)
-def module():
-    return load_module(KERNEL.read_text())
+@functools.lru_cache(maxsize=2)
+def module(checked: bool = False):
+    return load_module(KERNEL.read_text(), checked=checked)
 
 
 def launch(kernel, q, k, v, encode: str):
-    """(out, lse) of one launch of `kernel` (a RawKernel-style callable) on q, k, v where they live."""
+    """(out, lse) of one launch of `kernel` (a RawKernel-style callable) on q, k, v where they live.
+    out and lse are views of poisoned buffers TAIL elements longer, and the tails must stay
+    poisoned: rows past Nq are not to be stored."""
     batch, nq, heads, _ = q.shape
     nk = k.shape[1]
-    out = poison_(torch.empty_like(q))
-    lse = poison_(torch.empty(batch, heads, nq, device=q.device))
+    out_buffer = poison_(torch.empty(q.numel() + TAIL * heads * HEAD_DIM, dtype=q.dtype, device=q.device))
+    lse_buffer = poison_(torch.empty(batch * heads * nq + TAIL, device=q.device))
+    out, lse = out_buffer[:q.numel()].view(q.shape), lse_buffer[:batch * heads * nq].view(batch, heads, nq)
     grid = (math.ceil(nq / BLOCK_M), heads, batch)
     kernel(grid, (THREADS,), (*maps(q, k, v, encode), out, lse, np.int32(nq), np.int32(nk), np.int32(heads),
                               np.float32(1 / math.sqrt(HEAD_DIM))), shared_mem=SHARED)
+    out_tail, lse_tail = out_buffer[q.numel():].cpu(), lse_buffer[batch * heads * nq:].cpu()
+    assert unwritten_mask(out_tail).all() and unwritten_mask(lse_tail).all(), "a row past Nq was stored"
     return out.cpu(), lse.cpu()
 
 
-def run_emulated(batch: int, nq: int, nk: int, heads: int, dtype: str = "bf16"):
+def run_emulated(batch: int, nq: int, nk: int, heads: int, dtype: str = "bf16", checked: bool = False):
     q, k, v = inputs(batch, nq, nk, heads, dtype)
-    out, lse = launch(module().get_function(f"hopper_forward_{dtype}"), q, k, v, "emulated_bytes")
+    out, lse = launch(module(checked).get_function(f"hopper_forward_{dtype}"), q, k, v, "emulated_bytes")
     return (q, k, v), out, lse
 
 
