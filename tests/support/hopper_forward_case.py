@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fagen.emulate import assert_written, load_module, poison_, unwritten_mask
+from fagen.emulate import EmulationError, assert_written, load_module, poison_, unwritten_mask
 from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
 from fagen.reference import attention_forward, attention_same_dtype
 
@@ -41,9 +41,9 @@ def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encode: str) -> list
             for t in (q, k, v)]
 
 
-@functools.lru_cache(maxsize=2)
-def module(checked: bool = False):
-    return load_module(KERNEL.read_text(), checked=checked)
+@functools.lru_cache(maxsize=1)
+def module():
+    return load_module(KERNEL.read_text())
 
 
 def launch(kernel, q, k, v, encode: str):
@@ -63,9 +63,9 @@ def launch(kernel, q, k, v, encode: str):
     return out.cpu(), lse.cpu()
 
 
-def run_emulated(batch: int, nq: int, nk: int, heads: int, dtype: str = "bf16", checked: bool = False):
+def run_emulated(batch: int, nq: int, nk: int, heads: int, dtype: str = "bf16"):
     q, k, v = inputs(batch, nq, nk, heads, dtype)
-    out, lse = launch(module(checked).get_function(f"hopper_forward_{dtype}"), q, k, v, "emulated_bytes")
+    out, lse = launch(module().get_function(f"hopper_forward_{dtype}"), q, k, v, "emulated_bytes")
     return (q, k, v), out, lse
 
 
@@ -85,3 +85,52 @@ def check(q, k, v, out, lse) -> dict:
     assert errors["out"] <= OUTPUT_FACTOR * errors["pytorch_out"] + ABS_FLOOR, errors
     assert errors["lse"] < LSE_TOLERANCE, errors
     return errors
+
+
+# Planted bugs, as edits of the kernel's text (old, new): each must give wrong data or a fault under
+# at least one of SCHEDULES (consumer-first, whose consumers run ahead of the producer, misses the
+# two stage-release bugs: no refill can overtake a consumer there).
+SCHEDULES = ("forward", "producer-first", "consumer-first", "random")
+MUTANTS = {
+    "no tail mask": ("if ((j + 1) * kBlockN > nk) mask_tail(p, nk - j * kBlockN, quad);", ""),
+    "full parity flipped": ("static_cast<uint32_t>(j / kStages) & 1);",
+                            "(static_cast<uint32_t>(j / kStages) & 1) ^ 1);"),
+    "no wait on full": ("fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);", ""),
+    "no wait on empty": ("fagen::mbarrier_wait_parity(&bars->empty[s], (round & 1) ^ 1);", ""),
+    "stage released before P V": (
+        "    accumulate_pv<kBf16>(o, a, v_tile);\n    __syncwarp();\n"
+        "    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);",
+        "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);\n"
+        "    accumulate_pv<kBf16>(o, a, v_tile);"),
+    "rows past Nq stored": ("if (row >= nq) continue;", "if (row >= nq + 64) continue;"),
+    "A registers out of order": ("pack2<T>(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1])",
+                                 "pack2<T>(p[8 * kk + 2 * (r ^ 1)], p[8 * kk + 2 * (r ^ 1) + 1])"),
+    "V read K-major": ("fagen::wgmma_rs<kHeadDim, kBf16, 1>", "fagen::wgmma_rs<kHeadDim, kBf16, 0>"),
+    "V's LBO half a box": ("v_tile + kk * 2048, kHalfBytes,", "v_tile + kk * 2048, kHalfBytes / 2,"),
+    "O not rescaled": ("    rescale_output(o, rescale);\n", ""),
+    "S's k-steps stay in the first box": ("const uint32_t step = (kk / 4) * kHalfBytes + (kk % 4) * 32;",
+                                          "const uint32_t step = (kk % 4) * 32;"),
+    "expect_tx one box short": ("fagen::mbarrier_arrive_expect_tx(&bars->full[s], 2 * kTileBytes);",
+                                "fagen::mbarrier_arrive_expect_tx(&bars->full[s], 2 * kTileBytes - kHalfBytes);"),
+}
+
+
+def catching_schedules(mutant: str, schedules=SCHEDULES) -> list[str]:
+    """The schedules under which the kernel with `mutant` planted gives wrong data or a fault
+    (B=2, Nq=200, Nk=300, H=2, bf16)."""
+    import os
+    from unittest import mock
+
+    old, new = MUTANTS[mutant]
+    source = KERNEL.read_text()
+    assert source.count(old) == 1, f"the mutant {mutant!r} no longer matches the kernel"
+    kernel = load_module(source.replace(old, new)).get_function("hopper_forward_bf16")
+    caught = []
+    for schedule in schedules:
+        with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule}):
+            q, k, v = inputs(2, 200, 300, 2, "bf16")
+            try:
+                check(q, k, v, *launch(kernel, q, k, v, "emulated_bytes"))
+            except (AssertionError, EmulationError):
+                caught.append(schedule)
+    return caught
