@@ -98,15 +98,15 @@ MUTANTS = {
     "no wait on full": ("fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);", ""),
     "no wait on empty": ("fagen::mbarrier_wait_parity(&bars->empty[s], (round & 1) ^ 1);", ""),
     "stage released before P V": (
-        "    accumulate_pv<kBf16>(o, a, v_tile);\n    __syncwarp();\n"
+        "    accumulate_pv<kBf16>(o, a, advance(v_desc, stage));\n    __syncwarp();\n"
         "    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);",
         "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);\n"
-        "    accumulate_pv<kBf16>(o, a, v_tile);"),
+        "    accumulate_pv<kBf16>(o, a, advance(v_desc, stage));"),
     "rows past Nq stored": ("if (row >= nq) continue;", "if (row >= nq + 64) continue;"),
     "A registers out of order": ("pack2<T>(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1])",
                                  "pack2<T>(p[8 * kk + 2 * (r ^ 1)], p[8 * kk + 2 * (r ^ 1) + 1])"),
     "V read K-major": ("fagen::wgmma_rs<kHeadDim, kBf16, 1>", "fagen::wgmma_rs<kHeadDim, kBf16, 0>"),
-    "V's LBO half a box": ("v_tile + kk * 2048, kHalfBytes,", "v_tile + kk * 2048, kHalfBytes / 2,"),
+    "V's LBO half a box": ("kTileBytes, kHalfBytes, 1024,", "kTileBytes, kHalfBytes / 2, 1024,"),
     "O not rescaled": ("    rescale_output(o, rescale);\n", ""),
     "S's k-steps stay in the first box": ("const uint32_t step = (kk / 4) * kHalfBytes + (kk % 4) * 32;",
                                           "const uint32_t step = (kk % 4) * 32;"),

@@ -86,19 +86,23 @@ __device__ void produce(const fagen::TensorMap& q_map, const fagen::TensorMap& k
   }
 }
 
+// A descriptor moved `bytes` further into shared memory: the start address is the low field
+// (address >> 4, 14 bits), so adding there is enough while the tiles stay below 256 KiB. The
+// descriptors are built once, before the loop, and only moved in it: rebuilding them per k-step
+// costs some hundred uniform-datapath instructions per iteration (measured with fagen sass).
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // FA2 line 8: S = Q K^T for this warpgroup's 64 rows, eight k16 steps over d = 128. Both operands
 // are K-major under the 128B swizzle: 8 rows of 128 bytes per core-matrix group (SBO 1024), a k-step
 // 32 bytes along the row within a box, steps 4-7 in the second box (the swizzle acts on the
 // absolute address, so moving the start address is enough).
 template <bool kBf16>
-__device__ __forceinline__ void scores(float (&s)[kBlockN / 2], uint32_t q_rows, uint32_t k_tile) {
+__device__ __forceinline__ void scores(float (&s)[kBlockN / 2], uint64_t q_desc, uint64_t k_desc) {
   fagen::wgmma_fence();
   FAGEN_UNROLL
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
     const uint32_t step = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-    const uint64_t a = fagen::make_smem_desc(q_rows + step, 16, 1024, fagen::kSwizzle128B);
-    const uint64_t b = fagen::make_smem_desc(k_tile + step, 16, 1024, fagen::kSwizzle128B);
-    fagen::wgmma_ss<kBlockN, kBf16>(s, a, b, kk > 0 ? 1 : 0);
+    fagen::wgmma_ss<kBlockN, kBf16>(s, advance(q_desc, step), advance(k_desc, step), kk > 0 ? 1 : 0);
   }
   fagen::wgmma_commit();
   fagen::wgmma_fence_operands<kBlockN>(s);
@@ -174,12 +178,11 @@ __device__ __forceinline__ void probabilities_as_a(const float (&p)[kBlockN / 2]
 // is 16 keys, 2048 bytes.
 template <bool kBf16>
 __device__ __forceinline__ void accumulate_pv(float (&o)[kHeadDim / 2], const uint32_t (&a)[kBlockN / 16][4],
-                                              uint32_t v_tile) {
+                                              uint64_t v_desc) {
   fagen::wgmma_fence();
   FAGEN_UNROLL
   for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    const uint64_t b = fagen::make_smem_desc(v_tile + kk * 2048, kHalfBytes, 1024, fagen::kSwizzle128B);
-    fagen::wgmma_rs<kHeadDim, kBf16, 1>(o, a[kk], b, 1);
+    fagen::wgmma_rs<kHeadDim, kBf16, 1>(o, a[kk], advance(v_desc, kk * 2048), 1);
   }
   fagen::wgmma_commit();
   fagen::wgmma_fence_operands<kHeadDim>(o);
@@ -223,7 +226,11 @@ __device__ void consume(unsigned char* tiles, Barriers* bars, T* out, float* lse
   const int t = static_cast<int>(threadIdx.x) % 128;
   const int warp = t / 32, g = t % 32 / 4, quad = t % 4;
   const uint32_t base = fagen::shared_window_address(tiles);
-  const uint32_t q_rows = base + kQOffset + consumer * 64 * 128;   // this warpgroup's 64 rows of both boxes
+  // This warpgroup's 64 rows of Q; stage 0's K and V (K-major and MN-major B, see scores, accumulate_pv).
+  const uint64_t q_desc = fagen::make_smem_desc(base + kQOffset + consumer * 64 * 128, 16, 1024, fagen::kSwizzle128B);
+  const uint64_t k_desc = fagen::make_smem_desc(base + kStageOffset, 16, 1024, fagen::kSwizzle128B);
+  const uint64_t v_desc =
+      fagen::make_smem_desc(base + kStageOffset + kTileBytes, kHalfBytes, 1024, fagen::kSwizzle128B);
   float o[kHeadDim / 2], m[2] = {-fagen::infinity(), -fagen::infinity()}, l[2] = {0.f, 0.f};  // FA2 line 5
   FAGEN_UNROLL
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
@@ -231,16 +238,16 @@ __device__ void consume(unsigned char* tiles, Barriers* bars, T* out, float* lse
   for (int j = 0; j < n_tiles; ++j) {                                                      // FA2 line 6
     const int s = j % kStages;
     fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);
-    const uint32_t k_tile = base + kStageOffset + s * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
+    const uint32_t stage = s * 2 * kTileBytes;
     float p[kBlockN / 2];
-    scores<kBf16>(p, q_rows, k_tile);
+    scores<kBf16>(p, q_desc, advance(k_desc, stage));
     if ((j + 1) * kBlockN > nk) mask_tail(p, nk - j * kBlockN, quad);
     float rescale[2];
     online_softmax(p, m, l, rescale, scale_log2);
     rescale_output(o, rescale);
     uint32_t a[kBlockN / 16][4];
     probabilities_as_a<T>(p, a);
-    accumulate_pv<kBf16>(o, a, v_tile);
+    accumulate_pv<kBf16>(o, a, advance(v_desc, stage));
     __syncwarp();
     if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);  // this warp is done with K_j and V_j
   }
