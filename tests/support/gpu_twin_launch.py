@@ -41,6 +41,8 @@ def gpu_function(source: str, name: str, arch: str):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         torch.cuda.synchronize()
+        if shared_mem > 48 * 1024:   # the driver refuses more dynamic shared memory unless the kernel opts in
+            function.max_dynamic_shared_size_bytes = shared_mem
         function(grid, block, tuple(converted(a) for a in args), shared_mem=shared_mem)
         torch.cuda.synchronize()
 
