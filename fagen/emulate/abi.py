@@ -92,6 +92,9 @@ class LaunchConfig(ctypes.Structure):
 
 
 STRUCT_ALIGNMENT = 64   # a by-value struct parameter's buffer (Parameter.struct)
+# The byte offset of the global address in fagen's emulated tensor map (fagen_emulate/tensor_map.h,
+# fagen.kernels.tensor_map.LAYOUT): the checked build re-points a map at its copy of the tensor.
+TENSOR_MAP_ADDRESS_OFFSET = 8
 
 
 class ArgumentError(ValueError):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from . import abi
 from .build import BuiltModule, compiler
 from .errors import EmulationError
 from .launch_args import block_order, dim3, dtype_code, os_threads, schedule, schedule_seed
@@ -168,20 +169,31 @@ def storage_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def describe_arguments(args: tuple) -> tuple[list, list[bytes]]:
-    """Arguments as the helper takes them: tensors as (storage index, byte offset, element code)."""
+    """Arguments as the helper takes them: tensors as (storage index, byte offset, element code);
+    an emulated tensor map made from a tensor (`MappedBytes`) as its bytes, the storage it points
+    into and the offset there (the helper re-points the map at its copy)."""
     described, storages, index = [], [], {}
+
+    def storage_of(tensor: torch.Tensor) -> int:
+        if tensor.device.type != "cpu":
+            raise EmulationError(f"the emulator runs on CPU tensors, got one on {tensor.device}")
+        key = tensor.untyped_storage().data_ptr()
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(storage_bytes(tensor))
+        return index[key]
+
     for arg in args:
         if arg is None:
             described.append(("null",))
         elif isinstance(arg, torch.Tensor):
-            if arg.device.type != "cpu":
-                raise EmulationError(f"the emulator runs on CPU tensors, got one on {arg.device}")
-            key = arg.untyped_storage().data_ptr()
-            if key not in index:
-                index[key] = len(storages)
-                storages.append(storage_bytes(arg))
-            described.append(("tensor", index[key], arg.storage_offset() * arg.element_size(),
+            described.append(("tensor", storage_of(arg), arg.storage_offset() * arg.element_size(),
                               dtype_code(arg.dtype)))
+        elif isinstance(arg, bytes) and isinstance(getattr(arg, "tensor", None), torch.Tensor):   # MappedBytes
+            at = abi.TENSOR_MAP_ADDRESS_OFFSET
+            address = int.from_bytes(arg[at:at + 8], "little")
+            offset = address - arg.tensor.untyped_storage().data_ptr()
+            described.append(("tensor_map", bytes(arg), storage_of(arg.tensor), offset))
         else:
             described.append(("scalar", arg))
     return described, storages
@@ -208,10 +220,11 @@ class CheckedFunction:
         if not result["ok"]:
             raise EmulationError(result["error"])
         for i in result["written"]:
-            arg = args[i]
+            arg = args[i].tensor if described[i][0] == "tensor_map" else args[i]   # a TMA store writes it
             if arg.numel() == 0:   # a writable argument this launch does not use: nothing came back
                 continue
-            data = torch.frombuffer(bytearray(result["storages"][described[i][1]]), dtype=torch.uint8)
+            storage = described[i][2 if described[i][0] == "tensor_map" else 1]
+            data = torch.frombuffer(bytearray(result["storages"][storage]), dtype=torch.uint8)
             arg.copy_(data.view(arg.dtype).as_strided(arg.size(), arg.stride(), arg.storage_offset()))
 
 

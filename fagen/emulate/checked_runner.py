@@ -26,6 +26,7 @@ def load_abi():
 
 
 abi = load_abi()
+MAP_ADDRESS = abi.TENSOR_MAP_ADDRESS_OFFSET
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -59,6 +60,10 @@ def run(request: dict, libraries: dict) -> dict:
                 _, storage, offset, code = arg
                 base = buffers[storage]
                 values.append(parameter.pointer(code, base + offset if base else None, name))
+            elif arg[0] == "tensor_map":   # re-pointed at this process's copy of its tensor
+                _, data, storage, offset = arg
+                address = (buffers[storage] + offset).to_bytes(8, "little")
+                values.append(parameter.scalar(data[:MAP_ADDRESS] + address + data[MAP_ADDRESS + 8:], name))
             else:
                 values.append(parameter.scalar(arg[1], name))
         error = abi.launch(launcher, request["grid"], request["block"], request["shared_mem"],
@@ -66,7 +71,8 @@ def run(request: dict, libraries: dict) -> dict:
                            block_order=request["block_order"], seed=request["seed"])
         if error is not None:
             return {"ok": False, "error": error}
-        written = [p.index for p in parameters if p.is_pointer and not p.is_const and args[p.index][0] == "tensor"]
+        written = [p.index for p in parameters if (p.is_pointer and not p.is_const and args[p.index][0] == "tensor")
+                   or args[p.index][0] == "tensor_map"]
         storages = [ctypes.string_at(b, len(d)) if b else b"" for b, d in zip(buffers, request["storages"])]
         return {"ok": True, "written": written, "storages": storages}
     except abi.ArgumentError as error:

@@ -108,6 +108,17 @@ def layout_offsets() -> dict[str, int]:
     return offsets
 
 
+class MappedBytes(bytes):
+    """An emulated map's bytes with the tensor its address points into (`emulated_bytes(tensor)`)."""
+
+    tensor = None
+
+    def __new__(cls, data: bytes, tensor):
+        made = super().__new__(cls, data)
+        made.tensor = tensor
+        return made
+
+
 class TensorMapError(ValueError):
     """A tensor map the driver's rules refuse; the message names the field and the rule."""
 
@@ -171,8 +182,13 @@ class TensorMapSpec:
         _check_dims(self)
         _check_box(self)
 
-    def emulated_bytes(self, global_address: int) -> bytes:
-        """fagen's own 128-byte encoding (`LAYOUT`), which the emulator's TMA twin reads."""
+    def emulated_bytes(self, global_address) -> bytes:
+        """fagen's own 128-byte encoding (`LAYOUT`), which the emulator's TMA twin reads. Given
+        the tensor itself (its data_ptr is the address), the bytes carry it (`MappedBytes`): the
+        emulator's checked build copies that tensor into its helper process and re-points the map."""
+        tensor = None
+        if not isinstance(global_address, int):
+            tensor, global_address = global_address, global_address.data_ptr()
         self.check(global_address)
         pad = MAX_RANK - self.rank
         values = [MAGIC, VERSION, global_address, *self.global_dims, *(1,) * pad,
@@ -180,11 +196,15 @@ class TensorMapSpec:
                   self.rank, int(self.dtype), self.element_bytes, int(self.interleave), int(self.swizzle),
                   int(self.l2_promotion), int(self.oob_fill)]
         packed = struct.pack(_FORMAT, *values)
-        return packed + bytes(MAP_BYTES - len(packed))
+        data = packed + bytes(MAP_BYTES - len(packed))
+        return data if tensor is None else MappedBytes(data, tensor)
 
-    def driver_bytes(self, global_address: int) -> bytes:
-        """The driver's encoding (needs a CUDA driver: a GPU machine). Checked here first, so a
-        refusal names the field instead of returning CUDA_ERROR_INVALID_VALUE."""
+    def driver_bytes(self, global_address) -> bytes:
+        """The driver's encoding (needs a CUDA driver: a GPU machine), of an address or of a
+        tensor's data_ptr. Checked here first, so a refusal names the field instead of returning
+        CUDA_ERROR_INVALID_VALUE."""
+        if not isinstance(global_address, int):
+            global_address = global_address.data_ptr()
         self.check(global_address)
         result, data = driver_encode(self, global_address)
         if data is None:

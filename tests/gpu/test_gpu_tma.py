@@ -23,7 +23,7 @@ def test_the_tma_pipeline_matches_on_the_gpu(tiles):
         pytest.skip("sm_90a kernels run on compute capability 9.0 only")
     kernel = gpu_function(case.KERNEL.read_text(), "tma_pipeline", "sm_90a")
     x, y, sums = case.inputs(tiles, device="cuda")
-    maps = [TensorMapSpec.of_tensor(t, (case.ROWS, case.COLS), swizzle=Swizzle.B128).driver_bytes(t.data_ptr())
+    maps = [TensorMapSpec.of_tensor(t, (case.ROWS, case.COLS), swizzle=Swizzle.B128).driver_bytes(t)
             for t in (x, y)]
     kernel((case.BLOCKS,), (case.THREADS,), (*maps, sums, np.int32(tiles), np.int32(0)), shared_mem=case.SHARED)
     expected_y, expected_sums = case.expected(x, tiles)

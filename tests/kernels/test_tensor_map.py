@@ -101,3 +101,18 @@ def test_the_c_header_has_the_python_layout(tmp_path):
         [str(tmp_path / "offsets")], check=True, capture_output=True, text=True).stdout.splitlines())
     assert {name: int(printed[name]) for name, _, _ in LAYOUT} == layout_offsets()
     assert int(printed["sizeof"]) == MAP_BYTES and int(printed["magic_value"]) == MAGIC
+
+
+def test_a_map_made_from_a_tensor_carries_it():
+    """emulated_bytes(tensor): the same bytes as of its address, carrying the tensor, which the
+    emulator's checked build copies into its helper process; the address sits where the emulator's
+    ABI says (the helper re-points it there)."""
+    from fagen.emulate import abi
+    from fagen.kernels.tensor_map import MappedBytes
+
+    q = torch.zeros(2, 1000, 8, 128, dtype=torch.bfloat16)
+    spec = TensorMapSpec.of_tensor(q, (1, 128, 1, 64), swizzle=Swizzle.B128)
+    mapped = spec.emulated_bytes(q)
+    assert isinstance(mapped, MappedBytes) and mapped.tensor is q
+    assert bytes(mapped) == spec.emulated_bytes(q.data_ptr())
+    assert layout_offsets()["global_address"] == abi.TENSOR_MAP_ADDRESS_OFFSET

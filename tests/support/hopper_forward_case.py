@@ -37,7 +37,7 @@ def inputs(batch: int, nq: int, nk: int, heads: int, dtype: str, seed: int = 0):
 def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, encode: str) -> list[bytes]:
     """One map per operand, box (1, 128 rows, 1, 64 columns) with the 128B swizzle: a 128-column
     tile is two boxes. `encode`: "emulated_bytes" or "driver_bytes"."""
-    return [getattr(TensorMapSpec.of_tensor(t, (1, 128, 1, 64), swizzle=Swizzle.B128), encode)(t.data_ptr())
+    return [getattr(TensorMapSpec.of_tensor(t, (1, 128, 1, 64), swizzle=Swizzle.B128), encode)(t)
             for t in (q, k, v)]
 
 

@@ -44,7 +44,7 @@ def pipeline():
 def run(kernel, bug: int, tiles: int):
     """(y, expected y, sums, expected sums) of an emulated run; raises EmulationError on a fault."""
     x, y, sums = inputs(tiles)
-    maps = [TensorMapSpec.of_tensor(t, (ROWS, COLS), swizzle=Swizzle.B128).emulated_bytes(t.data_ptr())
+    maps = [TensorMapSpec.of_tensor(t, (ROWS, COLS), swizzle=Swizzle.B128).emulated_bytes(t)
             for t in (x, y)]
     kernel((BLOCKS,), (THREADS,), (*maps, sums, np.int32(tiles), np.int32(bug)), shared_mem=SHARED)
     expected_y, expected_sums = expected(x, tiles)

@@ -32,7 +32,7 @@ def expected(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def maps(a: torch.Tensor, b: torch.Tensor, encode: str) -> list[bytes]:
     """The two tensor maps (box 64 x 64, 128B swizzle), `encode`: "emulated_bytes" or "driver_bytes"."""
     specs = [TensorMapSpec.of_tensor(t, (64, 64), swizzle=Swizzle.B128) for t in (a, b)]
-    return [getattr(spec, encode)(t.data_ptr()) for spec, t in zip(specs, (a, b))]
+    return [getattr(spec, encode)(t) for spec, t in zip(specs, (a, b))]
 
 
 @functools.lru_cache(maxsize=1)
