@@ -377,6 +377,14 @@ struct StaticShared {
 };
 StaticShared static_shared_of(void (*kernel)());
 
+// -- swizzles (tma_box.cpp, wgmma.cpp) ---------------------------------------------------
+// TMA and wgmma permute 16-byte chunks by the absolute shared address: bits [4, 4+bits) ^= bits
+// [7, 7+bits), with bits = 1, 2, 3 for the 32B, 64B, 128B swizzles (each names them by its own
+// numbers: CUtensorMapSwizzle 1, 2, 3; a wgmma descriptor 3, 2, 1).
+inline uintptr_t swizzled_shared_address(uintptr_t address, unsigned bits) {
+  return address ^ (((address >> 7) & ((uintptr_t{1} << bits) - 1)) << 4);
+}
+
 // -- cp_async.cpp -------------------------------------------------------------------
 void land_all_copies(Fiber& fiber);
 

@@ -46,9 +46,9 @@ int64_t global_offset(const EmulatedTensorMap& map, const BoxShape& shape, const
 
 // Where a dense box's byte at `offset` from `base` lands under the map's swizzle.
 unsigned char* swizzled(unsigned char* base, std::size_t offset, int swizzle) {
+  // CUtensorMapSwizzle 1, 2, 3 (32B, 64B, 128B) XOR that many bits.
   const uintptr_t address = reinterpret_cast<uintptr_t>(base) + offset;
-  const uintptr_t mask = (uintptr_t{1} << swizzle) - 1;  // CUtensorMapSwizzle 1, 2, 3: 32B, 64B, 128B
-  return reinterpret_cast<unsigned char*>(address ^ (((address >> 7) & mask) << 4));
+  return reinterpret_cast<unsigned char*>(swizzled_shared_address(address, static_cast<unsigned>(swizzle)));
 }
 
 }  // namespace

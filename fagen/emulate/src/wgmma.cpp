@@ -134,8 +134,8 @@ double decode(WgmmaInput type, uint16_t bits) {
 }
 
 uint32_t swizzle(uint32_t address, unsigned mode) {
-  const unsigned bits = mode == 1 ? 3 : mode == 2 ? 2 : mode == 3 ? 1 : 0;
-  return address ^ (((address >> 7) & ((1u << bits) - 1u)) << 4);
+  const unsigned bits = mode == 1 ? 3 : mode == 2 ? 2 : mode == 3 ? 1 : 0;  // a descriptor's 128B, 64B, 32B
+  return static_cast<uint32_t>(swizzled_shared_address(address, bits));
 }
 
 // The shared-window address of element (mn, k) of the operand `desc` describes (elements of
