@@ -36,7 +36,8 @@ void HappensBefore::block_barrier() {
 }
 
 void HappensBefore::warp_sync(unsigned warp, unsigned mask) {
-  std::vector<Clock> joined(width_, 0);
+  std::vector<Clock>& joined = scratch_;  // kept: lenient racecheck syncs a warp at every collective op
+  joined.assign(width_, 0);
   for (unsigned lanes = mask; lanes; lanes &= lanes - 1) {
     const unsigned t = warp * 32 + static_cast<unsigned>(__builtin_ctz(lanes));
     if (t < threads_) join_into(joined, row(t));

@@ -94,6 +94,7 @@ class HappensBefore {
   std::unordered_map<uintptr_t, MbarrierClocks> mbarriers_;
   std::vector<Clock> named_[16];
   std::vector<std::vector<Fence>> fences_;  // per thread, in program order
+  std::vector<Clock> scratch_;
 };
 
 }  // namespace fagen_emu
