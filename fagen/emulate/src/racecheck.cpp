@@ -177,16 +177,19 @@ bool async_reads_live(ShadowCell& c) {
   return false;
 }
 
-// The last write happens before `now` (a read, or a write).
-void check_last_write(const ShadowCell& c, const Access& now) {
-  const HappensBefore& hb = shadow().clocks;
-  if (hb.before(c.writer, c.write_generation, c.write_clock, now.thread)) return;
+[[noreturn]] void report_last_write(const ShadowCell& c, const Access& now) {
   report_unordered(context(), now, Prior{c.writer, c.issuer, true, c.write_site});
 }
 
-void check_read(ShadowCell& c, const ThreadRef& t, SiteCode site) {
+// The last write happens before `now` (a read, or a write); the Access is built only to report.
+inline void check_last_write(const ShadowCell& c, const ThreadRef& t, bool write, SiteCode site) {
+  if (shadow().clocks.before(c.writer, c.write_generation, c.write_clock, t.linear)) return;
+  report_last_write(c, access_of(c, t, write, site));
+}
+
+inline void check_read(ShadowCell& c, const ThreadRef& t, SiteCode site) {
   if (c.pending) check_copy_pending(c, access_of(c, t, false, site));
-  check_last_write(c, access_of(c, t, false, site));
+  check_last_write(c, t, false, site);
 }
 
 void record_read(ShadowCell& c, const ThreadRef& t, SiteCode site) {
@@ -244,7 +247,7 @@ void check_write(ShadowCell& c, const ThreadRef& t, SiteCode site, bool copy_lan
     const PendingCell& p = pending_of(c);
     report_async_read_in_flight(context(), access_of(c, t, true, site), p.read_owner, p.read_site);
   }
-  check_last_write(c, access_of(c, t, true, site));
+  check_last_write(c, t, true, site);
   check_reads_before_write(c, t, site);
 }
 
@@ -402,7 +405,7 @@ void race_async_read_issued(const ThreadRef& t, const void* source, std::size_t 
     Access now = access_of(*c, t, false, site);
     now.async_read = true;
     if (c->pending) check_copy_pending(*c, now);
-    check_last_write(*c, now);
+    if (!hb.before(c->writer, c->write_generation, c->write_clock, t.linear)) report_last_write(*c, now);
     const bool generic_write = c->write_generation >= hb.first_generation() && c->writer < hb.threads();
     if (generic_write && !hb.fenced_before(c->writer, c->write_clock, t.linear))
       report_missing_proxy_fence(context(), now, c->writer, c->write_site);
