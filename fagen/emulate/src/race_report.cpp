@@ -85,7 +85,8 @@ void report_async_read_in_flight(const RaceContext& context, const Access& now, 
 }
 
 void report_missing_proxy_fence(const RaceContext& context, const Access& now, unsigned writer, SiteCode site) {
-  fail_with(context, "missing fence.proxy.async", now, describe_thread(writer) + " wrote it at " + site_of(context, site),
+  fail_with(context, "missing fence.proxy.async", now,
+            describe_thread(writer) + " wrote it at " + site_of(context, site),
             "no fence.proxy.async after the write, in its thread, happens before the issue: the async proxy may "
             "not see the generic proxy's write");
 }
@@ -95,15 +96,18 @@ void report_global_write(const RaceContext& context, const ThreadRef& t, const T
   const BlockRun& block = *context.block;
   const LaunchConfig& config = block.launch->config;
   const auto coords = [&](uint64_t linear) {
-    return "(" + std::to_string(linear % config.grid[0]) + "," + std::to_string(linear / config.grid[0] % config.grid[1]) +
-           "," + std::to_string(linear / config.grid[0] / config.grid[1]) + ")";
+    const uint64_t x = config.grid[0], y = config.grid[1];
+    return "(" + std::to_string(linear % x) + "," + std::to_string(linear / x % y) + "," +
+           std::to_string(linear / x / y) + ")";
   };
-  fail_race("racecheck: write-after-write hazard in global memory: tensor argument " + std::to_string(range.argument) +
+  fail_race("racecheck: write-after-write hazard in global memory: tensor argument " +
+            std::to_string(range.argument) +
             " element " + std::to_string(offset / static_cast<uint64_t>(std::max(1, range.element_bytes))) +
             " (byte " + std::to_string(offset) + ") is written by " + describe_thread(t.linear) + " of block " +
             coords(block.linear_block) + " at " + site_of(context, site) + " and by " +
             describe_thread(static_cast<unsigned>(seen & 1023u)) + " of block " + coords((seen >> 10) - 1) + " at " +
-            site_of(context, seen_site) + "; blocks run in no defined order: use an atomic, or give each element one block");
+            site_of(context, seen_site) +
+            "; blocks run in no defined order: use an atomic, or give each element one block");
 }
 
 }  // namespace fagen_emu
