@@ -59,6 +59,23 @@ def test_a_shuffle_orders_no_memory_unless_lenient(module, monkeypatch):
     lenient.get_function("lane_exchange")((1,), (64,), (x, y, i32(2)))
 
 
+@pytest.mark.parametrize("schedule", ["forward", "reverse"])
+def test_bar_sync_acquires_the_arrivals_and_bar_arrive_does_not(module, monkeypatch, schedule):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    x, y = torch.randn(32), torch.zeros(32)
+    module.get_function("named_handoff")((1,), (64,), (x, y, i32(1)))
+    assert torch.equal(y, x.flip(0))
+    with pytest.raises(RaceError) as caught:
+        module.get_function("named_handoff")((1,), (64,), (x, y, i32(0)))
+    message = str(caught.value)
+    # forward: warp 0 writes first (read-after-write); reverse: warp 1 reads first (write-after-read).
+    kind = "read-after-write" if schedule == "forward" else "write-after-read"
+    assert f"racecheck: {kind} hazard on static __shared__ byte" in message
+    assert f".cu:{line_of('tile[lane] = x[lane];')}" in message
+    assert f".cu:{line_of('y[lane] = tile[31 - lane];')}" in message
+    assert "no named barrier or mbarrier phase orders them" in message
+
+
 def test_a_cp_async_destination_read_before_its_wait_is_caught():
     bugs = (Path(__file__).parent / "kernels" / "planted_bugs.cu").read_text()
     module = load_module(bugs, racecheck=True)

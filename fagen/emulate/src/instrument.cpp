@@ -178,6 +178,53 @@ void cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode 
   if (hook.inst && hook.inst->racecheck()) race_cp_async_landed(thread, destination, site);
 }
 
+namespace {
+bool racechecking() { return hook.inst && hook.inst->racecheck() && current_fiber; }
+unsigned running_thread() { return current_fiber->coords.linear; }
+}  // namespace
+
+void mbarrier_released(const void* bar) {
+  if (racechecking()) race_mbarrier_release(bar, running_thread());
+}
+
+void mbarrier_phase_completed(const void* bar) {
+  if (racechecking()) race_mbarrier_phase_completed(bar);
+}
+
+void mbarrier_acquired(const void* bar, unsigned thread) {
+  if (racechecking()) race_mbarrier_acquire(bar, thread);
+}
+
+void named_barrier_arrived(unsigned id) {
+  if (racechecking()) race_named_release(id, running_thread());
+}
+
+void named_barrier_completed(unsigned id, const unsigned* waiting) {
+  if (racechecking()) race_named_completed(id, waiting);
+}
+
+void proxy_fence_ran() {
+  if (racechecking()) race_proxy_fence(running_thread());
+}
+
+void tma_load_issued(void* destination, std::size_t bytes, const void* bar, Site site) {
+  if (racechecking())
+    race_tma_load_issued(thread_ref(*current_fiber), destination, bytes, bar, hook.inst->runtime_site(site));
+}
+
+void tma_load_landed(const void* destination, const void* bar) {
+  if (racechecking()) race_tma_load_landed(destination, bar);
+}
+
+void async_read_issued(const void* source, std::size_t bytes, Site site) {
+  if (racechecking()) race_async_read_issued(thread_ref(*current_fiber), source, bytes, hook.inst->runtime_site(site));
+}
+
+void async_read_retired(const void* source, std::size_t bytes, Site site) {
+  if (racechecking())
+    race_async_read_retired(thread_ref(*current_fiber), source, bytes, hook.inst->runtime_site(site));
+}
+
 void global_access(const ThreadRef& thread, const void* address, std::size_t bytes, bool write, bool atomic,
                    SiteCode site) {
   Instrumentation* inst = hook.inst;

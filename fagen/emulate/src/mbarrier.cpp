@@ -115,10 +115,11 @@ Mbarrier& use(void* bar, const char* op, Site site) {
 
 // Completes the current phase if nothing is pending: releases its waiters and,
 // under the reordering schedules, lets the scheduler choose who runs next.
-void complete_if_done(Mbarrier& b) {
+void complete_if_done(const void* bar, Mbarrier& b) {
   if (b.pending != 0 || b.tx != 0) return;
   b.phase += 1;
   b.pending = b.expected;
+  mbarrier_phase_completed(bar);
   BlockRun& block = running_block();
   block.idle_yields = 0;
   for (const Waiter& waiter : b.waiters) {
@@ -126,6 +127,7 @@ void complete_if_done(Mbarrier& b) {
     fiber.state = FiberState::runnable;
     fiber.blocked_in = nullptr;
     b.seen[waiter.thread] = b.phase;
+    mbarrier_acquired(bar, waiter.thread);
   }
   const bool released = !b.waiters.empty();
   b.waiters.clear();
@@ -150,9 +152,10 @@ uint64_t arrive_on(void* bar, Mbarrier& b, const char* op, Site site) {
          named(bar).c_str(), state_of(b).c_str());
   }
   const uint64_t token = b.phase;
+  mbarrier_released(bar);
   b.pending -= 1;
   if (b.pending == 0 && b.tx != 0 && !b.waiters.empty()) tma_land_loads(bar);  // only bytes missing: they land
-  complete_if_done(use(bar, op, site));
+  complete_if_done(bar, use(bar, op, site));
   return token;
 }
 
@@ -227,13 +230,14 @@ uint64_t mbarrier_arrive_expect_tx(void* bar, uint32_t tx_bytes, Site site) {
 void mbarrier_expect_tx(void* bar, uint32_t tx_bytes, Site site) {
   Mbarrier& b = use(bar, "mbarrier.expect_tx", site);
   add_tx(bar, b, tx_bytes, "mbarrier.expect_tx", site);
-  complete_if_done(b);  // a tx-count that complete-tx drove negative may come back to zero here
+  complete_if_done(bar, b);  // a tx-count that complete-tx drove negative may come back to zero here
 }
 
 void mbarrier_complete_tx(void* bar, uint32_t tx_bytes, Site site) {
   Mbarrier& b = use(bar, "mbarrier.complete_tx", site);
+  mbarrier_released(bar);
   add_tx(bar, b, -static_cast<int64_t>(tx_bytes), "mbarrier.complete_tx", site);
-  complete_if_done(b);
+  complete_if_done(bar, b);
 }
 
 bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
@@ -248,6 +252,7 @@ bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
     if (!phase_done(*b, parity)) return false;
   }
   b->seen[me()] = b->phase;
+  mbarrier_acquired(bar, me());
   return true;
 }
 
@@ -260,6 +265,7 @@ void mbarrier_wait_parity(void* bar, uint32_t parity, Site site) {
   Mbarrier& b = *found;
   if (phase_done(b, parity)) {
     b.seen[me()] = b.phase;
+    mbarrier_acquired(bar, me());
     return;
   }
   b.waiters.push_back(Waiter{me(), parity, site});

@@ -61,6 +61,7 @@ void check_block_barrier_idle(const char* op, unsigned id, unsigned count, Site 
 
 void complete(NamedBarrier& b) {
   BlockRun& block = *current_fiber->block;
+  named_barrier_completed(static_cast<unsigned>(&b - barriers), b.waiting);
   bool released = false;
   for (unsigned w = 0; w < block.warp_count; ++w) {
     for (unsigned lanes = b.waiting[w]; lanes; lanes &= lanes - 1) {
@@ -105,6 +106,7 @@ void arrive(const char* op, unsigned id, unsigned count, bool wait, Site site) {
     b.warps_started += 1;
   }
   b.lanes[warp] |= bit;
+  named_barrier_arrived(id);
   if (wait) b.waiting[warp] |= bit;
   if (b.lanes[warp] == block.live_lanes[warp] && (b.warps_done += 1) * 32 == count) {
     complete(b);

@@ -1,68 +1,103 @@
 // Racecheck: hazards between the threads of a block in shared memory, and
 // between blocks in global memory, seen through an instrumented kernel module
 // (every plain load and store, instrument.cpp) and the runtime's own accesses
-// (ldmatrix rows, cp.async destinations).
+// (ldmatrix rows, cp.async and TMA copies).
 //
-// Shadow state per byte of shared memory (the launch's dynamic buffer and the
-// module's static __shared__ arrays): the last write and the reads since, each
-// stamped with the barrier epoch it happened in and the thread that made it.
-// Epochs count completed __syncthreads and are unique per OS thread, so a
-// stamp from an earlier block is simply an older epoch. Two accesses to one
-// byte, at least one a write, by different threads, are a hazard when no
-// __syncthreads separates them (same epoch) and, for two lanes of one warp,
-// no __syncwarp covering both came between (warp-collective ops order lanes
-// only under the lenient switch: on Volta and later they do not order memory).
+// Shared memory: two accesses to one byte, at least one a write, by different
+// threads, are a hazard unless the first happens before the second
+// (happens_before.h: __syncthreads, __syncwarp, named barriers, mbarrier
+// phases; warp-collective ops order lanes only under the lenient switch, as on
+// Volta and later they do not order memory). Shadow state per byte (the
+// launch's dynamic buffer and the module's static __shared__ arrays), as
+// FastTrack keeps it: the last write as (thread, clock), the reads since as
+// one (thread, clock) while each happens before the next, and as a read set
+// once threads read concurrently.
 //
-// cp.async: the destination is pending from issue until the issuing thread's
-// wait lands it; any access to pending bytes is a hazard, and the issue is a
-// write (a copy into bytes another thread reads in the same epoch is a
-// write-after-read), as is the landing.
+// Copies:
+// - cp.async: the destination is pending from issue until the issuing thread's
+//   wait lands it; any access to pending bytes is a hazard, and the issue is a
+//   write (a copy into bytes another thread reads unordered is a write-after-read),
+//   as is the landing.
+// - TMA load: the issue is a write by the issuing thread, the bytes are pending
+//   until they land, and they land as a write of the mbarrier's async agent,
+//   ordered (through the phase) before the threads that wait on it.
+// - TMA store / bulk reduction: the async proxy reads the source between issue
+//   and the bulk wait that retires it. At issue every write to the source must
+//   happen before the issue and be followed, in its writer, by fence.proxy.async
+//   that happens before the issue; until retired, a write to the source is a
+//   hazard; the retirement is a read by the issuing thread.
 //
 // Global memory: every plain store to a tensor argument records the block
 // that made it; a second block storing to the same byte without an atomic is
 // a hazard (two blocks of one launch run in no defined order).
-#include "runtime_internal.h"
+#include "happens_before.h"
+#include "race_report.h"
 
 #include <algorithm>
 #include <cstring>
 
 namespace fagen_emu {
 
+enum PendingKind : uint8_t { kNotPending = 0, kCpAsyncPending = 1, kTmaLoadPending = 2 };
+
 struct ShadowCell {
-  uint32_t write_epoch;   // 0: never written (epochs start at 1)
-  uint32_t write_seq;     // the writer's warp sync sequence at the write
+  uint32_t write_generation;  // 0: never written
+  Clock write_clock;
   SiteCode write_site;
-  uint16_t writer;
-  uint16_t reader;        // the first reader in read_epoch
-  uint32_t read_epoch;
-  uint32_t read_seq;      // the latest warp sync sequence among the readers
-  SiteCode read_site;
-  uint32_t reader_lanes;  // lanes of the first reader's warp that read in read_epoch
-  uint32_t pending_epoch; // a cp.async destination, not landed (valid while >= the block's first epoch)
-  SiteCode pending_site;
-  SiteCode other_site;
-  uint16_t pending_owner;
-  uint16_t other_reader;       // the first reader in read_epoch outside the first reader's warp
-  uint8_t other_warp_readers;  // whether there is one
-  uint8_t pending;
+  uint16_t writer;            // a thread, or an async agent (>= the block's threads)
+  uint8_t pending;            // a PendingKind: a copy into this byte has not landed
+  uint8_t async_reads;        // bulk stores / reductions reading this byte, not yet retired
+  uint32_t read_generation;   // 0: no read in this generation
+  Clock read_clock;
+  SiteCode read_site;         // the read set's index when reader == kReadSet
+  uint16_t reader;
+  uint16_t issuer;            // of the TMA load whose agent wrote the byte
 };
 
-// This OS thread's shadow of shared memory and the running block's warp syncs.
+// What a pending byte waits for (apart from the hot cell: touched only when pending).
+struct PendingCell {
+  uint32_t copy_generation;   // the block's generation at issue: stale from another block
+  SiteCode copy_site;
+  uint16_t copy_owner;
+  uint32_t read_generation;   // of the latest async read
+  SiteCode read_site;
+  uint16_t read_owner;
+};
+
+struct ReadEntry {
+  uint16_t thread;
+  Clock clock;
+  SiteCode site;
+};
+
+struct InFlightLoad {
+  const unsigned char* destination;
+  std::size_t bytes;
+  const void* bar;
+  unsigned issuer;
+  SiteCode site;
+  std::vector<Clock> issued;
+};
+
+// This OS thread's shadow of shared memory and the running block's clocks.
 struct RaceShadow {
   std::vector<ShadowCell> cells;    // dynamic buffer first, then the static arrays
+  std::vector<PendingCell> pending;
   unsigned char* dynamic_base = nullptr;
   unsigned char* static_base = nullptr;
   std::size_t static_size = 0;
-  uint32_t epoch_counter = 0;
-  uint32_t first_epoch = 0;         // of the running block
-  uint32_t epoch = 0;
-  unsigned warp_count = 0;
-  uint32_t warp_seq[32] = {};
-  std::vector<uint32_t> pair_sync;  // [warp][lane][lane]: seq of the last sync of both lanes
+  HappensBefore clocks;
+  std::vector<std::vector<ReadEntry>> read_sets;  // valid in the current generation
+  std::size_t read_sets_used = 0;
+  std::vector<uint32_t> free_read_sets;
+  std::vector<InFlightLoad> loads;
+  const void* landing_bar = nullptr;  // a TMA load's complete_tx is the agent's, not the thread's
   BlockRun* block = nullptr;
 };
 
 namespace {
+
+constexpr uint16_t kReadSet = 0xFFFF;
 
 // This OS thread's shadow. A plain pointer (not a thread_local object with a
 // constructor): every access to it is then one cheap TLS read, no init wrapper.
@@ -70,133 +105,173 @@ __thread RaceShadow* shadow_of_thread = nullptr;
 
 inline RaceShadow& shadow() { return *shadow_of_thread; }
 
-bool valid(uint32_t epoch) { return epoch >= shadow().first_epoch && epoch != 0; }
-
 ShadowCell* cell_of(const unsigned char* p) {
-  if (p >= shadow().dynamic_base && p < shadow().dynamic_base + kMaxDynamicSharedBytes)
-    return &shadow().cells[static_cast<std::size_t>(p - shadow().dynamic_base)];
-  if (shadow().static_size && p >= shadow().static_base && p < shadow().static_base + shadow().static_size)
-    return &shadow().cells[kMaxDynamicSharedBytes + static_cast<std::size_t>(p - shadow().static_base)];
+  RaceShadow& s = shadow();
+  if (p >= s.dynamic_base && p < s.dynamic_base + kMaxDynamicSharedBytes)
+    return &s.cells[static_cast<std::size_t>(p - s.dynamic_base)];
+  if (s.static_size && p >= s.static_base && p < s.static_base + s.static_size)
+    return &s.cells[kMaxDynamicSharedBytes + static_cast<std::size_t>(p - s.static_base)];
   return nullptr;
 }
 
-std::string describe_offset(const unsigned char* p) {
-  if (p >= shadow().dynamic_base && p < shadow().dynamic_base + kMaxDynamicSharedBytes)
-    return "dynamic shared memory byte " + std::to_string(p - shadow().dynamic_base);
-  return "static __shared__ byte " + std::to_string(p - shadow().static_base);
+PendingCell& pending_of(const ShadowCell& c) {
+  return shadow().pending[static_cast<std::size_t>(&c - shadow().cells.data())];
 }
 
-// Whether lanes `a` (at sequence `seq`) and `b` of `warp` synchronised since.
-bool warp_ordered(unsigned warp, unsigned a, unsigned b, uint32_t seq) {
-  return shadow().pair_sync[(warp * 32 + a) * 32 + b] > seq;
+const unsigned char* address_of(const ShadowCell& c) {
+  const std::size_t index = static_cast<std::size_t>(&c - shadow().cells.data());
+  return index < kMaxDynamicSharedBytes ? shadow().dynamic_base + index
+                                        : shadow().static_base + (index - kMaxDynamicSharedBytes);
 }
 
-ThreadRef ref_of(uint16_t linear) {
-  return ThreadRef{linear, static_cast<uint8_t>(linear / 32), static_cast<uint8_t>(linear % 32)};
+RaceContext context() {
+  return RaceContext{shadow().block, shadow().dynamic_base, shadow().static_base, shadow().clocks.threads()};
 }
 
-std::string describe_thread(const ThreadRef& t) {
-  return "thread " + std::to_string(t.linear) + " (warp " + std::to_string(t.warp) + ", lane " +
-         std::to_string(t.lane) + ")";
-}
+// -- read sets ----------------------------------------------------------------------------
 
-// Two accesses to one byte in one epoch: ordered only within a warp, by a sync.
-bool ordered(uint16_t first, uint32_t first_seq, const ThreadRef& second) {
-  const ThreadRef a = ref_of(first);
-  return a.warp == second.warp && warp_ordered(a.warp, a.lane, second.lane, first_seq);
-}
-
-[[noreturn]] void report(const char* kind, const unsigned char* p, const ThreadRef& now, bool now_writes,
-                         SiteCode now_site, uint16_t before, bool before_wrote, SiteCode before_site,
-                         const char* why) {
-  Instrumentation& inst = *shadow().block->launch->instrumentation;
-  const BlockRun& block = *shadow().block;
-  std::string message = std::string("racecheck: ") + kind + " hazard on " + describe_offset(p) + " in block (" +
-                        std::to_string(block.block_idx.x) + "," + std::to_string(block.block_idx.y) + "," +
-                        std::to_string(block.block_idx.z) + "): " + describe_thread(now) +
-                        (now_writes ? " writes it at " : " reads it at ") + inst.describe_site(now_site) + ", " +
-                        describe_thread(ref_of(before)) + (before_wrote ? " wrote it at " : " read it at ") +
-                        inst.describe_site(before_site) + "; " + why;
-  fail_race(message);
-}
-
-const char kNoBarrier[] = "no __syncthreads between them";
-const char kNoSyncwarp[] = "lanes of one warp, and no __syncwarp between them";
-
-const char* why_unordered(uint16_t before, const ThreadRef& now) {
-  return ref_of(before).warp == now.warp ? kNoSyncwarp : kNoBarrier;
-}
-
-void check_pending(ShadowCell& c, const unsigned char* p, const ThreadRef& t, bool write, SiteCode site) {
-  if (!c.pending || !valid(c.pending_epoch)) return;
-  if (c.pending_owner == t.linear) {
-    report(write ? "write-before-landing" : "read-before-landing", p, t, write, site, c.pending_owner, true,
-           c.pending_site, "the cp.async into this byte has not landed: its thread's cp.async wait comes later");
+uint32_t new_read_set() {
+  RaceShadow& s = shadow();
+  uint32_t index;
+  if (!s.free_read_sets.empty()) {
+    index = s.free_read_sets.back();
+    s.free_read_sets.pop_back();
+  } else {
+    if (s.read_sets_used == s.read_sets.size()) s.read_sets.emplace_back();
+    index = static_cast<uint32_t>(s.read_sets_used++);
   }
-  report(write ? "write-after-write (cp.async in flight)" : "read-after-write (cp.async in flight)", p, t, write,
-         site, c.pending_owner, true, c.pending_site,
-         "the cp.async into this byte has not landed (its thread has not waited for it), whatever barriers "
-         "came between");
+  s.read_sets[index].clear();
+  return index;
 }
 
-void check_read(ShadowCell& c, const unsigned char* p, const ThreadRef& t, SiteCode site) {
-  check_pending(c, p, t, false, site);
-  if (valid(c.write_epoch) && c.write_epoch == shadow().epoch && c.writer != t.linear &&
-      !ordered(c.writer, c.write_seq, t)) {
-    report("read-after-write", p, t, false, site, c.writer, true, c.write_site, why_unordered(c.writer, t));
+// A new generation: every read set is of an older one (all ordered), so all are free.
+void drop_read_sets() {
+  shadow().read_sets_used = 0;
+  shadow().free_read_sets.clear();
+}
+
+void clear_reads(ShadowCell& c) {
+  if (c.read_generation == shadow().clocks.generation() && c.reader == kReadSet)
+    shadow().free_read_sets.push_back(c.read_site);
+  c.read_generation = 0;
+}
+
+// -- checks ---------------------------------------------------------------------------------
+
+Access access_of(const ShadowCell& c, const ThreadRef& t, bool write, SiteCode site) {
+  return Access{address_of(c), t.linear, write, site};
+}
+
+void check_copy_pending(ShadowCell& c, const Access& now) {
+  const PendingCell& p = pending_of(c);
+  if (p.copy_generation < shadow().clocks.first_generation()) {
+    c.pending = kNotPending;  // left by an earlier block
+    return;
   }
+  report_pending_copy(context(), now, p.copy_owner, p.copy_site, c.pending == kTmaLoadPending);
+}
+
+bool async_reads_live(ShadowCell& c) {
+  if (pending_of(c).read_generation >= shadow().clocks.first_generation()) return true;
+  c.async_reads = 0;  // left by an earlier block
+  return false;
+}
+
+[[noreturn]] void report_last_write(const ShadowCell& c, const Access& now) {
+  report_unordered(context(), now, Prior{c.writer, c.issuer, true, c.write_site});
+}
+
+// The last write happens before `now` (a read, or a write); the Access is built only to report.
+inline void check_last_write(const ShadowCell& c, const ThreadRef& t, bool write, SiteCode site) {
+  if (shadow().clocks.before(c.writer, c.write_generation, c.write_clock, t.linear)) return;
+  report_last_write(c, access_of(c, t, write, site));
+}
+
+inline void check_read(ShadowCell& c, const ThreadRef& t, SiteCode site) {
+  if (c.pending) check_copy_pending(c, access_of(c, t, false, site));
+  check_last_write(c, t, false, site);
 }
 
 void record_read(ShadowCell& c, const ThreadRef& t, SiteCode site) {
-  const uint32_t seq = shadow().warp_seq[t.warp];
-  if (!(valid(c.read_epoch) && c.read_epoch == shadow().epoch)) {
-    c.read_epoch = shadow().epoch;
-    c.reader = t.linear;
-    c.read_seq = seq;
-    c.read_site = site;
-    c.reader_lanes = 1u << t.lane;
-    c.other_warp_readers = 0;
+  RaceShadow& s = shadow();
+  const HappensBefore& hb = s.clocks;
+  const uint32_t generation = hb.generation();
+  const Clock now = hb.now(t.linear);
+  if (c.read_generation == generation && c.reader == kReadSet) {
+    std::vector<ReadEntry>& set = s.read_sets[c.read_site];
+    for (ReadEntry& e : set) {
+      if (e.thread == t.linear) {
+        e.clock = now;
+        e.site = site;
+        return;
+      }
+    }
+    set.push_back(ReadEntry{t.linear, now, site});
     return;
   }
-  if (t.warp == c.reader / 32) {
-    c.reader_lanes |= 1u << t.lane;
-    c.read_seq = std::max(c.read_seq, seq);
-  } else if (!c.other_warp_readers) {
-    c.other_warp_readers = 1;
-    c.other_reader = t.linear;
-    c.other_site = site;
+  // One reader: replace it when it happens before this read (a later write ordered
+  // after this one is then ordered after it too); else the two read concurrently.
+  if (c.read_generation == generation && !hb.before(c.reader, generation, c.read_clock, t.linear)) {
+    const uint32_t index = new_read_set();
+    s.read_sets[index].push_back(ReadEntry{c.reader, c.read_clock, c.read_site});
+    s.read_sets[index].push_back(ReadEntry{t.linear, now, site});
+    c.reader = kReadSet;
+    c.read_site = index;
+    return;
+  }
+  c.read_generation = generation;
+  c.reader = t.linear;
+  c.read_clock = now;
+  c.read_site = site;
+}
+
+void check_reads_before_write(const ShadowCell& c, const ThreadRef& t, SiteCode site) {
+  const HappensBefore& hb = shadow().clocks;
+  const uint32_t generation = hb.generation();
+  if (c.read_generation != generation) return;
+  if (c.reader != kReadSet) {
+    if (!hb.before(c.reader, generation, c.read_clock, t.linear))
+      report_unordered(context(), access_of(c, t, true, site), Prior{c.reader, 0, false, c.read_site});
+    return;
+  }
+  for (const ReadEntry& e : shadow().read_sets[c.read_site]) {
+    if (!hb.before(e.thread, generation, e.clock, t.linear))
+      report_unordered(context(), access_of(c, t, true, site), Prior{e.thread, 0, false, e.site});
   }
 }
 
-void check_write(ShadowCell& c, const unsigned char* p, const ThreadRef& t, SiteCode site, bool landing) {
-  if (!landing) check_pending(c, p, t, true, site);
-  if (valid(c.write_epoch) && c.write_epoch == shadow().epoch && c.writer != t.linear &&
-      !ordered(c.writer, c.write_seq, t)) {
-    report("write-after-write", p, t, true, site, c.writer, true, c.write_site, why_unordered(c.writer, t));
+// `copy_landing`: a cp.async landing, whose own pending state it ends.
+void check_write(ShadowCell& c, const ThreadRef& t, SiteCode site, bool copy_landing) {
+  if (c.pending && !copy_landing) check_copy_pending(c, access_of(c, t, true, site));
+  if (c.async_reads && async_reads_live(c)) {
+    const PendingCell& p = pending_of(c);
+    report_async_read_in_flight(context(), access_of(c, t, true, site), p.read_owner, p.read_site);
   }
-  if (!(valid(c.read_epoch) && c.read_epoch == shadow().epoch)) return;
-  const unsigned reader_warp = c.reader / 32u;
-  if (reader_warp != t.warp) report("write-after-read", p, t, true, site, c.reader, false, c.read_site, kNoBarrier);
-  if (c.other_warp_readers) {
-    // Readers in two warps: one of them is in another warp than this writer's.
-    const bool first_other = c.other_reader / 32u != t.warp;
-    report("write-after-read", p, t, true, site, first_other ? c.other_reader : c.reader, false,
-           first_other ? c.other_site : c.read_site, kNoBarrier);
-  }
-  for (unsigned lanes = c.reader_lanes & ~(1u << t.lane); lanes; lanes &= lanes - 1) {
-    const unsigned lane = static_cast<unsigned>(__builtin_ctz(lanes));
-    if (!warp_ordered(reader_warp, lane, t.lane, c.read_seq)) {
-      report("write-after-read", p, t, true, site, static_cast<uint16_t>(reader_warp * 32 + lane), false,
-             c.read_site, kNoSyncwarp);
-    }
-  }
+  check_last_write(c, t, true, site);
+  check_reads_before_write(c, t, site);
 }
 
-void record_write(ShadowCell& c, const ThreadRef& t, SiteCode site) {
-  c.write_epoch = shadow().epoch;
-  c.write_seq = shadow().warp_seq[t.warp];
-  c.writer = t.linear;
+void record_write(ShadowCell& c, uint16_t writer, Clock clock, SiteCode site) {
+  clear_reads(c);
+  c.write_generation = shadow().clocks.generation();
+  c.write_clock = clock;
+  c.writer = writer;
   c.write_site = site;
+}
+
+void write_byte(ShadowCell& c, const ThreadRef& t, SiteCode site) {
+  check_write(c, t, site, false);
+  record_write(c, t.linear, shadow().clocks.now(t.linear), site);
+}
+
+// The cells of [p, p + bytes) in shared memory, or null (not shared memory).
+ShadowCell* cells_of(const void* address, std::size_t& bytes) {
+  const auto* p = static_cast<const unsigned char*>(address);
+  ShadowCell* c = cell_of(p);
+  if (!c) return nullptr;
+  ShadowCell* last = cell_of(p + bytes - 1);  // an access never straddles the two regions
+  if (!last || last < c) bytes = 1;
+  return c;
 }
 
 }  // namespace
@@ -205,52 +280,58 @@ void record_write(ShadowCell& c, const ThreadRef& t, SiteCode site) {
 
 void race_block_start(BlockRun& block) {
   if (!shadow_of_thread) shadow_of_thread = new RaceShadow();  // kept for the thread's life
-  if (shadow().cells.empty()) {
-    shadow().dynamic_base = dynamic_shared_base();
-    shadow().cells.resize(kMaxDynamicSharedBytes);
+  RaceShadow& s = shadow();
+  if (s.cells.empty()) {
+    s.dynamic_base = dynamic_shared_base();
+    s.cells.resize(kMaxDynamicSharedBytes);
   }
   const StaticShared statics = static_shared_of(block.launch->entry.kernel);
-  shadow().static_base = statics.data;
-  shadow().static_size = statics.size;
-  if (shadow().cells.size() < kMaxDynamicSharedBytes + statics.size)
-    shadow().cells.resize(kMaxDynamicSharedBytes + statics.size);
-  shadow().epoch_counter += 1;
-  shadow().first_epoch = shadow().epoch = shadow().epoch_counter;
-  shadow().warp_count = block.warp_count;
-  std::fill(shadow().warp_seq, shadow().warp_seq + 32, 1u);
-  shadow().pair_sync.assign(static_cast<std::size_t>(block.warp_count) * 32 * 32, 0u);
-  shadow().block = &block;
+  s.static_base = statics.data;
+  s.static_size = statics.size;
+  if (s.cells.size() < kMaxDynamicSharedBytes + statics.size) s.cells.resize(kMaxDynamicSharedBytes + statics.size);
+  if (s.pending.size() < s.cells.size()) s.pending.resize(s.cells.size());
+  s.clocks.block_start(block.thread_count);
+  drop_read_sets();
+  s.loads.clear();
+  s.landing_bar = nullptr;
+  s.block = &block;
 }
 
 void race_barrier() {
-  shadow().epoch_counter += 1;
-  shadow().epoch = shadow().epoch_counter;
+  shadow().clocks.block_barrier();
+  drop_read_sets();
 }
 
-void race_warp_sync(unsigned warp, unsigned mask) {
-  const uint32_t seq = ++shadow().warp_seq[warp];
-  for (unsigned a = 0; a < 32; ++a) {
-    if (!(mask >> a & 1u)) continue;
-    uint32_t* row = &shadow().pair_sync[(warp * 32 + a) * 32];
-    for (unsigned b = 0; b < 32; ++b)
-      if (mask >> b & 1u) row[b] = seq;
+void race_warp_sync(unsigned warp, unsigned mask) { shadow().clocks.warp_sync(warp, mask); }
+
+void race_mbarrier_release(const void* bar, unsigned thread) {
+  if (shadow().landing_bar == bar) {  // the landing TMA load's complete_tx: race_tma_load_landed released it
+    shadow().landing_bar = nullptr;
+    return;
   }
+  shadow().clocks.mbarrier_release(bar, thread);
 }
+
+void race_mbarrier_phase_completed(const void* bar) { shadow().clocks.mbarrier_phase_completed(bar); }
+void race_mbarrier_acquire(const void* bar, unsigned thread) { shadow().clocks.mbarrier_acquire(bar, thread); }
+void race_named_release(unsigned id, unsigned thread) { shadow().clocks.named_release(id, thread); }
+
+void race_named_completed(unsigned id, const unsigned* waiting) {
+  shadow().clocks.named_completed(id, waiting, shadow().block->warp_count);
+}
+
+void race_proxy_fence(unsigned thread) { shadow().clocks.proxy_fence(thread); }
 
 // -- accesses ---------------------------------------------------------------------------
 
 bool race_shared_access(const ThreadRef& t, const void* address, std::size_t bytes, bool write, SiteCode site) {
-  const auto* p = static_cast<const unsigned char*>(address);
-  ShadowCell* c = cell_of(p);
+  ShadowCell* c = cells_of(address, bytes);
   if (!c) return false;
-  ShadowCell* last = cell_of(p + bytes - 1);  // an access never straddles the two regions
-  if (!last || last < c) bytes = 1;
   for (std::size_t i = 0; i < bytes; ++i, ++c) {
     if (write) {
-      check_write(*c, p + i, t, site, false);
-      record_write(*c, t, site);
+      write_byte(*c, t, site);
     } else {
-      check_read(*c, p + i, t, site);
+      check_read(*c, t, site);
       record_read(*c, t, site);
     }
   }
@@ -262,11 +343,12 @@ void race_cp_async_issued(const ThreadRef& t, const void* destination, SiteCode 
   for (std::size_t i = 0; i < 16; ++i) {
     ShadowCell* c = cell_of(p + i);
     if (!c) return;
-    check_write(*c, p + i, t, site, false);  // also: a copy into bytes still pending from another
-    c->pending = 1;
-    c->pending_owner = t.linear;
-    c->pending_epoch = shadow().epoch;
-    c->pending_site = site;
+    write_byte(*c, t, site);  // also: a copy into bytes still pending from another
+    PendingCell& pending = pending_of(*c);
+    c->pending = kCpAsyncPending;
+    pending.copy_owner = t.linear;
+    pending.copy_generation = shadow().clocks.generation();
+    pending.copy_site = site;
   }
 }
 
@@ -275,9 +357,72 @@ void race_cp_async_landed(const ThreadRef& t, const void* destination, SiteCode 
   for (std::size_t i = 0; i < 16; ++i) {
     ShadowCell* c = cell_of(p + i);
     if (!c) return;
-    c->pending = 0;
-    check_write(*c, p + i, t, site, true);
-    record_write(*c, t, site);
+    c->pending = kNotPending;
+    check_write(*c, t, site, true);
+    record_write(*c, t.linear, shadow().clocks.now(t.linear), site);
+  }
+}
+
+void race_tma_load_issued(const ThreadRef& t, void* destination, std::size_t bytes, const void* bar, SiteCode site) {
+  ShadowCell* c = cells_of(destination, bytes);
+  if (!c) return;
+  for (std::size_t i = 0; i < bytes; ++i, ++c) {
+    write_byte(*c, t, site);
+    PendingCell& pending = pending_of(*c);
+    c->pending = kTmaLoadPending;
+    pending.copy_owner = t.linear;
+    pending.copy_generation = shadow().clocks.generation();
+    pending.copy_site = site;
+  }
+  shadow().loads.push_back(InFlightLoad{static_cast<const unsigned char*>(destination), bytes, bar, t.linear, site,
+                                        shadow().clocks.issue_async(t.linear)});
+}
+
+void race_tma_load_landed(const void* destination, const void* bar) {
+  RaceShadow& s = shadow();
+  const auto found = std::find_if(s.loads.begin(), s.loads.end(), [&](const InFlightLoad& l) {
+    return l.destination == destination && l.bar == bar;
+  });
+  if (found == s.loads.end()) return;
+  Clock clock = 0;
+  const unsigned agent = s.clocks.land_async(bar, found->issued, clock);
+  std::size_t bytes = found->bytes;
+  ShadowCell* c = cells_of(destination, bytes);
+  for (std::size_t i = 0; c && i < bytes; ++i, ++c) {
+    c->pending = kNotPending;
+    record_write(*c, static_cast<uint16_t>(agent), clock, found->site);
+    c->issuer = static_cast<uint16_t>(found->issuer);
+  }
+  s.loads.erase(found);
+  s.landing_bar = bar;  // the complete_tx that follows is this landing's, released above
+}
+
+void race_async_read_issued(const ThreadRef& t, const void* source, std::size_t bytes, SiteCode site) {
+  ShadowCell* c = cells_of(source, bytes);
+  if (!c) return;
+  const HappensBefore& hb = shadow().clocks;
+  for (std::size_t i = 0; i < bytes; ++i, ++c) {
+    Access now = access_of(*c, t, false, site);
+    now.async_read = true;
+    if (c->pending) check_copy_pending(*c, now);
+    if (!hb.before(c->writer, c->write_generation, c->write_clock, t.linear)) report_last_write(*c, now);
+    const bool generic_write = c->write_generation >= hb.first_generation() && c->writer < hb.threads();
+    if (generic_write && !hb.fenced_before(c->writer, c->write_clock, t.linear))
+      report_missing_proxy_fence(context(), now, c->writer, c->write_site);
+    PendingCell& pending = pending_of(*c);
+    if (c->async_reads && !async_reads_live(*c)) c->async_reads = 0;
+    c->async_reads = static_cast<uint8_t>(std::min(c->async_reads + 1, 255));
+    pending.read_owner = t.linear;
+    pending.read_site = site;
+    pending.read_generation = hb.generation();
+  }
+}
+
+void race_async_read_retired(const ThreadRef& t, const void* source, std::size_t bytes, SiteCode site) {
+  ShadowCell* c = cells_of(source, bytes);
+  for (std::size_t i = 0; c && i < bytes; ++i, ++c) {
+    if (c->async_reads) c->async_reads -= 1;
+    record_read(*c, t, site);  // the async proxy's read, ordered before the retiring wait
   }
 }
 
@@ -296,19 +441,7 @@ void race_global_write(const ThreadRef& t, int tensor, uintptr_t address, std::s
       continue;
     }
     if ((seen >> 10) == (me >> 10)) continue;  // the same block: its own barriers order it
-    const uint64_t other_block = (seen >> 10) - 1;
-    const LaunchConfig& config = shadow().block->launch->config;
-    const auto coords = [&](uint64_t linear) {
-      return "(" + std::to_string(linear % config.grid[0]) + "," + std::to_string(linear / config.grid[0] % config.grid[1]) +
-             "," + std::to_string(linear / config.grid[0] / config.grid[1]) + ")";
-    };
-    fail_race("racecheck: write-after-write hazard in global memory: tensor argument " + std::to_string(range.argument) +
-              " element " + std::to_string(offset / static_cast<uint64_t>(std::max(1, range.element_bytes))) +
-              " (byte " + std::to_string(offset) + ") is written by " + describe_thread(t) + " of block " +
-              coords(shadow().block->linear_block) + " at " + inst.describe_site(site) + " and by " +
-              describe_thread(ref_of(static_cast<uint16_t>(seen & 1023u))) + " of block " + coords(other_block) +
-              " at " + inst.describe_site(written->site[offset].load(std::memory_order_relaxed)) +
-              "; blocks run in no defined order: use an atomic, or give each element one block");
+    report_global_write(context(), t, range, offset, site, seen, written->site[offset].load(std::memory_order_relaxed));
   }
 }
 

@@ -17,6 +17,8 @@
 //   instrument.cpp       the hooks an instrumented kernel module calls on every
 //                        load and store (ThreadSanitizer's ABI, no libtsan)
 //   racecheck.cpp        shadow state of shared memory: hazards between threads
+//   happens_before.cpp   racecheck's vector clocks and the sync objects' clocks
+//   race_report.cpp      racecheck's messages
 //   counters.cpp         memory traffic, bank conflicts and op counts
 //
 // They are built into one shared library (compiled with
@@ -329,6 +331,24 @@ void cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode 
 void global_access(const ThreadRef& thread, const void* address, std::size_t bytes, bool write, bool atomic,
                    SiteCode site);
 SiteCode runtime_site(Site site);
+// Racecheck's happens-before edges from the sync twins and the asynchronous copies
+// (no-ops unless race-checking): the running thread releases into an mbarrier's
+// current phase (arrive, complete_tx); a phase completes; a thread acquires the last
+// completed phase (a wait that saw it complete); a named barrier's arrival and
+// completion (the threads of `waiting`, per warp, were in bar.sync); fence.proxy.async.
+void mbarrier_released(const void* bar);
+void mbarrier_phase_completed(const void* bar);
+void mbarrier_acquired(const void* bar, unsigned thread);
+void named_barrier_arrived(unsigned id);
+void named_barrier_completed(unsigned id, const unsigned* waiting);
+void proxy_fence_ran();
+// A TMA load's issue (its destination is pending) and its landing (just before its
+// complete_tx); a TMA store's or bulk reduction's read of its shared source, at issue
+// and at the bulk wait that retires it.
+void tma_load_issued(void* destination, std::size_t bytes, const void* bar, Site site);
+void tma_load_landed(const void* destination, const void* bar);
+void async_read_issued(const void* source, std::size_t bytes, Site site);
+void async_read_retired(const void* source, std::size_t bytes, Site site);
 // The site of a runtime op called from the kernel module at return address `pc` (so a
 // report can name the .cu line through the inlined wrappers), else `fallback`.
 SiteCode call_site(const void* pc, Site fallback);
@@ -348,6 +368,17 @@ bool race_shared_access(const ThreadRef& thread, const void* address, std::size_
 void race_cp_async_issued(const ThreadRef& thread, const void* destination, SiteCode site);
 void race_cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode site);
 void race_global_write(const ThreadRef& thread, int tensor, uintptr_t address, std::size_t bytes, SiteCode site);
+void race_mbarrier_release(const void* bar, unsigned thread);
+void race_mbarrier_phase_completed(const void* bar);
+void race_mbarrier_acquire(const void* bar, unsigned thread);
+void race_named_release(unsigned id, unsigned thread);
+void race_named_completed(unsigned id, const unsigned* waiting);
+void race_proxy_fence(unsigned thread);
+void race_tma_load_issued(const ThreadRef& thread, void* destination, std::size_t bytes, const void* bar,
+                          SiteCode site);
+void race_tma_load_landed(const void* destination, const void* bar);
+void race_async_read_issued(const ThreadRef& thread, const void* source, std::size_t bytes, SiteCode site);
+void race_async_read_retired(const ThreadRef& thread, const void* source, std::size_t bytes, SiteCode site);
 // counters.cpp (called by instrument.cpp)
 void counters_block_start(BlockRun& block);
 void counters_flush(BlockRun& block);      // at barriers and at the block's end

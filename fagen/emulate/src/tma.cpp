@@ -74,6 +74,7 @@ void land(const InFlightLoad& load) {
                     "the load was in flight", static_cast<void*>(load.destination), load.thread);
   }
   copy_box_in(load.destination, load.map, load.shape, load.coords, load.site);
+  tma_load_landed(load.destination, load.bar);
   mbarrier_complete_tx(load.bar, static_cast<uint32_t>(load.shape.bytes), load.site);
 }
 
@@ -117,6 +118,7 @@ void issue(BulkOperation operation, std::size_t bytes) {
   ThreadBulk& mine = my_bulk();
   operation.group = mine.committed;
   operation.issued.assign(operation.source, operation.source + bytes);
+  async_read_issued(operation.source, bytes, operation.site);
   mine.operations.push_back(std::move(operation));
 }
 
@@ -130,6 +132,7 @@ void tma_load(void* shared_dst, const EmulatedTensorMap* map, int rank, const in
   InFlightLoad load{bar, static_cast<unsigned char*>(shared_dst), *map, shape, {}, me(), site};
   std::copy(coords, coords + rank, load.coords);
   std::memset(shared_dst, kGarbageByte, shape.bytes);  // nothing has landed yet
+  tma_load_issued(shared_dst, shape.bytes, bar, site);
   loads.push_back(load);
   if (mbarrier_waits_for_tx_only(bar)) tma_land_loads(bar);
 }
@@ -178,6 +181,7 @@ void bulk_wait_group(int pending_groups, Site site) {
   for (BulkOperation& operation : mine.operations) {
     if (operation.group < first_kept) {
       complete(operation);
+      async_read_retired(operation.source, operation.issued.size(), site);
     } else {
       remaining.push_back(std::move(operation));
     }

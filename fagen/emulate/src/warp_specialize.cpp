@@ -19,7 +19,7 @@
 //
 // fence.proxy.async: orders the generic proxy's shared-memory accesses against
 // the async proxy's (TMA, wgmma operands). The twin records the fence (counted
-// per launch); racecheck will order async-proxy accesses by it.
+// per launch); racecheck orders async-proxy reads after generic writes by it.
 #include "runtime_internal.h"
 
 namespace fagen_emu {
@@ -108,6 +108,7 @@ void setmaxnreg_dec(unsigned registers, Site site) { setmaxnreg(kSetmaxnregDec, 
 
 void fence_proxy_async(Site) {
   count_proxy_fence();
+  proxy_fence_ran();
 }
 
 }  // namespace fagen_emu

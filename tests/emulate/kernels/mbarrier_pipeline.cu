@@ -15,7 +15,8 @@
 // 1 consumers wait with the flipped parity; 2 a consumer warp releases its stage
 // before reading it; 3 expect_tx announces 16 bytes too many; 4 empty[s] expects
 // one arrival too many; 5 one too few; 6 no fence.mbarrier_init; 7 the producer
-// delivers the bytes (complete_tx) before writing them.
+// delivers the bytes (complete_tx) before writing them; 8 the producer refills a stage
+// without waiting on its empty barrier.
 #include <fagen/prelude.cuh>
 #include <fagen/elect.cuh>
 #include <fagen/mbarrier.cuh>
@@ -33,7 +34,7 @@ __device__ void produce(const float* x, float* ring, uint64_t* full, uint64_t* e
   for (int i = 0; i < tiles; ++i) {
     const int s = i % kStages;
     const uint32_t round = static_cast<uint32_t>(i / kStages);
-    fagen::mbarrier_wait_parity(&empty[s], (round & 1) ^ 1);
+    if (bug != 8) fagen::mbarrier_wait_parity(&empty[s], (round & 1) ^ 1);
     if (fagen::elect_one_sync()) {
       fagen::mbarrier_arrive_expect_tx(&full[s], kTileBytes + (bug == 3 ? 16 : 0));
       if (bug == 7) fagen::mbarrier_complete_tx(&full[s], kTileBytes);

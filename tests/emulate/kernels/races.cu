@@ -6,6 +6,7 @@
 #include <fagen/prelude.cuh>
 #include <fagen/cp_async.cuh>
 #include <fagen/ldmatrix.cuh>
+#include <fagen/named_barrier.cuh>
 
 // A two-stage pipeline in miniature: every warp reads a shared tile, then
 // warp 0 refills it for the next step. Without the barrier between the reads
@@ -75,3 +76,23 @@ extern "C" __global__ void strided_load(const float* x, float* y, int stride) {
   y[lane] = x[lane * stride];
 }
 FAGEN_EXPORT(strided_load)
+
+// 64 threads: warp 0 writes a tile and arrives at named barrier 1 (bar.arrive); warp 1 reads
+// it after bar.sync (correct) or after bar.arrive, which acquires nothing (a race).
+extern "C" __global__ void named_handoff(const float* x, float* y, int correct) {
+  __shared__ float tile[32];
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x < 32) {
+    tile[lane] = x[lane];
+    fagen::named_barrier_arrive(1, 64);
+    __syncwarp();  // the lanes arrive before any exits (the twin counts a warp by its live lanes)
+  } else {
+    if (correct) {
+      fagen::named_barrier_sync(1, 64);
+    } else {
+      fagen::named_barrier_arrive(1, 64);
+    }
+    y[lane] = tile[31 - lane];
+  }
+}
+FAGEN_EXPORT(named_handoff)

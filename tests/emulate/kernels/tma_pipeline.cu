@@ -11,7 +11,9 @@
 // `bug` plants one fault (tests/emulate/test_emulate_tma.py): 0 none; 1 consumers wait with the
 // flipped parity; 2 a consumer warp releases its stage before reading it; 3 expect_tx announces 16
 // bytes too few; 4 the output tile is rewritten before the store's wait_group.read; 5 no bulk wait
-// before the block exits; 6 the store's coordinates swap rows and columns.
+// before the block exits; 6 the store's coordinates swap rows and columns; 7 no fence.proxy.async
+// between the consumers' writes of the output tile and the store; 8 no named barrier between them
+// and the thread that stores it; 9 the producer refills a stage without waiting on its empty barrier.
 #include <fagen/prelude.cuh>
 #include <fagen/elect.cuh>
 #include <fagen/mbarrier.cuh>
@@ -40,7 +42,7 @@ __device__ void produce(const fagen::TensorMap& x_map, unsigned char* smem, uint
   for (int i = 0; i < tiles; ++i) {
     const int s = i % kStages;
     const uint32_t round = static_cast<uint32_t>(i / kStages);
-    fagen::mbarrier_wait_parity(&empty[s], (round & 1) ^ 1);
+    if (bug != 9) fagen::mbarrier_wait_parity(&empty[s], (round & 1) ^ 1);
     if (fagen::elect_one_sync()) {
       fagen::mbarrier_arrive_expect_tx(&full[s], kTileBytes - (bug == 3 ? 16 : 0));
       const int coords[2] = {0, (first + i) * kRows};
@@ -71,8 +73,8 @@ __device__ void consume(const fagen::TensorMap& y_map, unsigned char* smem, floa
     }
     __syncwarp();
     if (bug != 2 && fagen::elect_one_sync()) fagen::mbarrier_arrive(&empty[s]);
-    fagen::fence_proxy_async_shared();  // the generic-proxy writes of `out`, before the async proxy reads it
-    fagen::named_barrier_sync(1, kConsumers);
+    if (bug != 7) fagen::fence_proxy_async_shared();  // the generic-proxy writes of `out`, before the async proxy
+    if (bug != 8) fagen::named_barrier_sync(1, kConsumers);   // reads it; then to the storing thread
     if (t == 0) {
       const int coords[2] = {0, (first + i) * kRows};
       const int swapped[2] = {(first + i) * kRows, 0};

@@ -7,7 +7,7 @@
 //   ids 0-15, count a nonzero multiple of 32; a warp counts once all its live
 //   lanes arrived; the barrier completes at `count` threads; bar.sync 0 with the
 //   whole block is __syncthreads. Mismatched counts, too many warps and a barrier
-//   that never completes are faults. Racecheck does not order threads by them yet.
+//   that never completes are faults. Racecheck orders threads by them (happens-before).
 // - elect.sync: warp-collective over the mask; one lane is elected, the same for
 //   the same mask every time (the ISA's rule); the twin picks the lowest lane.
 // - setmaxnreg.{inc,dec}.sync.aligned.u32 N: all live threads of the warpgroup
