@@ -88,3 +88,15 @@ def test_random_schedule_seeds(monkeypatch, seed):
 @pytest.mark.parametrize("mutant", list(case.MUTANTS))
 def test_a_planted_bug_is_caught(mutant):
     assert case.catching_schedules(mutant), f"{mutant}: no schedule caught it"
+
+
+@pytest.mark.parametrize("schedule", ["forward", "producer-first"])
+def test_racecheck_finds_no_hazard(monkeypatch, schedule):
+    """Happens-before racecheck over the mbarrier phases, named barriers and TMA's async agents:
+    the producer/consumer hand-offs order every shared-memory access (a RaceError would fail)."""
+    from fagen.emulate import load_module
+
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    kernel = load_module(case.KERNEL.read_text(), racecheck=True).get_function("hopper_forward_bf16")
+    q, k, v = case.inputs(1, 200, 300, 2, "bf16")
+    case.check(q, k, v, *case.launch(kernel, q, k, v, "emulated_bytes"))
