@@ -87,5 +87,20 @@ def test_racecheck_sees_the_wgmma_read_the_copy_races_with():
     np.testing.assert_array_equal(results[0], expected[0])
     issue = line_of("fagen::wgmma_ss<kN, false>(d, descriptor(base, p), desc")
     copy = line_of("tile[i] = image[i];")
-    with pytest.raises(RaceError, match=rf"thread 0 .* reads it at \w+\.cu:{issue} .* wrote it at \w+\.cu:{copy} "):
+    with pytest.raises(RaceError, match=rf"thread 0 .* async-proxy read of it .* at \w+\.cu:{issue} .* wrote it at "
+                                        rf"\w+\.cu:{copy} "):
         launch(checked, 7)
+
+
+def test_racecheck_wants_a_proxy_fence_between_the_copy_and_the_wgmma():
+    """The threads' copy into the operand tile is a generic-proxy write; the wgmma reads through
+    the async proxy: without fence.proxy.async after the copy the GPU may read stale bytes, which
+    the emulator, reading the bytes as they are, would not show. Racecheck reports it."""
+    checked = load_module(SOURCE, racecheck=True).get_function("wgmma_pipeline")
+    issue = line_of("fagen::wgmma_ss<kN, false>(d, descriptor(base, p), desc")
+    with pytest.raises(RaceError, match=rf"missing fence.proxy.async hazard .* at \w+\.cu:{issue} .* no "
+                                        r"fence.proxy.async after the write"):
+        launch(checked, 10)
+    results, expected = launch(load_module(SOURCE).get_function("wgmma_pipeline"), 10)   # the control: data right
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(got, want)

@@ -4,7 +4,6 @@ its planted bugs, shared by tests/emulate/test_emulate_mbarrier.py and the mutat
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +15,8 @@ from twin_mutants import SCHEDULES, PlantedBug
 KERNEL = Path(__file__).parents[1] / "emulate" / "kernels" / "mbarrier_pipeline.cu"
 
 
-@functools.lru_cache(maxsize=1)
 def pipeline():
+    """The kernel, loaded as FAGEN_EMULATE_RACECHECK says (load_module keeps each build loaded)."""
     return load_module(KERNEL.read_text()).get_function("mbarrier_pipeline")
 
 

@@ -4,7 +4,6 @@ twin and the hardware run the same kernel on the same inputs against the same ex
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +35,8 @@ def expected(x: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     return 2 * x.cpu(), padded.view(-1, ROWS * COLS // 128, 128).sum(dim=(0, 1))
 
 
-@functools.lru_cache(maxsize=1)
 def pipeline():
+    """The kernel, loaded as FAGEN_EMULATE_RACECHECK says (load_module keeps each build loaded)."""
     return load_module(KERNEL.read_text()).get_function("tma_pipeline")
 
 
@@ -67,4 +66,6 @@ PLANTED = [
     PlantedBug("TMA pipeline", "no bulk wait before the block exits", 5, SCHEDULES,
                r"exited with a bulk operation issued at .* still reading"),
     PlantedBug("TMA pipeline", "the store's coordinates swap rows and columns", 6, ("forward",)),
+    PlantedBug("TMA pipeline", "no fence.proxy.async before the output tile's TMA store", 7, ("forward", "reverse"),
+               "missing fence.proxy.async", racecheck=True),
 ]

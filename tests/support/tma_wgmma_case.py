@@ -4,7 +4,6 @@ GPU's twin test (tests/gpu/test_gpu_tma_wgmma.py) and the mutation score (twin_m
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,8 @@ def maps(a: torch.Tensor, b: torch.Tensor, encode: str) -> list[bytes]:
     return [getattr(spec, encode)(t) for spec, t in zip(specs, (a, b))]
 
 
-@functools.lru_cache(maxsize=1)
 def kernel():
+    """The kernel, loaded as FAGEN_EMULATE_RACECHECK says (load_module keeps each build loaded)."""
     return load_module(KERNEL.read_text()).get_function("tma_wgmma")
 
 

@@ -26,6 +26,7 @@ class PlantedBug:
     bug: int                     # what the kernel's `bug` argument plants
     schedules: tuple[str, ...]   # each must catch it
     fault: str | None = None     # a regex its fault must match; None: wrong data or any fault
+    racecheck: bool = False      # run under racecheck (an ordering bug the data cannot show)
 
     @property
     def label(self) -> str:
@@ -34,11 +35,13 @@ class PlantedBug:
 
 def verdict(planted: PlantedBug, outputs_correct: Callable[[int], bool]) -> str | None:
     """None when every schedule of `planted` catches it, else why not. `outputs_correct(bug)` runs
-    the micro-kernel with the bug planted and says whether its outputs came out right (it raises
-    EmulationError on a fault). The random schedule runs with its default seed, 0, so that a
+    the micro-kernel with the bug planted (loading it as FAGEN_EMULATE_RACECHECK says, which this
+    sets) and says whether its outputs came out right (it raises EmulationError on a fault). The random schedule runs with its default seed, 0, so that a
     verdict is reproducible."""
     for schedule in planted.schedules:
-        with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0"}):
+        environment = {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0",
+                       "FAGEN_EMULATE_RACECHECK": "1" if planted.racecheck else ""}
+        with mock.patch.dict(os.environ, environment):
             try:
                 correct = outputs_correct(planted.bug)
             except EmulationError as error:

@@ -4,7 +4,6 @@ launch and results in matrix form, and the planted bugs that count in the mutati
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +47,8 @@ def launch(pipeline, bug: int, seed: int = 0):
     return results, (d1, a1 @ b1.T, 2 * d1 + a0 @ b0.T)
 
 
-@functools.lru_cache(maxsize=1)
 def kernel():
+    """The kernel, loaded as FAGEN_EMULATE_RACECHECK says (load_module keeps each build loaded)."""
     return load_module(SOURCE).get_function("wgmma_pipeline")
 
 
@@ -68,4 +67,6 @@ PLANTED = [
     PlantedBug("wgmma pipeline", "one warp skips the wgmma", 5, SCHEDULES, "warpgroup"),
     PlantedBug("wgmma pipeline", "one thread passes another B descriptor", 8, SCHEDULES,
                "must agree across the warpgroup"),
+    PlantedBug("wgmma pipeline", "no fence.proxy.async between the threads' copy and the wgmmas", 10,
+               ("forward", "warp-serial"), "missing fence.proxy.async", racecheck=True),
 ]

@@ -220,6 +220,15 @@ void async_read_issued(const void* source, std::size_t bytes, Site site) {
   if (racechecking()) race_async_read_issued(thread_ref(*current_fiber), source, bytes, hook.inst->runtime_site(site));
 }
 
+void async_operand_read(const ThreadRef& thread, const void* source, std::size_t bytes, bool retired, SiteCode site) {
+  if (!racechecking()) return;
+  if (retired) {
+    race_async_read_retired(thread, source, bytes, site);
+  } else {
+    race_async_read_issued(thread, source, bytes, site);
+  }
+}
+
 void async_read_retired(const void* source, std::size_t bytes, Site site) {
   if (racechecking())
     race_async_read_retired(thread_ref(*current_fiber), source, bytes, hook.inst->runtime_site(site));

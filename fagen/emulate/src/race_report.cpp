@@ -29,7 +29,7 @@ std::string site_of(const RaceContext& context, SiteCode site) {
 }
 
 std::string describe_now(const RaceContext& context, const Access& now) {
-  const char* verb = now.async_read ? " issues an async-proxy read of it (TMA store or bulk reduction) at "
+  const char* verb = now.async_read ? " issues an async-proxy read of it (a TMA store, bulk reduction or wgmma operand) at "
                                     : now.write ? " writes it at " : " reads it at ";
   return describe_thread(now.thread) + verb + site_of(context, now.site);
 }

@@ -349,6 +349,9 @@ void tma_load_issued(void* destination, std::size_t bytes, const void* bar, Site
 void tma_load_landed(const void* destination, const void* bar);
 void async_read_issued(const void* source, std::size_t bytes, Site site);
 void async_read_retired(const void* source, std::size_t bytes, Site site);
+// The same for an operand the async proxy reads on a thread's behalf (wgmma: the warpgroup's
+// thread 0), at issue or, `retired`, at the wait that retires it.
+void async_operand_read(const ThreadRef& thread, const void* source, std::size_t bytes, bool retired, SiteCode site);
 // The site of a runtime op called from the kernel module at return address `pc` (so a
 // report can name the .cu line through the inlined wrappers), else `fallback`.
 SiteCode call_site(const void* pc, Site fallback);

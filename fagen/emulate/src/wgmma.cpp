@@ -89,13 +89,14 @@ namespace {
 // same site), so that racecheck can name the .cu line.
 __thread const void* wgmma_caller = nullptr;
 
-// Racecheck: the wgmma reads its operands on behalf of its warpgroup, attributed to the
-// warpgroup's thread 0, at issue and again at the retiring wait. A thread's write to an operand
-// tile must be ordered before the issue by a barrier (on the GPU also by fence.proxy.async),
-// and a write after it must wait for a barrier after the retiring wait.
-void operand_read(unsigned group, const unsigned char* byte, int bytes, SiteCode site) {
+// Racecheck: the wgmma reads its operands through the async proxy on behalf of its warpgroup,
+// attributed to the warpgroup's thread 0, from issue until the retiring wait. A thread's write to
+// an operand tile must happen before the issue and be followed, in the writer, by
+// fence.proxy.async (a TMA load's bytes, written by the async proxy, need no fence); a write
+// before the retiring wait is a hazard.
+void operand_read(unsigned group, const unsigned char* byte, int bytes, SiteCode site, bool retired) {
   const Fiber& reader = current_fiber->block->fibers[128 * group];
-  shared_access(thread_ref(reader), byte, static_cast<std::size_t>(bytes), /*write=*/false, site);
+  async_operand_read(thread_ref(reader), byte, static_cast<std::size_t>(bytes), retired, site);
 }
 
 WgmmaState& wgmma_state(const WarpgroupRendezvous& w) {
@@ -185,7 +186,7 @@ Tile read_tile(uint64_t desc, bool mn_major, int rows, WgmmaInput type, const ch
       }
       const unsigned char* byte = dynamic_shared_base() + (address - kDynamicSharedWindowBase);
       tile.where[static_cast<std::size_t>(mn) * depth + k] = byte;
-      if (instrumented) operand_read(group, byte, bytes, code);
+      if (instrumented) operand_read(group, byte, bytes, code, /*retired=*/false);
       std::memcpy(&tile.bits[static_cast<std::size_t>(mn) * depth + k], byte, static_cast<std::size_t>(bytes));
     }
   }
@@ -207,7 +208,7 @@ void reread_tile(Tile& tile, const char* name, const InFlight& op, unsigned grou
            tile.bits[i], now);
     }
     tile.bits[i] = now;
-    if (instrumented) operand_read(group, tile.where[i], tile.bytes, code);
+    if (instrumented) operand_read(group, tile.where[i], tile.bytes, code, /*retired=*/true);
   }
 }
 

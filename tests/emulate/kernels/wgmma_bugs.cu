@@ -7,8 +7,10 @@
 //   5 one warp skips the wgmma; 6 lanes 1-31 of each warp wait in __syncwarp for lane 0, which
 //   waits in wgmma.fence for them (a deadlock); 7 no barrier between the threads' copy into the
 //   tile and the wgmmas that read it (a race); 8 thread 5 passes another B descriptor; 9 the A
-//   descriptor has base offset 1 (not modelled).
+//   descriptor has base offset 1 (not modelled); 10 no fence.proxy.async between the threads'
+//   copy (generic proxy) and the wgmmas (async proxy) that read it.
 #include <fagen/prelude.cuh>
+#include <fagen/proxy_fence.cuh>
 #include <fagen/wgmma.cuh>
 
 constexpr int kN = 16;
@@ -27,6 +29,7 @@ extern "C" __global__ void wgmma_pipeline(const unsigned char* image, int image_
   unsigned char* tile = smem + (1024 - window % 1024) % 1024;
   const uint32_t base = fagen::shared_window_address(tile);
   for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) tile[i] = image[i];
+  if (bug != 10) fagen::fence_proxy_async_shared();   // the copy, made visible to the async proxy
   if (bug != 7) __syncthreads();
   const int t = threadIdx.x;
   float d[kN / 2], e[kN / 2];
