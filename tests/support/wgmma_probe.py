@@ -48,6 +48,7 @@ __device__ void probe(const unsigned char* image, int image_bytes, const int* p,
   unsigned char* tile = smem + (1024 - window % 1024) % 1024;
   const uint32_t base = fagen::shared_window_address(tile);
   for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) tile[i] = image[i];
+  fagen::fence_proxy_async_shared();   // the generic-proxy copy, visible to the wgmma's async proxy
   __syncthreads();
   float d[N / 2];
   for (int i = 0; i < N / 2; ++i) d[i] = c_in[threadIdx.x * (N / 2) + i];
@@ -88,7 +89,7 @@ struct Narrow {  // 8-bit inputs
 
 
 def probe_source() -> str:
-    lines = ["#include <fagen/prelude.cuh>", "#include <fagen/wgmma.cuh>", PROBE]
+    lines = ["#include <fagen/prelude.cuh>", "#include <fagen/proxy_fence.cuh>", "#include <fagen/wgmma.cuh>", PROBE]
     kernels = []
     for n, bf16, regs, ta, tb, *negate in PROBES + NEGATED:
         scales = {"a": ", -1, 1", "b": ", 1, -1"}[negate[0]] if negate else ""
