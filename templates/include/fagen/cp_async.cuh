@@ -26,7 +26,7 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 #ifdef FAGEN_EMULATE
   ::fagen_emu::cp_async_16(smem_dst, gmem_src, src_bytes, FAGEN_CALL_SITE);
 #else
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const uint32_t dst = shared_address(smem_dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
                : "memory");
 #endif

@@ -23,12 +23,6 @@
 
 namespace fagen {
 
-#ifndef FAGEN_EMULATE
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-#endif
-
 // A lane's row address as the loads below take it: a 32-bit offset in the shared window
 // on the GPU (a host pointer in the emulator), plus a byte offset. Computing a lane's
 // address once per tile and stepping it by compile-time byte offsets lets ptxas fold

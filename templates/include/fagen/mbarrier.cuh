@@ -28,17 +28,11 @@
 
 namespace fagen {
 
-#ifndef FAGEN_EMULATE
-__device__ __forceinline__ uint32_t barrier_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-#endif
-
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count FAGEN_CALL_SITE_PARAMS) {
 #ifdef FAGEN_EMULATE
   ::fagen_emu::mbarrier_init(bar, count, FAGEN_CALL_SITE);
 #else
-  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(barrier_address(bar)), "r"(count) : "memory");
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(count) : "memory");
 #endif
 }
 
@@ -56,7 +50,7 @@ __device__ __forceinline__ uint64_t mbarrier_arrive(uint64_t* bar FAGEN_CALL_SIT
   return ::fagen_emu::mbarrier_arrive(bar, FAGEN_CALL_SITE);
 #else
   uint64_t state;
-  asm volatile("mbarrier.arrive.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(barrier_address(bar)) : "memory");
+  asm volatile("mbarrier.arrive.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(shared_address(bar)) : "memory");
   return state;
 #endif
 }
@@ -67,7 +61,7 @@ __device__ __forceinline__ uint64_t mbarrier_arrive_expect_tx(uint64_t* bar, uin
 #else
   uint64_t state;
   asm volatile("mbarrier.arrive.expect_tx.shared.b64 %0, [%1], %2;\n"
-               : "=l"(state) : "r"(barrier_address(bar)), "r"(tx_bytes) : "memory");
+               : "=l"(state) : "r"(shared_address(bar)), "r"(tx_bytes) : "memory");
   return state;
 #endif
 }
@@ -77,7 +71,7 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t tx_by
   ::fagen_emu::mbarrier_expect_tx(bar, tx_bytes, FAGEN_CALL_SITE);
 #else
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
-               ::"r"(barrier_address(bar)), "r"(tx_bytes) : "memory");
+               ::"r"(shared_address(bar)), "r"(tx_bytes) : "memory");
 #endif
 }
 
@@ -87,7 +81,7 @@ __device__ __forceinline__ void mbarrier_complete_tx(uint64_t* bar, uint32_t tx_
   ::fagen_emu::mbarrier_complete_tx(bar, tx_bytes, FAGEN_CALL_SITE);
 #else
   asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
-               ::"r"(barrier_address(bar)), "r"(tx_bytes) : "memory");
+               ::"r"(shared_address(bar)), "r"(tx_bytes) : "memory");
 #endif
 }
 
@@ -104,7 +98,7 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t
       "mbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n"
       "selp.u32 %0, 1, 0, p;\n"
       "}\n"
-      : "=r"(done) : "r"(barrier_address(bar)), "r"(parity) : "memory");
+      : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
   return done != 0;
 #endif
 }

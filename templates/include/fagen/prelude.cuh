@@ -39,3 +39,13 @@ typedef unsigned long long uint64_t;
 #else
 #include <cstdint>
 #endif
+
+#ifndef FAGEN_EMULATE
+namespace fagen {
+// A pointer into shared memory as the 32-bit shared-window address that PTX's .shared operands
+// take (ldmatrix, stmatrix, cp.async, mbarrier, TMA). The emulator's wrappers pass pointers.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+}  // namespace fagen
+#endif

@@ -38,7 +38,7 @@ __device__ __forceinline__ uint32_t shared_window_address(const void* p FAGEN_CA
 #ifdef FAGEN_EMULATE
   return ::fagen_emu::shared_window_address(p, FAGEN_CALL_SITE);
 #else
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return shared_address(p);
 #endif
 }
 

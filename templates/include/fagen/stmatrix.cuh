@@ -21,17 +21,11 @@
 
 namespace fagen {
 
-#ifndef FAGEN_EMULATE
-__device__ __forceinline__ uint32_t stmatrix_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-#endif
-
 __device__ __forceinline__ void stmatrix_x1(void* row, const uint32_t regs[1] FAGEN_CALL_SITE_PARAMS) {
 #ifdef FAGEN_EMULATE
   ::fagen_emu::stmatrix(1, false, regs, row, FAGEN_CALL_SITE);
 #else
-  asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n" ::"r"(stmatrix_address(row)), "r"(regs[0])
+  asm volatile("stmatrix.sync.aligned.m8n8.x1.shared.b16 [%0], {%1};\n" ::"r"(shared_address(row)), "r"(regs[0])
                : "memory");
 #endif
 }
@@ -40,7 +34,7 @@ __device__ __forceinline__ void stmatrix_x2(void* row, const uint32_t regs[2] FA
 #ifdef FAGEN_EMULATE
   ::fagen_emu::stmatrix(2, false, regs, row, FAGEN_CALL_SITE);
 #else
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(stmatrix_address(row)),
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" ::"r"(shared_address(row)),
                "r"(regs[0]), "r"(regs[1]) : "memory");
 #endif
 }
@@ -49,7 +43,7 @@ __device__ __forceinline__ void stmatrix_x4(void* row, const uint32_t regs[4] FA
 #ifdef FAGEN_EMULATE
   ::fagen_emu::stmatrix(4, false, regs, row, FAGEN_CALL_SITE);
 #else
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(stmatrix_address(row)),
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(row)),
                "r"(regs[0]), "r"(regs[1]), "r"(regs[2]), "r"(regs[3]) : "memory");
 #endif
 }
@@ -59,7 +53,7 @@ __device__ __forceinline__ void stmatrix_x4_trans(void* row, const uint32_t regs
   ::fagen_emu::stmatrix(4, true, regs, row, FAGEN_CALL_SITE);
 #else
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
-               ::"r"(stmatrix_address(row)), "r"(regs[0]), "r"(regs[1]), "r"(regs[2]), "r"(regs[3]) : "memory");
+               ::"r"(shared_address(row)), "r"(regs[0]), "r"(regs[1]), "r"(regs[2]), "r"(regs[3]) : "memory");
 #endif
 }
 

@@ -31,12 +31,6 @@
 
 namespace fagen {
 
-#ifndef FAGEN_EMULATE
-__device__ __forceinline__ uint32_t tma_shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-#endif
-
 template <int kRank>
 __device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, const int (&coords)[kRank],
                                          uint64_t* bar FAGEN_CALL_SITE_PARAMS) {
@@ -45,7 +39,7 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, const 
   ::fagen_emu::tma_load(dst, &map, kRank, coords, bar, FAGEN_CALL_SITE);
 #else
   const uint64_t m = reinterpret_cast<uint64_t>(&map);
-  const uint32_t d = tma_shared_address(dst), b = tma_shared_address(bar);
+  const uint32_t d = shared_address(dst), b = shared_address(bar);
   if constexpr (kRank == 1) {
     asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2}], [%3];\n" ::"r"(d), "l"(m), "r"(coords[0]), "r"(b) : "memory");
@@ -77,7 +71,7 @@ __device__ __forceinline__ void tma_store(const TensorMap& map, const int (&coor
   ::fagen_emu::tma_store(&map, kRank, coords, src, FAGEN_CALL_SITE);
 #else
   const uint64_t m = reinterpret_cast<uint64_t>(&map);
-  const uint32_t s = tma_shared_address(src);
+  const uint32_t s = shared_address(src);
   if constexpr (kRank == 1) {
     asm volatile("cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%2}], [%1];\n"
                  ::"l"(m), "r"(s), "r"(coords[0]) : "memory");
@@ -105,7 +99,7 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
   ::fagen_emu::bulk_reduce_add_f32(dst, src, bytes, FAGEN_CALL_SITE);
 #else
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(dst), "r"(tma_shared_address(src)), "r"(bytes) : "memory");
+               ::"l"(dst), "r"(shared_address(src)), "r"(bytes) : "memory");
 #endif
 }
 
