@@ -129,6 +129,17 @@ def test_elect_sync_elects_one_lane_of_the_mask(module, mask):
     assert elected == {ELECTED[mask]}
 
 
+def test_lanes_that_arrive_and_exit_still_count(module):
+    """bar.arrive counts a warp as a whole: its lanes may exit after arriving, before the rest of the
+    warp arrives, and the barrier still completes, under every schedule."""
+    for schedule in SCHEDULES:
+        out = torch.zeros(32, dtype=torch.int32)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+            module.get_function("arrive_then_exit")((1,), (64,), (out,))
+        assert (out == 1).all(), schedule
+
+
 # -- setmaxnreg -------------------------------------------------------------------------------
 
 # PTX ISA, "setmaxnreg": imm-reg-count must be in the range 24 to 256 (inclusive) and a

@@ -108,7 +108,10 @@ void arrive(const char* op, unsigned id, unsigned count, bool wait, Site site) {
   b.lanes[warp] |= bit;
   named_barrier_arrived(id);
   if (wait) b.waiting[warp] |= bit;
-  if (b.lanes[warp] == block.live_lanes[warp] && (b.warps_done += 1) * 32 == count) {
+  // Lanes that arrived and have since exited still count (a warp arrives as a whole): the warp is
+  // done once every lane still alive has arrived.
+  const unsigned live = block.live_lanes[warp];
+  if ((b.lanes[warp] & live) == live && (b.warps_done += 1) * 32 == count) {
     complete(b);
     return;
   }

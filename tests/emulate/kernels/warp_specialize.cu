@@ -162,3 +162,16 @@ extern "C" __global__ void proxy_fences(int* out) {
   fagen::fence_proxy_async_shared();
 }
 FAGEN_EXPORT(proxy_fences)
+
+// 64 threads: warp 0's lanes each bar.arrive on barrier 1 and exit at once (a producer that
+// hands over and leaves); warp 1 bar.syncs on it, then writes. Lanes that arrived and exited
+// still count for their warp.
+extern "C" __global__ void arrive_then_exit(int* out) {
+  if (threadIdx.x < 32) {
+    fagen::named_barrier_arrive(1, 64);
+    return;
+  }
+  fagen::named_barrier_sync(1, 64);
+  out[threadIdx.x - 32] = 1;
+}
+FAGEN_EXPORT(arrive_then_exit)
