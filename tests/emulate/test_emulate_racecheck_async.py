@@ -7,22 +7,18 @@ race naming both lines."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+import mbarrier_pipeline_case
 import tma_pipeline_case as case
-from fagen.emulate import EmulationError, RaceError, load_module, poison_
-from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
+import twin_mutants
+from fagen.emulate import EmulationError, RaceError, load_module
 
-KERNELS = Path(__file__).parent / "kernels"
-MBARRIER_SOURCE = (KERNELS / "mbarrier_pipeline.cu").read_text()
+MBARRIER_SOURCE = mbarrier_pipeline_case.KERNEL.read_text()
 TMA_SOURCE = case.KERNEL.read_text()
-I32 = np.int32
-SCHEDULES = ["forward", "reverse", "warp-serial", "warp-serial-reverse", "producer-first", "consumer-first",
-             "random"]
+SCHEDULES = list(twin_mutants.SCHEDULES)
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +37,12 @@ def line_of(source: str, text: str) -> int:
 
 def run_mbarrier(kernel, bug: int, tiles: int = 7) -> bool:
     """Whether y came out equal to x. One block: every block of this kernel writes all of y."""
-    x = torch.randn(tiles * 128, generator=torch.Generator().manual_seed(tiles))
-    y = poison_(torch.empty(tiles * 128))
-    kernel((1,), (256,), (x, y, I32(tiles), I32(bug)))
+    y, x = mbarrier_pipeline_case.run(kernel, bug, tiles, blocks=1)
     return torch.equal(y, x)
 
 
 def run_tma(kernel, bug: int, tiles: int = 3) -> bool:
-    x, y, sums = case.inputs(tiles)
-    maps = [TensorMapSpec.of_tensor(t, (case.ROWS, case.COLS), swizzle=Swizzle.B128).emulated_bytes(t.data_ptr())
-            for t in (x, y)]
-    kernel((case.BLOCKS,), (case.THREADS,), (*maps, sums, I32(tiles), I32(bug)), shared_mem=case.SHARED)
-    expected_y, expected_sums = case.expected(x, tiles)
+    y, expected_y, sums, expected_sums = case.run(kernel, bug, tiles)
     return torch.equal(y, expected_y) and torch.equal(sums, expected_sums)
 
 

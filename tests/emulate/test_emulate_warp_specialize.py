@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from fagen.emulate import EmulationError, collect_counters, load_module
+from fagen.emulate import EmulationError, collect_counters, launch_args, load_module
 from nvrtc_ptx import nvrtc_ptx
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCE = (KERNELS / "warp_specialize.cu").read_text()
 I32 = np.int32
-NEW_SCHEDULES = ["producer-first", "consumer-first", "random"]
-SCHEDULES = ["forward", "reverse", "warp-serial", "warp-serial-reverse", *NEW_SCHEDULES]
+SCHEDULES = list(launch_args.SCHEDULES)
+NEW_SCHEDULES = SCHEDULES[SCHEDULES.index("producer-first"):]
 
 
 @pytest.fixture(scope="module")

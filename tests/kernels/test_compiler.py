@@ -24,14 +24,6 @@ ptxas info    : Used 40 registers, 368 bytes cmem[0]
 """
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    compiler.clear_memory_cache()
-    yield tmp_path / "cache"
-    compiler.clear_memory_cache()
-
-
 def test_parse_ptxas_log():
     reports = parse_ptxas_log(PTXAS_LOG, "sm_80")
     alpha, beta = reports["alpha"], reports["beta"]

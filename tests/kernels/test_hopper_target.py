@@ -46,14 +46,6 @@ def wgmma_kernel(in_stage: str = "", before_wait: str = "") -> str:
     return WGMMA_KERNEL.replace("IN_STAGE", in_stage).replace("BEFORE_WAIT", before_wait)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    compiler.clear_memory_cache()
-    yield tmp_path / "cache"
-    compiler.clear_memory_cache()
-
-
 def test_an_mma_sync_spec_compiles_for_sm_90a_apart_from_sm_90(cache):
     source = render(Spec(64, mask="causal"))
     hopper, plain = compile_source(source, "sm_90a"), compile_source(source, "sm_90")

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
-from fagen.emulate import EmulationError
+from fagen.emulate import EmulationError, launch_args
 
-SCHEDULES = ("forward", "reverse", "warp-serial", "warp-serial-reverse", "producer-first", "consumer-first",
-             "random")
+SCHEDULES = tuple(launch_args.SCHEDULES)   # every schedule the emulator has
 
 
 @dataclass(frozen=True)

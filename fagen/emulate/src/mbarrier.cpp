@@ -113,6 +113,10 @@ Mbarrier& use(void* bar, const char* op, Site site) {
   return b;
 }
 
+// The phase waits for transaction bytes alone while a thread blocks on it: the moment the TMA
+// loads in flight on it must land (tma.cpp), or the waiter would wait forever.
+bool waits_for_bytes_only(const Mbarrier& b) { return b.pending == 0 && b.tx != 0 && !b.waiters.empty(); }
+
 // Completes the current phase if nothing is pending: releases its waiters and,
 // under the reordering schedules, lets the scheduler choose who runs next.
 void complete_if_done(const void* bar, Mbarrier& b) {
@@ -154,8 +158,8 @@ uint64_t arrive_on(void* bar, Mbarrier& b, const char* op, Site site) {
   const uint64_t token = b.phase;
   mbarrier_released(bar);
   b.pending -= 1;
-  if (b.pending == 0 && b.tx != 0 && !b.waiters.empty()) tma_land_loads(bar);  // only bytes missing: they land
-  complete_if_done(bar, use(bar, op, site));
+  if (waits_for_bytes_only(b)) tma_land_loads(bar);  // the loads in flight land, then the phase may complete
+  complete_if_done(bar, b);
   return token;
 }
 
@@ -174,10 +178,13 @@ void check_phase_distance(void* bar, const Mbarrier& b, uint32_t parity, Site si
 
 bool phase_done(const Mbarrier& b, uint32_t parity) { return (b.phase & 1) != parity; }
 
+// A thread waits on the phase of `parity`. If no arrival is pending, only transaction bytes are
+// missing: the TMA loads in flight on the barrier land now, the latest a kernel can observe them.
 Mbarrier& waitable(void* bar, uint32_t parity, Site site) {
   if (parity > 1) fail(site, "%s(%u): the phase parity must be 0 or 1", kWaitOp, parity);
   Mbarrier& b = use(bar, kWaitOp, site);
   check_phase_distance(bar, b, parity, site);
+  if (!phase_done(b, parity) && b.pending == 0) tma_land_loads(bar);
   return b;
 }
 
@@ -242,10 +249,6 @@ void mbarrier_complete_tx(void* bar, uint32_t tx_bytes, Site site) {
 
 bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
   Mbarrier* b = &waitable(bar, parity, site);
-  if (!phase_done(*b, parity) && b->pending == 0) {  // a thread waits, only bytes are missing: they land
-    tma_land_loads(bar);
-    b = &use(bar, kWaitOp, site);
-  }
   if (!phase_done(*b, parity)) {
     yield_to_block();  // the try's time limit: others run, and a spin that never ends is a livelock
     b = &use(bar, kWaitOp, site);
@@ -257,12 +260,7 @@ bool mbarrier_try_wait_parity(void* bar, uint32_t parity, Site site) {
 }
 
 void mbarrier_wait_parity(void* bar, uint32_t parity, Site site) {
-  Mbarrier* found = &waitable(bar, parity, site);
-  if (!phase_done(*found, parity) && found->pending == 0) {  // a thread waits, only bytes are missing: they land
-    tma_land_loads(bar);
-    found = &use(bar, kWaitOp, site);
-  }
-  Mbarrier& b = *found;
+  Mbarrier& b = waitable(bar, parity, site);
   if (phase_done(b, parity)) {
     b.seen[me()] = b.phase;
     mbarrier_acquired(bar, me());
@@ -275,8 +273,7 @@ void mbarrier_wait_parity(void* bar, uint32_t parity, Site site) {
 bool mbarrier_waits_for_tx_only(void* bar) {
   const auto found = barriers.find(reinterpret_cast<uintptr_t>(bar));
   if (found == barriers.end()) return false;
-  const Mbarrier& b = found->second;
-  return b.pending == 0 && b.tx != 0 && !b.waiters.empty();
+  return waits_for_bytes_only(found->second);
 }
 
 // -- the block's lifecycle ---------------------------------------------------------------
