@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from .arch_families import ARCH_FAMILIES, SM90_ARCH, sm90_refusal, sm90_tiles
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                     BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles, smaller_kv_cache_tiles)
@@ -139,6 +140,8 @@ class Spec:
     v_from_k     kv_cache only: V's rows are the first head_dim_v columns of K's (absorbed MLA
                  decoding, head_dim=576, head_dim_v=512): the kernels read each cache row once
                  and the append writes it once
+    arch_family  the forward's kernel family (fagen.arch_families): "sm80" (mma.sync, any GPU
+                 from sm_80) or "sm90" (wgmma and TMA, Hopper only); the backward is sm80's
     """
 
     head_dim: int
@@ -166,6 +169,7 @@ class Spec:
     pack_gqa: bool = False
     head_dim_v: int | None = None
     v_from_k: bool = False
+    arch_family: str = "sm80"
 
     def __post_init__(self):
         self._check_head_dim()
@@ -184,6 +188,10 @@ class Spec:
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         self._check_kv_cache()
+        if self.arch_family not in ARCH_FAMILIES:
+            raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
+        if self.arch_family == "sm90" and sm90_refusal(self):
+            raise ValueError(sm90_refusal(self))
         if self.coord_offsets and not self.dropout:
             raise ValueError("coord_offsets shift the dropout mask's coordinates: it needs dropout=True")
         # Unset tile fields take the fallback table's values.
@@ -332,6 +340,10 @@ class Spec:
         """
         allowed = smem_limit(arch) if shared_limit is None else shared_limit
         needed = self.shared_layout.total_bytes
+        if self.arch_family == "sm90":   # wgmma and TMA: arch-specific sm_90a cubins
+            if base_arch(arch) != SM90_ARCH:
+                raise ValueError(f"{self.name} (arch_family='sm90') runs on sm_90 only, not on {arch}")
+            needed = sm90_tiles(self.head_dim).shared_bytes
         if needed > allowed:
             raise ValueError(
                 f"{self.name} needs {needed} bytes of shared memory per block "
@@ -486,6 +498,8 @@ class Spec:
             parts.append("packgqa")
         if self.v_from_k:
             parts.append("vfromk")
+        if self.arch_family != "sm80":
+            parts.append(self.arch_family)
         return "_".join(parts)
 
     @property
@@ -511,6 +525,8 @@ class Spec:
                 del data[flag]
         if data["head_dim_v"] == data["head_dim"]:
             del data["head_dim_v"]
+        if data["arch_family"] == "sm80":
+            del data["arch_family"]
         for field in ("score_mod", "mask_mod", "kv_cache"):
             if data[field] is None:
                 del data[field]
@@ -543,6 +559,7 @@ class Spec:
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
                  "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
+                 "sm90": ("arch_family", "sm90"),
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

@@ -66,7 +66,8 @@ def identity_for(arch: str):
 # (which would hold the do-nothing kernels), the ops' per-shape Source memo (which would hold the
 # recorded arch's tiles for CPU calls) and the decode step's loaded set. Recording swaps in
 # empty ones, so that every call loads its kernels again and nothing recorded outlives it.
-_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.call", "_call_sources"), ("fagen.ops.kvcache", "_loaded"))
+_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.call", "_call_sources"), ("fagen.ops.dense", "_calls"),
+           ("fagen.ops.kvcache", "_loaded"))
 
 
 @contextlib.contextmanager
@@ -82,7 +83,7 @@ def recording(identity, recorded: Recorded):
         recorded.add(source.spec, recorded.label)
         recorded.loads += 1
         idle = {entry.name: _do_nothing for entry in source.entries}
-        return launch.LoadedSource(source, device, idle, pointer=lambda t: t)
+        return launch.LoadedSource(source, device, idle, pointer=lambda t: t, tensor_map=lambda box, t: t)
 
     def lookup(spec, **shape):
         shape.pop("device", None)

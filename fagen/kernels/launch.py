@@ -33,6 +33,7 @@ import torch
 
 from .render import Entry, Source
 from .compile import compile_source, describe_target, nvrtc_target
+from .tensor_map import Swizzle, TensorMapSpec
 from ..emulate import instrumentation
 from ..environment import setting
 from ..emulate.launch_args import RACECHECK_ENV
@@ -108,6 +109,18 @@ class BoundLaunch:
             function(grid, self.block, tuple(args), self.shared_mem)
 
 
+def _driver_map(box: tuple, tensor: torch.Tensor):
+    """A tensor map the driver encodes (cuTensorMapEncodeTiled), as CuPy passes a struct by value:
+    a NumPy structured scalar of its 128 bytes."""
+    data = TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor)
+    return np.frombuffer(bytes(data), dtype=np.dtype([("bytes", np.uint8, (len(data),))]))[0]
+
+
+def _emulated_map(box: tuple, tensor: torch.Tensor):
+    """fagen's own encoding of the same map, which only the emulator's TMA twin reads."""
+    return TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).emulated_bytes(tensor)
+
+
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     """The emulator's tensor argument: the tensor itself (it reads the pointer and the storage)."""
     return tensor
@@ -117,27 +130,32 @@ class LoadedSource:
     """The kernels of one source, loaded for one device."""
 
     def __init__(self, source: Source, device: torch.device, functions: dict[str, KernelFunction],
-                 pointer: Callable[[torch.Tensor], Any]):
+                 pointer: Callable[[torch.Tensor], Any], tensor_map: Callable[[tuple, torch.Tensor], Any]):
         self.source = source
         self.device = device
         self.functions = functions
         self._pointer = pointer
+        self._tensor_map = tensor_map   # (box, tensor) -> the map as this backend passes it
 
-    def _converter(self, kind: str) -> Callable:
-        return self._pointer if kind == "tensor" else _SCALAR_TYPES[kind]
+    def _converter(self, param) -> Callable:
+        if param.kind == "tensor":
+            return self._pointer
+        if param.kind == "tensor_map":
+            return functools.partial(self._tensor_map, param.box)
+        return _SCALAR_TYPES[param.kind]
 
     def bind(self, entry: Entry, grid: tuple, values: dict[str, Any],
              per_call: frozenset[str] = frozenset()) -> BoundLaunch:
         """`entry` over `grid` = (row blocks, heads, batch), in as many launches as gridDim.y
         / .z's limit needs (each told its first head and batch), with every argument taken
         from `values` now except tensors and the names in `per_call`."""
-        slots = [(i, p.name, self._converter(p.kind)) for i, p in enumerate(entry.params)
-                 if p.kind == "tensor" or p.name in per_call]
+        slots = [(i, p.name, self._converter(p)) for i, p in enumerate(entry.params)
+                 if p.kind in ("tensor", "tensor_map") or p.name in per_call]
         live = {i for i, _, _ in slots}
         chunks = []
         for chunk, head_offset, batch_offset in ([] if 0 in grid else grid_chunks(grid)):
             chunk_values = {**values, "head_offset": head_offset, "batch_offset": batch_offset}
-            template = [None if i in live else self._converter(p.kind)(chunk_values[p.name])
+            template = [None if i in live else self._converter(p)(chunk_values[p.name])
                         for i, p in enumerate(entry.params)]
             chunks.append((chunk, template))
         return BoundLaunch(self.functions, entry.name, entry.block, entry.shared_bytes, chunks, slots)
@@ -242,7 +260,8 @@ def _shared_limit_of(index: int) -> int:
 def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
     cupy = _cupy()
     device_arch = arch_of(device)
-    target = nvrtc_target(device_arch)
+    # The sm90 family's wgmma and TMA exist only in the arch-specific target (sm_90a).
+    target = nvrtc_target(device_arch, arch_specific=source.spec.arch_family == "sm90")
     logger.info("loading %s for %s on %s: NVRTC target %s", source.spec.name, device,
                 torch.cuda.get_device_name(device), describe_target(device_arch, target))
     compiled = compile_source(source, target, shared_limit=shared_limit(device))
@@ -251,7 +270,8 @@ def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
         module.load(compiled.cubin)
         functions = {e.name: _CudaFunction(module.get_function(e.name), device.index)
                      for e in source.entries}
-    return LoadedSource(source, device, functions, pointer=lambda t: np.uint64(t.data_ptr()))
+    return LoadedSource(source, device, functions, pointer=lambda t: np.uint64(t.data_ptr()),
+                        tensor_map=_driver_map)
 
 
 # -- CPU (emulator) backend --------------------------------------------------
@@ -289,7 +309,7 @@ def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
     for entry in source.entries:  # counter reports name tensors after the kernel's parameters
         if hasattr(functions[entry.name], "parameter_names"):
             functions[entry.name].parameter_names = [p.name for p in entry.params]
-    return LoadedSource(source, device, functions, pointer=_as_is)
+    return LoadedSource(source, device, functions, pointer=_as_is, tensor_map=_emulated_map)
 
 
 # -- cache -------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..arch_families import BOX_COLUMNS, sm90_tiles
 from ..spec import Spec
 from ..variants.compose import mod_expression
 from ..variants.cuda import variant_code
@@ -22,7 +23,9 @@ class Param:
 
     name: str
     ctype: str
-    kind: str  # "tensor" (a device pointer) or a NumPy scalar type name: "int32", "float32", ...
+    kind: str  # "tensor" (a device pointer), "tensor_map" (a TMA map of a tensor, by value) or a NumPy
+    #            scalar type name: "int32", "float32", ...
+    box: tuple = ()   # a tensor map's box, in the tensor's own dim order (TensorMapSpec.of_tensor)
 
 
 def _strides(*tensors: str) -> list[Param]:
@@ -65,6 +68,17 @@ def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
         params.append(Param("softmax_scale", "float", "float32"))
     params += _dropout(spec) + _variant(spec) + _kv_cache(spec)
     return tuple(params + _debug(spec, debug, "tiles_visited"))
+
+
+def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
+    """The sm90 family's forward (templates/hopper_fwd.cu.j2): q, k and v as TMA tensor maps passed
+    by value, each box one 64-column box of a tile's rows, (1, rows, 1, 64) of (B, N, H, d); O,
+    and L in natural log."""
+    tiles = sm90_tiles(spec.head_dim)
+    maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
+            for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
+    return tuple(maps + [_tensor("out", ELEM_CTYPE[spec.dtype]), _tensor("lse", "float")] + _sizes(spec)
+                 + _strides("o") + [Param("softmax_scale_log2", "float", "float32")])
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

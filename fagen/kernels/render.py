@@ -17,10 +17,12 @@ from pathlib import Path
 
 import jinja2
 
+from ..arch_families import sm90_tiles
 from ..spec import Spec
 from ..variants.cuda import variant_code
 from .params import (ELEM_CTYPE, GRID_OFFSETS, VARLEN_K_ROWS, VARLEN_Q_ROWS, VARLEN_ROW_WORKSPACES, VARLEN_STATS,
-                     Param, backward_params, cache_update_params, combine_params, forward_params, varlen_params)
+                     Param, backward_params, cache_update_params, combine_params, forward_params, sm90_forward_params,
+                     varlen_params)
 
 
 def template_dir() -> Path:
@@ -105,7 +107,7 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
 
-FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2"}
+FORWARD_TEMPLATES = {1: "fwd_v1.cu.j2", 2: "fwd_v2.cu.j2", "sm90": "hopper_fwd.cu.j2"}
 COMBINE_WARPS = 4   # the split-KV combine kernel: one warp per query row
 CACHE_UPDATE_THREADS = 64   # the KV cache update kernel: a head's features, one per thread
 
@@ -136,9 +138,14 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
                        combine=entry("combine", combine_params(spec), 32 * COMBINE_WARPS, COMBINE_WARPS, "q", 0),
                        cache_update=Entry(f"{name}_cache_update", cache_update_params(spec) + GRID_OFFSETS,
                                           CACHE_UPDATE_THREADS, 1, "q", 0))
+    if spec.arch_family == "sm90":   # FlashAttention-3's design: one producer, two consumer warpgroups
+        tiles = sm90_tiles(spec.head_dim)
+        forward = entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes)
+    else:
+        forward = entry("fwd", forward_params(spec, debug), spec.threads,
+                        spec.block_m if spec.version == 2 else None, "q", spec.shared_layout.total_bytes)
     return Entries(
-        forward=entry("fwd", forward_params(spec, debug), spec.threads,
-                      spec.block_m if spec.version == 2 else None, "q", spec.shared_layout.total_bytes),
+        forward=forward,
         bwd_preprocess=entry("bwd_preprocess", params["bwd_preprocess"], 128, bwd.block_m, "q", 0),
         bwd_main=entry("bwd", params["bwd_main"], bwd.threads, bwd.block_n, "k",
                        spec.backward_layout.total_bytes),
@@ -160,7 +167,8 @@ def render(spec: Spec, debug: bool = False) -> Source:
     code = environment().get_template("translation_unit.cu.j2").render(
         spec=spec,
         entries=entries,
-        forward_template=FORWARD_TEMPLATES[spec.version],
+        forward_template=FORWARD_TEMPLATES["sm90" if spec.arch_family == "sm90" else spec.version],
+        sm90=sm90_tiles(spec.head_dim) if spec.arch_family == "sm90" else None,
         layout=spec.shared_layout,
         bwd=spec.backward_tiles,
         bwd_layout=spec.backward_layout,

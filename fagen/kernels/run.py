@@ -69,12 +69,27 @@ def geometry(q, k, varlen):
     return cu_q.shape[0] - 1, max_q, q.shape[1], q.shape[2], max_k, k.shape[1]
 
 
-def packed_sequences(tensors: dict, varlen) -> dict:
-    """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
-    cu_seqlens and the error flag of the kernels' guard (raised after the launches:
-    `launch_planned`), and returns the scalar arguments (the max lengths, the packed totals)."""
+def varlen_key(varlen):
+    """What a plan bakes in of packed sequences (`varlen`): the batch (cu_seqlens_q's length: the
+    grid and the statistics) and the max lengths; None for dense calls."""
+    return None if varlen is None else (varlen[0].shape[0], varlen[2], varlen[3])
+
+
+def packed_scalars(q, k, varlen) -> dict:
+    """Packed sequences' scalar arguments: the max lengths and the packed totals (k None: no
+    packed keys, as in decoding over a paged cache)."""
     if varlen is None:
         return {}
+    return {"max_seqlen_q": varlen[2], "max_seqlen_k": varlen[3], "total_q": q.shape[0],
+            "total_k": 0 if k is None else k.shape[0]}
+
+
+def packed_tensors(tensors: dict, varlen) -> None:
+    """Packed sequences: renames the data tensors to their parameters (`<name>_packed`), adds
+    cu_seqlens and the error flag of the kernels' guard (raised after the launches:
+    `_raise_refused`)."""
+    if varlen is None:
+        return
     for name in VARLEN_PACKED:
         if name in tensors:
             tensors[name + "_packed"] = tensors.pop(name)
@@ -84,9 +99,14 @@ def packed_sequences(tensors: dict, varlen) -> dict:
         paged = "block_table" in tensors
         tensors[REFUSAL] = PACKED_REFUSED.format("cu_seqlens_q, cu_seqlens_k or block_table" if paged else
                                                  "cu_seqlens_q or cu_seqlens_k", "; a page outside the cache" * paged)
-    k_rows = tensors.get("k_packed")
-    return {"max_seqlen_q": varlen[2], "max_seqlen_k": varlen[3], "total_q": tensors["q_packed"].shape[0],
-            "total_k": 0 if k_rows is None else k_rows.shape[0]}
+
+
+def packed_sequences(tensors: dict, varlen) -> dict:
+    """`packed_tensors`, and returns `packed_scalars` of the packed q and k in `tensors`."""
+    packed_tensors(tensors, varlen)
+    if varlen is None:
+        return {}
+    return packed_scalars(tensors["q_packed"], tensors.get("k_packed"), varlen)
 
 
 # -- the guards' error flag -------------------------------------------------------------------
@@ -134,9 +154,10 @@ def dropout_args(dropout_p: float, seed: int, philox_offset: int) -> dict:
             "keep_scale": 1.0 / (1.0 - dropout_p)}
 
 
-# Bound launches per call signature (source, backend, shapes, strides, scale, dropout p):
-# a warm call of a seen shape only allocates its outputs and passes the tensors.
-_plans: dict[tuple, list[launch.BoundLaunch]] = {}
+# Per call signature (source, backend, shapes, strides, scale, dropout p): the attention passes'
+# `Plan`s, the kv cache's bound launches. A warm call of a seen shape only allocates its outputs
+# and passes the tensors.
+_plans: dict[tuple, Plan | list[launch.BoundLaunch]] = {}
 MAX_PLANS = 1024
 # Drawn anew for every dropout call; and a shard's dropout coordinates (Spec.coord_offsets).
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
@@ -147,13 +168,59 @@ def _planned(plan_key, build, debug) -> list[launch.BoundLaunch]:
     miss. Debug renders take instrumentation tensors and are never remembered."""
     key = None if debug else plan_key()
     plan = None if debug else _plans.get(key)
-    if plan is None:
-        plan = build()
-        if not debug:
-            if len(_plans) >= MAX_PLANS:  # many distinct shapes: start over, stay bounded
-                _plans.clear()
-            _plans[key] = plan
+    return plan if plan is not None else _remember(_plans, key, build())
+
+
+class Plan:
+    """What a warm call of one signature does: allocate its buffers ((kernel parameter name,
+    shape, dtype), each through `_empty`), add the call's own tensors, and launch the bound
+    kernels. Everything else (geometry, strides, scalars converted to their C types) is derived
+    once, when the plan is built. `results` names the buffers the call returns; `fixed` holds
+    tensors that are the same on every call (`unused`)."""
+
+    __slots__ = ("launches", "buffers", "results", "fixed")
+
+    def __init__(self, launches: list, buffers: list[tuple[str, tuple, torch.dtype]], results: tuple,
+                 fixed: dict | None = None):
+        self.launches = launches
+        self.buffers = buffers
+        self.results = results
+        self.fixed = fixed or {}
+
+    def allocate(self, device: torch.device) -> dict:
+        tensors = {name: _empty(*shape, dtype=dtype, device=device) for name, shape, dtype in self.buffers}
+        tensors.update(self.fixed)
+        return tensors
+
+
+class Memo(dict):
+    """A caller's own plans, for a call whose signature (dense.DenseCall's: q, k and v's shapes,
+    strides, dtypes, devices and the scalar arguments, with no tensors of its own beyond q, k, v)
+    fixes everything in `forward`'s and `backward`'s keys but the kernels, the backend and the
+    strides the kernels see (q, k or v copied into alignment: common.aligned_rows; dO's): a warm
+    call skips building the full key. The caller keeps it with the signature."""
+
+    LIMIT = 16
+
+
+def _remember(plans: dict, key, plan: Plan) -> Plan:
+    """Keep `plan` under `key` in `plans` (a key of None: a debug render, never kept), bounded:
+    many distinct keys start it over."""
+    if key is not None:
+        if len(plans) >= (Memo.LIMIT if isinstance(plans, Memo) else MAX_PLANS):
+            plans.clear()
+        plans[key] = plan
     return plan
+
+
+def _meta(buffer: tuple) -> torch.Tensor:
+    """A buffer's layout without memory, for its strides at plan time."""
+    _, shape, dtype = buffer
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _scale(softmax_scale, q) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
 
 def launch_all(plan: list[launch.BoundLaunch], tensors: dict, after_first=None) -> None:
@@ -169,6 +236,10 @@ def launch_planned(plan_key, build, tensors: dict, debug, after_first=None) -> N
     """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
     guards' flag where the call owns one (REFUSAL)."""
     launch_all(_planned(plan_key, build, debug), tensors, after_first)
+    _raise_refused(tensors)
+
+
+def _raise_refused(tensors: dict) -> None:
     if REFUSAL in tensors:
         raise_flagged(tensors["error_flag"], tensors[REFUSAL])
 
@@ -216,124 +287,153 @@ def split_variant(spec, variant: dict | None, softmax_scale: float) -> tuple[dic
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None, variant=None, varlen=None, coord_offsets=(0, 0)):
+            seed=0, philox_offset=0, debug=None, variant=None, varlen=None, coord_offsets=(0, 0), memo=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
     (lse,) for version 2 and (m, l) for version 1. `variant` holds a variant's run-time
     arguments by kernel parameter name (`variant_arguments`). With `varlen` = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
-    and the statistics are (B, H, max_seqlen_q) with each sequence's rows first."""
+    and the statistics are (B, H, max_seqlen_q) with each sequence's rows first. `memo`: a
+    caller's own plans (`Memo`)."""
+    scale = _scale(softmax_scale, q)
+    variant_tensors, variant_scalars = split_variant(source.spec, variant, scale)
+    plans, key = _plans, None
+    if memo is not None and not debug:
+        plans, key = memo, ("fwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride())
+    elif not debug:
+        key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
+               v.stride(), scale, dropout_p, variant_scalars, varlen_key(varlen))
+    plan = plans.get(key)
+    if plan is None:
+        plan = _remember(plans, key, _forward_plan(source, q, k, v, scale, dropout_p, variant_scalars, varlen,
+                                                   debug))
+    tensors = plan.allocate(q.device)
+    stats = tuple(tensors[name] for name in plan.results[1:])
+    out = tensors["out"]
+    tensors.update(q=q, k=k, v=v, seqlens_k=seqlens_k, seed=seed, philox_offset=philox_offset,
+                   row_offset=coord_offsets[0], col_offset=coord_offsets[1], **variant_tensors)
+    if debug:
+        tensors.update(debug)
+    packed_tensors(tensors, varlen)
+    launch_all(plan.launches, tensors)
+    _raise_refused(tensors)
+    return out, stats
+
+
+def _forward_plan(source: Source, q, k, v, scale, dropout_p, variant_scalars, varlen, debug) -> Plan:
     spec = source.spec
     batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    out = _empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)   # d_v columns
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
-    stats = [_empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) for _ in stat_names]
-    variant_tensors, variant_scalars = split_variant(spec, variant, scale)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "seqlens_k": seqlens_k, "seed": seed,
-               "philox_offset": philox_offset, "row_offset": coord_offsets[0], "col_offset": coord_offsets[1],
-               **dict(zip(stat_names, stats)), **variant_tensors, **(debug or {})}
+    buffers = [("out", (*q.shape[:-1], v.shape[-1]), q.dtype)]   # d_v columns
+    buffers += [(name, (batch, heads, seqlen_q), torch.float32) for name in stat_names]
     if spec.version == 1:
-        tensors["o_accum"] = _empty(batch, heads, seqlen_q, head_dim, dtype=torch.float32, device=q.device)
-
-    def build():
-        values = {**tensors, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads, "seqlen_q": seqlen_q,
-                  "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
-        values.update(varlen_scalars)
-        strides_of(values, q=q, k=k, v=v, o=out)
-        if spec.dropout:
-            values.update(dropout_args(dropout_p, seed, philox_offset))
-        entry = source.kernels.forward
-        return [launch.load(source, q.device).bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values,
-                                                   PER_CALL_SCALARS)]
-
-    def key():
-        return ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-                v.stride(), scale, dropout_p, variant_scalars, None if varlen is None else varlen[2:])
-    varlen_scalars = packed_sequences(tensors, varlen)
-    launch_planned(key, build, tensors, debug)
-    return out, tuple(stats)
+        buffers.append(("o_accum", (batch, heads, seqlen_q, head_dim), torch.float32))
+    values = {**dict(variant_scalars), **packed_scalars(q, k, varlen), "heads": heads, "kv_heads": kv_heads,
+              "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
+    strides_of(values, q=q, k=k, v=v, o=_meta(buffers[0]))
+    if spec.dropout:
+        values.update(dropout_args(dropout_p, 0, 0))   # seed and offset are per call
+    values.update(debug or {})
+    entry = source.kernels.forward
+    bound = launch.load(source, q.device).bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values,
+                                               PER_CALL_SCALARS)
+    return Plan([bound], buffers, results=("out", *stat_names))
 
 
 def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
-             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None, coord_offsets=(0, 0)):
+             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None, coord_offsets=(0, 0),
+             memo=None):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
     dK and dV are computed per query head; with GQA/MQA the kernel writes them in fp32 and
     the query heads that share a K/V head are summed here, then rounded once. `dlse` (B, H, Nq), the gradient of the
     returned L, enters as D - dL (dS = P (dP - (D - dL))). With `extras` (a dict), a
     variant's other gradients are filled in: "dsinks" (H,) and, per captured tensor whose
-    gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape).
+    gradient the kernel accumulates, "<name>_grad" (fp32, the tensor's shape). `memo`: a caller's
+    own plans (`Memo`).
     """
-    spec, kernels = source.spec, source.kernels
-    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    device = q.device
-    f32 = dict(dtype=torch.float32, device=device)
-    dq = _empty(*q.shape, dtype=q.dtype, device=device)
-    # Per query head; under GQA in fp32, so that a group's heads are summed before the one
-    # rounding to q's dtype (as FlashAttention-3 does; FlashAttention-2 rounds every head's).
-    grouped = heads != kv_heads
-    grad_dtype = torch.float32 if grouped else q.dtype
-    dk = _empty(*k.shape[:-2], heads, head_dim, dtype=grad_dtype, device=device)
-    dv = _empty(*k.shape[:-2], heads, v.shape[-1], dtype=grad_dtype, device=device)
-    unused_elem, unused_fp32 = unused(device, q.dtype), unused(device)
+    spec = source.spec
+    scale = _scale(softmax_scale, q)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = split_variant(spec, variant, scale)
-    # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
-    # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
-    block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
-    padded_rows = -(-seqlen_q // block_m) * block_m
-    tensors = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "dq": dq,
-               "dk_out": unused_elem if grouped else dk, "dv_out": unused_elem if grouped else dv,
-               "dk_out_fp32": dk if grouped else unused_fp32, "dv_out_fp32": dv if grouped else unused_fp32,
-               "delta": _empty(batch, heads, padded_rows, **f32),
-               "lse_log2": _empty(batch, heads, padded_rows, **f32), "seqlens_k": seqlens_k,
-               "seed": drop.get("seed", 0), "philox_offset": drop.get("philox_offset", 0),
-               "row_offset": coord_offsets[0], "col_offset": coord_offsets[1], **variant_tensors,
-               **(debug or {})}
-    grads = {}
-    if variant:
-        for name, _, _ in variant_code(spec).grad_params:   # captured tensors' gradients, by atomics
-            grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, **f32)
-        tensors.update(grads)
+    plans, key = _plans, None
+    if memo is not None and not debug:
+        plans, key = memo, ("bwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride(),
+                                 dout.stride())
+    elif not debug:
+        key = ("bwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
+               v.stride(), out.stride(), dout.stride(), scale, drop.get("keep_threshold"), variant_scalars,
+               varlen_key(varlen))
+    plan = plans.get(key)
+    if plan is None:
+        plan = _remember(plans, key, _backward_plan(source, q, k, v, out, dout, scale, drop, variant_scalars, varlen,
+                                             debug))
+    tensors = plan.allocate(q.device)
+    dq, dk, dv = (tensors[name] for name in plan.results)
+    tensors.update(q=q, k=k, v=v, out=out, dout=dout, seqlens_k=seqlens_k, seed=drop.get("seed", 0),
+                   philox_offset=drop.get("philox_offset", 0), row_offset=coord_offsets[0],
+                   col_offset=coord_offsets[1], **variant_tensors)
     if spec.version == 2:
         tensors["lse"] = stats[0]
     else:
         tensors["row_max"], tensors["row_sum"] = stats
-    if not spec.deterministic:
-        tensors["dq_accum"] = _empty(batch, heads, seqlen_q, head_dim, **f32)
-
-    def build():
-        if device.type == "cuda":  # the compile checked only the forward's shared memory
-            spec.check_arch(launch.arch_of(device), shared_limit=launch.shared_limit(device))
-        values = {**tensors, **drop, **dict(variant_scalars), "heads": heads, "kv_heads": kv_heads,
-                  "seqlen_q": seqlen_q,
-                  "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
-        values.update(varlen_scalars)
-        strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
-        loaded = launch.load(source, device)
-        return [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
-                for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
-
-    keep = (drop.get("keep_threshold"), drop.get("keep_scale"))
-    def key():
-        return ("bwd", source.hash, launch.backend_key(device), q.shape, k.shape, q.stride(), k.stride(),
-                v.stride(), out.stride(), dout.stride(), scale, keep, variant_scalars,
-                None if varlen is None else varlen[2:])
-    delta = tensors["delta"]
-    varlen_scalars = packed_sequences(tensors, varlen)
+    grads = {}
+    if variant:
+        for name, _, _ in variant_code(spec).grad_params:   # captured tensors' gradients, by atomics
+            grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32,
+                                      device=q.device)
+        tensors.update(grads)
+    if debug:
+        tensors.update(debug)
+    delta, seqlen_q = tensors["delta"], stats[0].shape[-1]
+    packed_tensors(tensors, varlen)
 
     def subtract_dlse():   # after the preprocess kernel: D - dL for every row
         delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
 
-    launch_planned(key, build, tensors, debug, after_first=None if dlse is None else subtract_dlse)
+    launch_all(plan.launches, tensors, after_first=None if dlse is None else subtract_dlse)
+    _raise_refused(tensors)
     if extras is not None:
         extras.update(grads)
         if spec.sinks:
             extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q],
                                              None if varlen is None else sequence_rows(varlen))
-    if grouped:
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads != kv_heads:   # GQA: per query head in fp32, the group's heads summed, then rounded once
         group = heads // kv_heads
-        dk = dk.view(*k.shape[:-2], kv_heads, group, head_dim).sum(-2).to(q.dtype)
-        dv = dv.view(*k.shape[:-2], kv_heads, group, v.shape[-1]).sum(-2).to(q.dtype)
+        dk = dk.view(*k.shape[:-2], kv_heads, group, dk.shape[-1]).sum(-2).to(q.dtype)
+        dv = dv.view(*k.shape[:-2], kv_heads, group, dv.shape[-1]).sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+def _backward_plan(source: Source, q, k, v, out, dout, scale, drop, variant_scalars, varlen, debug) -> Plan:
+    spec, kernels = source.spec, source.kernels
+    batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
+    device = q.device
+    if device.type == "cuda":  # the compile checked only the forward's shared memory
+        spec.check_arch(launch.arch_of(device), shared_limit=launch.shared_limit(device))
+    f32 = torch.float32
+    # dK and dV per query head; under GQA in fp32, so that a group's heads are summed before the
+    # one rounding to q's dtype (as FlashAttention-3 does; FlashAttention-2 rounds every head's).
+    grouped = heads != kv_heads
+    dk_name, dv_name = ("dk_out_fp32", "dv_out_fp32") if grouped else ("dk_out", "dv_out")
+    # D and the statistic in log2 units, written by the preprocess kernel in rows padded to
+    # whole backward Q blocks (the main kernel copies them with 16-byte cp.async).
+    block_m = kernels.bwd_preprocess.rows_per_block   # the backward's Q block (spec.backward_tiles.block_m)
+    padded_rows = -(-seqlen_q // block_m) * block_m
+    buffers = [("dq", tuple(q.shape), q.dtype),
+               (dk_name, (*k.shape[:-2], heads, head_dim), f32 if grouped else q.dtype),
+               (dv_name, (*k.shape[:-2], heads, v.shape[-1]), f32 if grouped else q.dtype),
+               ("delta", (batch, heads, padded_rows), f32), ("lse_log2", (batch, heads, padded_rows), f32)]
+    if not spec.deterministic:
+        buffers.append(("dq_accum", (batch, heads, seqlen_q, head_dim), f32))
+    unused_ones = ({"dk_out": unused(device, q.dtype), "dv_out": unused(device, q.dtype)} if grouped else
+                   {"dk_out_fp32": unused(device), "dv_out_fp32": unused(device)})
+    values = {**drop, **dict(variant_scalars), **packed_scalars(q, k, varlen), "heads": heads, "kv_heads": kv_heads,
+              "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * LOG2E}
+    strides_of(values, q=q, k=k, v=v, o=out, do=dout, dq=_meta(buffers[0]), dk=_meta(buffers[1]),
+               dv=_meta(buffers[2]))
+    values.update(debug or {})
+    loaded = launch.load(source, device)
+    launches = [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
+                for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
+    return Plan(launches, buffers, results=("dq", dk_name, dv_name), fixed=unused_ones)

@@ -194,7 +194,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     def key():
         return ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
                 k_cache.stride(), v_cache.stride(), scale, num_splits, new_tokens, seqlen_k, variant_scalars,
-                None if block_table is None else block_table.shape, None if varlen is None else varlen[2:],
+                None if block_table is None else block_table.shape, run.varlen_key(varlen),
                 pack_group)
 
     def bind():

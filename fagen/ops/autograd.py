@@ -28,41 +28,54 @@ def _varlen_sizes(options: CallOptions, tensors: list, ints: list):
     return (tensors[2].shape[0] - 1, ints[0], ints[1]) if options.varlen else None
 
 
-def prepare(options: CallOptions, q, k, tensors, floats, ints, params) -> tuple[dict, object]:
-    """A call's kernel arguments (`unpack`) and kernels (`source_for_call`): what its forward and
-    backward both need, found once per eager call."""
-    return (unpack(options, tensors, floats, ints, params),
-            source_for_call(options, q, k, _varlen_sizes(options, tensors, ints)))
+class Prepared:
+    """What a call's forward and backward share: its options and values, its kernel arguments
+    (`unpack`), its kernels (`source_for_call`) and, for a call without tensors of its own, the
+    memo of its launch plans (`run.Memo`). Found once per eager call, or kept with a reusable
+    call's signature (dense.DenseCall)."""
+
+    __slots__ = ("options", "tensors", "floats", "ints", "params", "args", "source", "memo")
+
+    def __init__(self, options: CallOptions, q, k, values: CallValues, memo=None):
+        self.options, self.tensors, self.floats, self.ints, self.params = (
+            options, values.tensors, values.floats, values.ints, values.params)
+        self.args = unpack(options, values.tensors, values.floats, values.ints, values.params)
+        self.source = source_for_call(options, q, k, _varlen_sizes(options, values.tensors, values.ints))
+        self.memo = memo
 
 
-def forward_kernels(options: CallOptions, q, k, v, tensors, floats, ints, params, prepared=None):
+def forward_kernels(prepared: Prepared, q, k, v):
     """Run a call's forward on q, k, v (rows aligned: common.aligned_rows). Returns (out, lse,
     fa1_stats) with fa1_stats (2, B, H, Nq) = (m, l) for FlashAttention-1 (its backward's
-    statistics) and an empty tensor for version 2."""
-    args, source = prepared or prepare(options, q, k, tensors, floats, ints, params)
+    statistics), None for version 2."""
+    args = prepared.args
     if args["rng"] is not None:
         refuse_graph_capture(q.device)   # never traced: a compiled call is checked on every run
     seed, offset = (0, 0) if args["rng"] is None else args["rng"].tolist()   # a CPU tensor: no sync
-    out, stats = attention_kernels.forward(source, q, k, v, softmax_scale=args["softmax_scale"],
+    out, stats = attention_kernels.forward(prepared.source, q, k, v, softmax_scale=args["softmax_scale"],
                                            seqlens_k=args["seqlens_k"], dropout_p=args["dropout_p"], seed=seed,
-                                           philox_offset=offset, variant=args["variant"], varlen=args["varlen"])
-    lse = attention_kernels.lse_of(stats, options.version)
-    return out, lse, (torch.stack(stats) if options.version == 1 else lse.new_empty(0))
+                                           philox_offset=offset, variant=args["variant"], varlen=args["varlen"],
+                                           memo=prepared.memo)
+    if prepared.options.version == 2:
+        return out, stats[0], None
+    return out, attention_kernels.lse_from_stats(*stats), torch.stack(stats)
 
 
-def backward_kernels(options: CallOptions, dout, dlse, q, k, v, out, lse, fa1_stats, tensors, floats, ints, params,
-                     prepared=None):
+def backward_kernels(prepared: Prepared, dout, dlse, q, k, v, out, lse, fa1_stats):
     """Run a call's backward (q, k, v with aligned rows, as forward_kernels took them). Returns
     (dq, dk, dv, grads) with grads one per tensor of the call (None where it gets none)."""
-    args, source = prepared or prepare(options, q, k, tensors, floats, ints, params)
-    stats = (lse,) if options.version == 2 else tuple(fa1_stats)
+    args, tensors = prepared.args, prepared.tensors
+    stats = (lse,) if prepared.options.version == 2 else tuple(fa1_stats)
     drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
     dout = torch.zeros_like(out) if dout is None else aligned_rows(dout)
     extras: dict = {}
-    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout, softmax_scale=args["softmax_scale"],
-                                            seqlens_k=args["seqlens_k"], dropout_args=drop, variant=args["variant"],
-                                            dlse=dlse, extras=extras, varlen=args["varlen"])
-    names = options.variant_names[0]
+    dq, dk, dv = attention_kernels.backward(prepared.source, q, k, v, out, stats, dout,
+                                            softmax_scale=args["softmax_scale"], seqlens_k=args["seqlens_k"],
+                                            dropout_args=drop, variant=args["variant"], dlse=dlse, extras=extras,
+                                            varlen=args["varlen"], memo=prepared.memo)
+    if not extras:   # no variant gradients: the common call
+        return dq, dk, dv, [None] * len(tensors)
+    names = prepared.options.variant_names[0]
     grads = [None] * FIXED_TENSORS + [_gradient(name, extras, t) for name, t in zip(names, tensors[FIXED_TENSORS:])]
     return dq, dk, dv, grads
 
@@ -73,27 +86,22 @@ def _gradient(name: str, extras: dict, tensor: torch.Tensor) -> torch.Tensor | N
 
 
 class Attention(torch.autograd.Function):
-    """Eager calls: inputs q, k, v, the call's options and fixed values (one tuple: the fixed
-    tensors ride in it, as they take no gradient), then the variant's tensors (autograd inputs:
-    sinks and captured tensors get gradients); outputs O and L."""
+    """Eager calls: inputs q, k, v, the call's `Prepared` (its fixed tensors ride in it, as they
+    take no gradient), then the variant's tensors (autograd inputs: sinks and captured tensors
+    get gradients); outputs O and L."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fixed, *variant_tensors):
-        options, fixed_tensors, floats, ints, params = fixed
-        tensors = [*fixed_tensors, *variant_tensors]
-        ctx.prepared = prepare(options, q, k, tensors, floats, ints, params)
-        out, lse, fa1_stats = forward_kernels(options, q, k, v, tensors, floats, ints, params, ctx.prepared)
+    def forward(ctx, q, k, v, prepared, *variant_tensors):
+        out, lse, fa1_stats = forward_kernels(prepared, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, fa1_stats, *variant_tensors)
-        ctx.fixed = fixed
+        ctx.prepared = prepared
         ctx.set_materialize_grads(False)   # an unused L gets no gradient, not zeros
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, fa1_stats, *variant_tensors = ctx.saved_tensors
-        options, fixed_tensors, floats, ints, params = ctx.fixed
-        dq, dk, dv, grads = backward_kernels(options, dout, dlse, q, k, v, out, lse, fa1_stats,
-                                             [*fixed_tensors, *variant_tensors], floats, ints, params, ctx.prepared)
+        q, k, v, out, lse, fa1_stats, *_ = ctx.saved_tensors
+        dq, dk, dv, grads = backward_kernels(ctx.prepared, dout, dlse, q, k, v, out, lse, fa1_stats)
         return (dq, dk, dv, None, *grads[FIXED_TENSORS:])
 
 
@@ -102,8 +110,10 @@ class Attention(torch.autograd.Function):
 @torch.library.custom_op("fagen::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor], floats: list[float],
                   ints: list[int], params: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return forward_kernels(CallOptions.from_key(key), aligned_rows(q), aligned_rows(k), aligned_rows(v), tensors,
-                           floats, ints, params)
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
+    out, lse, fa1_stats = forward_kernels(Prepared(CallOptions.from_key(key), q, k,
+                                                   CallValues(tensors, floats, ints, params)), q, k, v)
+    return out, lse, (lse.new_empty(0) if fa1_stats is None else fa1_stats)
 
 
 @attention_fwd.register_fake
@@ -124,9 +134,10 @@ def attention_bwd(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: to
                   out: torch.Tensor, lse: torch.Tensor, fa1_stats: torch.Tensor, tensors: list[torch.Tensor],
                   floats: list[float], ints: list[int], params: torch.Tensor,
                   key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    dq, dk, dv, grads = backward_kernels(CallOptions.from_key(key), dout, dlse if dlse.numel() else None,
-                                         aligned_rows(q), aligned_rows(k), aligned_rows(v), out, lse, fa1_stats,
-                                         tensors, floats, ints, params)
+    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
+    prepared = Prepared(CallOptions.from_key(key), q, k, CallValues(tensors, floats, ints, params))
+    dq, dk, dv, grads = backward_kernels(prepared, dout, dlse if dlse.numel() else None, q, k, v, out, lse,
+                                         fa1_stats if fa1_stats.numel() else None)
     return dq, dk, dv, [t.new_empty(0) if g is None else g for g, t in zip(grads, tensors)]
 
 
@@ -169,16 +180,17 @@ def _backward(ctx, dout, dlse, dfa1):
 torch.library.register_autograd("fagen::attention_fwd", _backward, setup_context=_setup_context)
 
 
-def run(options: CallOptions, q, k, v, values: CallValues):
+def run(options: CallOptions, q, k, v, values: CallValues, prepared: Prepared | None = None):
     """(out, L) of a call, with autograd where anything requires grad: the custom ops when traced,
-    `Attention` eagerly, the kernels alone without autograd."""
+    `Attention` eagerly, the kernels alone without autograd. `prepared`: the call's own, kept
+    with a reusable call's signature (else found here)."""
     if torch.compiler.is_compiling():
         out, lse, _ = attention_fwd(q, k, v, values.tensors, values.floats, values.ints,
                                     params_tensor(values.params), options.key())
         return out, lse
-    tensors = values.tensors
     q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)   # once: the backward takes the same
+    prepared = prepared or Prepared(options, q, k, values)
+    tensors = values.tensors
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors[FIXED_TENSORS:])):
-        fixed = (options, tensors[:FIXED_TENSORS], values.floats, values.ints, values.params)
-        return Attention.apply(q, k, v, fixed, *tensors[FIXED_TENSORS:])
-    return forward_kernels(options, q, k, v, tensors, values.floats, values.ints, values.params)[:2]
+        return Attention.apply(q, k, v, prepared, *tensors[FIXED_TENSORS:])
+    return forward_kernels(prepared, q, k, v)[:2]

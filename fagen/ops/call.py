@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import tuning
+from ..arch_families import ARCH_FAMILY_ENV, chosen_family
+from ..environment import setting
 from ..errors import InputError
 from ..kernels import launch, sources as generated_sources
 from ..kernels.compile import nvrtc_target
@@ -105,14 +107,22 @@ _call_sources: dict[tuple, tuple[int, Source]] = {}
 MAX_CALL_SHAPES = 4096
 
 
+def kernels_generation(device: torch.device) -> tuple[int, str]:
+    """What a memo of a call's kernels must match: the tuning cache's generation (a new tuning
+    result invalidates it; CPU calls never read the tuning cache) and the kernel family asked
+    for (FAGEN_ARCH_FAMILY)."""
+    return tuning.cache.INDEX.current_generation() if device.type == "cuda" else 0, setting(ARCH_FAMILY_ENV)
+
+
 def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     """The kernels for a call: its Spec with the tiles the tuning cache (or the fallback table)
-    gives its shapes; a dict lookup once a call of this shape has been seen."""
+    gives its shapes, in the kernel family FAGEN_ARCH_FAMILY asks for where the spec and the
+    device allow it (arch_families.chosen_family); a dict lookup once a call of this shape has
+    been seen."""
     if options.module_source:   # a generated op module: its own .cu file, its fixed spec
         return generated_sources.source_of(options.module_source)
     on_gpu = q.device.type == "cuda"
-    # A new tuning result invalidates the memo; CPU calls never read the tuning cache.
-    generation = tuning.cache.INDEX.current_generation() if on_gpu else 0
+    generation = kernels_generation(q.device)
     key = (options, q.shape, k.shape, q.device, varlen_sizes)
     hit = _call_sources.get(key)
     if hit is not None and hit[0] == generation:
@@ -124,6 +134,9 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
         batch, max_q, max_k = varlen_sizes
         sizes = dict(seqlen_q=max(1, max_q), seqlen_k=max(1, max_k), batch=max(1, batch), heads=q.shape[1])
     spec = tuning.lookup(options.spec(), **sizes, device=q.device)
+    family = chosen_family(spec, generation[1], torch.cuda.get_device_capability(q.device) if on_gpu else None)
+    if family != spec.arch_family:
+        spec = spec.replace(arch_family=family)
     if on_gpu and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
         spec = spill_free(spec, nvrtc_target(launch.arch_of(q.device)))
     source = source_for(spec)

@@ -23,9 +23,10 @@ import torch
 
 from ..errors import InputError
 from ..kernels import sources as generated_sources
+from ..kernels.run import Memo
 from ..spec import Spec, check_dropout_p
 from . import autograd
-from .call import CallOptions, CallValues, options_for, values_of
+from .call import CallOptions, CallValues, kernels_generation, options_for, values_of
 from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim,
                      philox_state)
 from .variant_args import variant_call
@@ -43,14 +44,25 @@ class DenseCall:
     head_dim_v: int      # v's, the caller's (the kernels' is padded to a multiple of 8)
     return_lse: bool
     reusable: bool
+    prepared: tuple | None = None   # a reusable call's (call.kernels_generation, autograd.Prepared)
 
     def run(self, q, k, v):
         if q.shape[-1] != self.options.head_dim or v.shape[-1] % HEAD_DIM_MULTIPLE:
             q, k, v, _ = padded_head_dim(q, k, v)
-        out, lse = autograd.run(self.options, q, k, v, self.values)
+        traced = torch.compiler.is_compiling()   # the custom ops then take the options and values alone
+        prepared = self._prepared(q, k) if self.reusable and not traced else None
+        out, lse = autograd.run(self.options, q, k, v, self.values, prepared)
         if out.shape[-1] != self.head_dim_v:
             out = out[..., :self.head_dim_v]
         return (out, lse) if self.return_lse else out
+
+    def _prepared(self, q, k) -> autograd.Prepared:
+        """The call's kernels, arguments and launch plans (run.Memo), kept with its signature
+        until a new tuning result or another kernel family asked for."""
+        generation = kernels_generation(q.device)
+        if self.prepared is None or self.prepared[0] != generation:
+            self.prepared = (generation, autograd.Prepared(self.options, q, k, self.values, memo=Memo()))
+        return self.prepared[1]
 
 
 def _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,

@@ -70,3 +70,22 @@ def test_calls_with_tensors_of_their_own_are_not_kept(checks):
         fagen.flash_attn_func(q, k, v, dropout_p=0.1)
         fagen.flash_attn_func(q, k, v, window_size=(8, 0))
     assert len(checks) == 6 and dense._calls == {}
+
+
+def test_one_signature_aligned_then_copied_into_alignment_and_back(checks):
+    """Views with one signature (shape, strides, dtype) whose rows start aligned or not: a
+    misaligned one reaches the kernels as an aligned copy with other strides (common.aligned_rows),
+    so the call's kept launch plans (run.Memo) must tell them apart. Each call equals the same
+    call on contiguous copies, forward and backward, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(1 * 40 * 2 * 72 + 8, generator=gen).half() for _ in range(3)]
+    dout = torch.randn(1, 40, 2, 64, generator=gen).half()
+    for offset in (0, 1, 0):   # 2-byte offset: rows misaligned for cp.async's 16 bytes
+        views = [torch.as_strided(b, (1, 40, 2, 64), (40 * 2 * 72, 2 * 72, 72, 1), offset).requires_grad_()
+                 for b in base]
+        copies = [t.detach().contiguous().requires_grad_() for t in views]
+        got, want = (fagen.flash_attn_func(*ts, causal=True) for ts in (views, copies))
+        assert torch.equal(got, want), offset
+        for mine, theirs in zip(torch.autograd.grad(got, views, dout), torch.autograd.grad(want, copies, dout)):
+            assert torch.equal(mine, theirs), offset
+    assert len(checks) == 2   # the views' one signature, and the copies'

@@ -135,6 +135,27 @@ def test_the_op_equals_attention_on_each_sequence():
             torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], alone, atol=2e-3, rtol=0)
 
 
+def test_packings_that_differ_only_in_their_count_of_sequences_get_their_own_launches():
+    """Two packings with the same totals and maxima but a different number of sequences: the
+    second call must not reuse the first's launch plan (its grid and statistics size the batch;
+    once, it did, and sequences 3 and 4 were never computed)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(256, 2, 64, generator=gen).to(torch.float16) for _ in range(4))
+    for lengths in ([128, 128], [128, 64, 32, 32]):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fagen.flash_attn_varlen_func(*leaves, cu(lengths), cu(lengths), 128, 128, causal=True)
+        grads = torch.autograd.grad(out, leaves, dout)
+        offsets = cu(lengths)
+        for b in range(len(lengths)):
+            rows = slice(offsets[b], offsets[b + 1])
+            one = [t[rows][None] for t in (q, k, v, dout)]
+            ref = attention_gradients(*one, causal=True)
+            same = attention_same_dtype(*one, causal=True)
+            for got, yard, exact in zip((out, *grads), same, (ref["out"], ref["dq"], ref["dk"], ref["dv"])):
+                bound = GRAD_FACTOR * max_error(yard[0], exact[0]) + ABS_FLOOR
+                assert max_error(got.detach()[rows], exact[0]) <= bound, (lengths, b)
+
+
 def _args():
     q, k, v, _ = packed(torch.float16)
     return dict(q=q, k=k, v=v, cu_seqlens_q=cu(LENGTHS_Q), cu_seqlens_k=cu(LENGTHS_K),

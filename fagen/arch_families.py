@@ -1,0 +1,101 @@
+"""Kernel families: which machine instructions a Spec's forward kernel is built from.
+
+  sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/fwd_v1, fwd_v2): runs on
+         every GPU from sm_80 on, with every fagen feature. The default.
+  sm90   Hopper's wgmma, TMA and mbarriers, warp-specialised after FlashAttention-3's design
+         (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
+         ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
+         arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
+         plain and causal attention; the backward stays the sm80 family's.
+
+What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
+silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
+the Spec's checks, the kernel table and the template alike.
+
+Imports nothing of the pipeline: the Spec's validation uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCH_FAMILIES = ("sm80", "sm90")
+SM90_HEAD_DIMS = (64, 128)
+SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
+
+# The 128-byte swizzle row is 64 two-byte elements: a tile is stored as d / 64 boxes of 64 columns.
+BOX_COLUMNS = 64
+SWIZZLE_PERIOD = 1024   # bytes after which the 128B swizzle repeats: the tiles' alignment
+
+
+def sm90_refusal(spec) -> str | None:
+    """Why the sm90 family cannot render `spec`'s forward yet, naming the field; None if it can."""
+    unsupported = [("version", spec.version != 2, "version=1 (FlashAttention-1 stays on the sm80 family)"),
+                   ("head_dim", spec.head_dim not in SM90_HEAD_DIMS,
+                    f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
+                   ("head_dim_v", spec.head_dim_v not in (None, spec.head_dim), f"head_dim_v={spec.head_dim_v}"),
+                   ("key_padding", spec.key_padding, "key_padding (seqlens_k)"),
+                   ("dropout", spec.dropout, "dropout"),
+                   ("varlen", spec.varlen, "varlen (packed sequences)"),
+                   ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
+                   ("window", spec.window, "window"), ("softcap", spec.softcap, "softcap"),
+                   ("alibi", spec.alibi, "alibi"), ("sinks", spec.sinks, "sinks"),
+                   ("score_mod", spec.score_mod is not None, "a score_mod"),
+                   ("mask_mod", spec.mask_mod is not None, "a mask_mod")]
+    found = [what for _, refused, what in unsupported if refused]
+    if not found:
+        return None
+    return (f"arch_family='sm90' has no forward for {', '.join(found)} yet; use arch_family='sm80' (the "
+            f"mma.sync kernels, every feature)")
+
+
+@dataclass(frozen=True)
+class Sm90Tiles:
+    """The sm90 forward's geometry for a head dim: 128 query rows per block (64 per consumer
+    warpgroup), `block_n` keys per K/V tile, `stages` K/V tiles in flight."""
+
+    head_dim: int
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    consumers: int = 2
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)   # the producer warpgroup, then the consumers
+
+    @property
+    def boxes(self) -> int:
+        """64-column boxes per row of a tile (a TMA box is one 128-byte swizzle row wide)."""
+        return self.head_dim // BOX_COLUMNS
+
+    def tile_bytes(self, rows: int) -> int:
+        return rows * self.head_dim * 2
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: Q, then each stage's K and V, and the slack that aligns them to
+        the swizzle's period."""
+        return SWIZZLE_PERIOD + self.tile_bytes(self.block_m) + self.stages * 2 * self.tile_bytes(self.block_n)
+
+
+def sm90_tiles(head_dim: int) -> Sm90Tiles:
+    return Sm90Tiles(head_dim)
+
+
+ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
+
+
+def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> str:
+    """The family a call's forward runs on a device of compute `capability` (None: the CPU's
+    emulator, which runs both): `requested` (FAGEN_ARCH_FAMILY: "sm80", "sm90", or "" for the
+    default) where the spec and the device allow it, else sm80.
+
+    The default is sm80 on every device, Hopper included, until the sm90 forward has passed the
+    GPU check on one (benchmarks/gpu_check.sh): it is correct on the emulator and static checks
+    only, and a kernel that hangs on hardware would hang a user's training step."""
+    if requested not in ("", *ARCH_FAMILIES):
+        raise ValueError(f"{ARCH_FAMILY_ENV}={requested!r}: expected one of {', '.join(ARCH_FAMILIES)}, or unset")
+    if requested == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
+        return "sm90"
+    return "sm80"

@@ -1,0 +1,82 @@
+"""The sm90 family's forward (templates/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
+warpgroups) rendered from Specs and run by the emulator, then the sm80 family's backward on its O
+and L: against the float64 oracle under FlashAttention-2's rule (kernel_cases.run_and_check), with
+every output buffer poisoned; under the schedules that reorder producer and consumers, with the
+happens-before racecheck; compiled by NVRTC for sm_90a without spills or serialised wgmma."""
+
+from __future__ import annotations
+
+import pytest
+
+from fagen.arch_families import sm90_refusal, sm90_tiles
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
+from fagen.spec import Spec
+from kernel_cases import Shape, poisoned_empty, run_and_check
+
+# A ragged query block and key tile (the tail mask, rows past Nq unstored), Nq > Nk under causal
+# (rows that see no key: O = 0, L = +inf), GQA and MQA, two batches (the maps' coordinates).
+SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
+SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dtype="fp16", arch_family="sm90"),
+         Spec(64, dtype="fp16", arch_family="sm90"), Spec(128, dtype="bf16", mask="causal", arch_family="sm90")]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
+    run_and_check(spec, shape)
+
+
+@pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
+def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
+    """The schedules that let the producer run ahead, or the consumers first, and a seeded random
+    one; the happens-before racecheck on (mbarrier phases, TMA's async proxy, wgmma operands)."""
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
+    run_and_check(SPECS[0], Shape(1, 150, 200, heads=2, kv_heads=1), backward=False)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
+    pytest.importorskip("cuda.bindings")
+    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
+
+    source = render(spec)
+    cubin, log = nvrtc_compile(source.code, "sm_90a")
+    assert cubin, log
+    check_wgmma_pipeline(log, spec.name, "sm_90a")   # raises on C7510-C7520: wgmma serialised
+    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
+    assert usage.spill_store_bytes == usage.spill_load_bytes == 0, usage
+    # 384 threads, one block per SM: ptxas allocates at most 65536 / 384 = 168 registers a thread,
+    # within the consumers' setmaxnreg budget of 240.
+    assert usage.registers <= 168, usage
+    assert source.kernels.forward.shared_bytes == sm90_tiles(spec.head_dim).shared_bytes <= 227 * 1024
+
+
+def test_the_spec_names_the_family_and_round_trips():
+    spec = Spec(128, dtype="bf16", mask="causal", arch_family="sm90")
+    assert spec.name == "fa2_d128_causal_bf16_sm90" and Spec.from_name(spec.name) == spec
+    assert spec.to_dict()["arch_family"] == "sm90" and "arch_family" not in Spec(128).to_dict()
+    assert Spec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(dropout=True), "dropout"), (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
+    (dict(window=True), "window"), (dict(key_padding=True), "key_padding"), (dict(varlen=True), "varlen"),
+])
+def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
+    with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):
+        Spec(**{"head_dim": 128, **fields}, arch_family="sm90")
+    assert sm90_refusal(Spec(**{"head_dim": 128, **fields})) is not None
+
+
+def test_an_unknown_family_and_another_arch_are_refused():
+    with pytest.raises(ValueError, match="unknown arch_family 'sm100'"):
+        Spec(128, arch_family="sm100")
+    with pytest.raises(ValueError, match="runs on sm_90 only, not on sm_80"):
+        Spec(128, arch_family="sm90").check_arch("sm_80")

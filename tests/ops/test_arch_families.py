@@ -1,0 +1,78 @@
+"""Which kernel family a call's forward runs (fagen.arch_families.chosen_family): FAGEN_ARCH_FAMILY=sm90
+sends the calls the sm90 family takes to its wgmma/TMA forward (on the CPU, the emulator runs it), with
+the sm80 backward after it; everything else, and every call by default, stays on sm80."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fagen
+from fagen.arch_families import ARCH_FAMILY_ENV, chosen_family
+from fagen.ops import call, dense
+from fagen.reference import attention_gradients, attention_same_dtype
+from fagen.spec import Spec
+from kernel_cases import ABS_FLOOR, GRAD_FACTOR, OUTPUT_FACTOR, max_error
+
+
+@pytest.fixture
+def sources(monkeypatch):
+    """The names of the specs calls run, from no kept calls."""
+    monkeypatch.setattr(call, "_call_sources", {})
+    monkeypatch.setattr(dense, "_calls", {})
+    return lambda: sorted(source.spec.name for _, source in call._call_sources.values())
+
+
+def _inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 150, 4, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 200, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    dout = torch.randn(2, 150, 4, 64, generator=gen).bfloat16()
+    return q, k, v, dout
+
+
+def test_asked_for_the_sm90_family_a_call_runs_its_forward_and_meets_the_oracle(monkeypatch, sources):
+    monkeypatch.setenv(ARCH_FAMILY_ENV, "sm90")
+    q, k, v, dout = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fagen.flash_attn_func(*leaves, causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert sources() == ["fa2_d64_causal_bf16_sm90"]
+    exact = attention_gradients(q, k, v, dout, causal=True)
+    same = attention_same_dtype(q, k, v, dout, causal=True)
+    for name, got, yard, factor in zip(("out", "dq", "dk", "dv"), (out.detach(), *grads), same,
+                                       (OUTPUT_FACTOR, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR)):
+        assert max_error(got, exact[name]) <= factor * max_error(yard, exact[name]) + ABS_FLOOR, name
+
+
+def test_what_the_family_cannot_take_and_the_default_stay_on_sm80(monkeypatch, sources):
+    q, k, v, _ = _inputs()
+    fagen.flash_attn_func(q, k, v, causal=True)   # no FAGEN_ARCH_FAMILY: the default
+    monkeypatch.setenv(ARCH_FAMILY_ENV, "sm90")
+    fagen.flash_attn_func(q, k, v, window_size=(32, 0))
+    fagen.flash_attn_func(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
+    assert sources() == ["fa2_d32_bf16", "fa2_d64_causal_bf16", "fa2_d64_window_bf16"]
+
+
+def test_a_warm_call_follows_the_family_asked_for(monkeypatch, sources):
+    q, k, v, _ = _inputs()
+    names = []
+    for asked in ("sm90", "", "sm90"):
+        monkeypatch.setenv(ARCH_FAMILY_ENV, asked)
+        fagen.flash_attn_func(q, k, v)
+        names.append(sources())
+    assert names[0] == names[2] == ["fa2_d64_bf16_sm90"] and names[1] == ["fa2_d64_bf16"]
+
+
+def test_a_bad_value_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(ARCH_FAMILY_ENV, "hopper")
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="FAGEN_ARCH_FAMILY='hopper': expected one of sm80, sm90, or unset"):
+        fagen.flash_attn_func(q, k, v)
+
+
+def test_the_sm90_family_runs_on_compute_capability_9_0_only():
+    spec = Spec(128)
+    assert chosen_family(spec, "sm90", (9, 0)) == "sm90" and chosen_family(spec, "sm90", None) == "sm90"
+    assert chosen_family(spec, "sm90", (8, 0)) == chosen_family(spec, "sm90", (10, 0)) == "sm80"
+    assert chosen_family(spec, "", (9, 0)) == "sm80"   # the default until a GPU check has passed
