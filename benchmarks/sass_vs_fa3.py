@@ -46,9 +46,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from fagen.kernels.compile import cache_dir
+from fagen.kernels.compile import cache_dir, compile_source
+from fagen.kernels.render import render
 from fagen.sass.listing import find_cuobjdump, parse_listing
-from fagen.sass.report import analyse_foreign, readable_names, report_for_spec
+from fagen.sass.report import analyse_foreign, cubin_reports, readable_names, report_for_spec
 from fagen.spec import Spec
 from fagen.tuning.fallback import fallback_spec
 
@@ -181,15 +182,32 @@ def fagen_figure(row: dict) -> float | None:
     return reports[spec.name + ("_fwd" if row["pass"] == "fwd" else "_bwd")].non_hmma_per_useful_hmma
 
 
+def fagen_sm90_figure(row: dict):
+    """fagen's sm90 family forward for the same problem (Spec.arch_family = 'sm90', compiled for
+    sm_90a), read as the peer is: per HMMA-equivalent (`cubin_reports`). (figure, report), or
+    (None, None) where the family has no such kernel yet."""
+    if row["pass"] != "fwd":
+        return None, None
+    try:
+        spec = Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none", arch_family="sm90")
+    except ValueError:   # a head dim the family does not take yet
+        return None, None
+    report = cubin_reports(compile_source(render(spec), "sm_90a").cubin, "sm_90a")[spec.name + "_fwd"]
+    return report.non_tensor_per_tensor_op, report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = parser.parse_args()
     rows = peer_rows()
     print("non-tensor instructions per HMMA-equivalent, main loop steady state (fagen.sass), sm_90(a)")
+    print("fagen = the sm80 family (mma.sync, the fallback tiles); sm90 = fagen's sm90 family (wgmma, TMA);"
+          " exp2 in wgmma: FA3's / the sm90 family's")
     print(f"{'wheel':<16} {'kernel':<18} {'FA3 tile':<9} {'HMMA-eq':>8} {'FA3':>6} {'fagen':>6} {'fagen/FA3':>9}"
-          f"  {'WGs':>4} {'maxnreg':>8} {'cons':>6} {'prod':>6} {'TMA':>5} {'exp2':>8} limits")
-    print(f"{'':<80}{'P/C':>8} {'instr':>6} {'instr':>6} {'loads':>5} {'in wgmma':>8}")
+          f" {'sm90':>6} {'sm90/FA3':>8}  {'WGs':>4} {'maxnreg':>8} {'cons':>6} {'prod':>6} {'TMA':>5} {'exp2':>8}"
+          f" {'sm90':>6} limits")
+    print(f"{'':<96}{'P/C':>8} {'instr':>6} {'instr':>6} {'loads':>5} {'in wgmma':>8}")
     records, seen = [], set()
     for row in sorted(rows, key=lambda r: (r["pass"] != "fwd", r["head_dim"], r["dtype"], r["causal"], r["wheel"])):
         key = tuple(row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "tile"))
@@ -201,13 +219,19 @@ def main() -> None:
         ours = fagen_figure(row)
         label = f"{row['pass']} d{row['head_dim']} {row['dtype']}{' causal' if row['causal'] else ''}"
         ratio = ours / peer if peer and ours else None
+        sm90, sm90_report = fagen_sm90_figure(row)
+        sm90_ratio = sm90 / peer if peer and sm90 else None
+        overlap = sm90_report.overlap if sm90_report else None
+        sm90_exp2 = "-" if overlap is None else f"{overlap.exp2_in_flight}/{overlap.exp2}"
         roles, role_record = role_columns(report, row["warpgroups"])
         print(f"{row['wheel']:<16} {label:<18} {row['tile']:<9} {report.tensor_ops:>8g} "
               f"{'-' if peer is None else f'{peer:.2f}':>6} {'-' if ours is None else f'{ours:.2f}':>6} "
-              f"{'-' if ratio is None else f'{ratio:.2f}':>9}" + (f"  ({report.problem})" if report.problem else "")
-              + f"  {roles}")
+              f"{'-' if ratio is None else f'{ratio:.2f}':>9} {'-' if sm90 is None else f'{sm90:.2f}':>6} "
+              f"{'-' if sm90_ratio is None else f'{sm90_ratio:.2f}':>8}"
+              + (f"  ({report.problem})" if report.problem else "") + f"  {roles.replace(' ok', f' {sm90_exp2:>6} ok')}")
         records.append({key: row[key] for key in ("wheel", "pass", "head_dim", "dtype", "causal", "tile")}
-                       | {"fa3": peer, "fagen": ours, "hmma_equivalents": report.tensor_ops} | role_record)
+                       | {"fa3": peer, "fagen": ours, "fagen_sm90": sm90, "hmma_equivalents": report.tensor_ops}
+                       | role_record)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
         print(f"\nwrote {args.json}")

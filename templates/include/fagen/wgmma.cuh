@@ -323,4 +323,18 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N / 2]) {
 #endif
 }
 
+// The A fragments of wgmma_rs, pinned as the accumulators are: the compiler neither moves their
+// writes across the wait nor gives their registers to other values while a group still reads them
+// (the PTX ISA leaves touching them before the retiring wait undefined).
+template <int K>
+__device__ __forceinline__ void wgmma_fence_fragments(uint32_t (&a)[K][4]) {
+#ifndef FAGEN_EMULATE
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[k][r])::"memory");
+  }
+#endif
+}
+
 }  // namespace fagen
