@@ -35,6 +35,14 @@ def test_clean_pipeline(pipeline):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_wait_that_retires_nothing_keeps_every_group_whole(pipeline):
+    """wait_group 2 with two groups in flight retires none; the groups it keeps must still retire
+    right at the next wait (once, keeping one moved it onto itself, which emptied it)."""
+    results, expected = launch(pipeline, 11)
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_missing_fence_before_the_first_wgmma(pipeline):
     with pytest.raises(EmulationError, match=r"no wgmma\.fence has ordered") as error:
         launch(pipeline, 1)

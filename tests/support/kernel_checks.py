@@ -24,6 +24,19 @@ OTHER_SOFTMAX_SCALES = (0.05, 0.4)
 ATOMIC_SASS = re.compile(r"\b(RED|REDG|ATOM|ATOMS|ATOMG)\b")   # sm_90 has REDG and ATOMG
 
 
+SM90_SCHEDULES = ("forward", "producer-first", "consumer-first", "random")
+
+
+def sm90_pipeline_check(spec: Spec, source: Source | None = None) -> None:
+    """The sm90 family's forward pipeline: four key tiles through its two stages (each stage reused,
+    both parities of its barriers), a ragged last one, MQA, under the schedules that reorder the
+    producer and the consumers, with the happens-before racecheck."""
+    for schedule in SM90_SCHEDULES:
+        with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0",
+                                          "FAGEN_EMULATE_RACECHECK": "1"}):
+            run_and_check(spec, Shape(1, 150, 400, heads=2, kv_heads=1), backward=False, source=source)
+
+
 def uneven_lengths_check(spec: Spec, source: Source | None = None) -> None:
     """Key lengths [Nk, Nk - 37, 1, 0]: causal aligns to each entry's own length."""
     for seqlen_q, seqlen_k in ((100, 150), (150, 100)):

@@ -251,6 +251,27 @@ MUTANTS += [
                        "if (col < kHeadDimV - 8)\n            *reinterpret_cast<float2*>(o_partial"),),
                  (checks.kv_cache_check,)),
 ]
+# The sm90 family's forward (templates/hopper_fwd.cu.j2): its pipeline's barriers and its registers' layouts.
+SM90 = Spec(64, dtype="fp16", arch_family="sm90")
+FULL_WAIT = "    fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);\n"
+MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_pipeline_check,)) for name, old, new in [
+    ("the consumers' wait for a full stage deleted", FULL_WAIT, ""),
+    ("the full barrier's parity flipped", "static_cast<uint32_t>(j / kStages) & 1);",
+     "(static_cast<uint32_t>(j / kStages) & 1) ^ 1);"),
+    ("the producer's wait for an empty stage deleted",
+     "    fagen::mbarrier_wait_parity(&bars->empty[s], (round & 1) ^ 1);", ""),
+    ("a consumer warp's release of a stage deleted",
+     "  if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty[s]);\n", ""),
+    ("the producer's stage off by one", "    const int s = j % kStages;\n    const uint32_t round",
+     "    const int s = (j + 1) % kStages;\n    const uint32_t round"),
+    ("P's A fragment with its two rows swapped", "pack2(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1])",
+     "pack2(p[8 * kk + 2 * (r ^ 1)], p[8 * kk + 2 * (r ^ 1) + 1])"),
+    ("S read before its wgmma group retires", "fagen::wgmma_wait<1>();", "fagen::wgmma_wait<2>();"),
+    ("the wgmma fence before a step's GEMMs deleted", "    fagen::wgmma_fence();   // P was written since the last groups\n",
+     ""),
+    ("the ping-pong turns not taken", "    wait_turn();\n", ""),
+]]
+
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",

@@ -361,8 +361,8 @@ void compute_wait(WarpgroupRendezvous& w) {
   for (std::size_t i = 0; i < state.in_flight.size(); ++i) {
     if (state.in_flight[i].group < first_kept) {
       retire(state, state.in_flight[i], w.group, w.site);
-    } else {
-      state.in_flight[remaining++] = std::move(state.in_flight[i]);
+    } else if (remaining++ != i) {   // never onto itself: a self-move would empty its vectors
+      state.in_flight[remaining - 1] = std::move(state.in_flight[i]);
     }
   }
   state.in_flight.resize(remaining);

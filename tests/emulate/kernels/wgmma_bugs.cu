@@ -43,6 +43,7 @@ extern "C" __global__ void wgmma_pipeline(const unsigned char* image, int image_
   fagen::wgmma_commit();
   fagen::wgmma_ss<kN, false>(e, descriptor(base, p + 8), descriptor(base, p + 12), 0);
   fagen::wgmma_commit();
+  if (bug == 11) fagen::wgmma_wait<2>();   // not a bug: a wait that retires nothing, then the real one
   if (bug == 2) {
     tile[p[4] + t] = 0x3c;  // B0's bytes, while the wgmmas reading them are in flight
   }
