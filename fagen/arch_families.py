@@ -6,7 +6,7 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain and causal attention; the backward stays the sm80 family's.
+         plain and causal attention, with key padding; the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCH_FAMILIES = ("sm80", "sm90")
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 128, 256)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
 
 # The 128-byte swizzle row is 64 two-byte elements: a tile is stored as d / 64 boxes of 64 columns.
@@ -34,7 +34,6 @@ def sm90_refusal(spec) -> str | None:
                    ("head_dim", spec.head_dim not in SM90_HEAD_DIMS,
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
                    ("head_dim_v", spec.head_dim_v not in (None, spec.head_dim), f"head_dim_v={spec.head_dim_v}"),
-                   ("key_padding", spec.key_padding, "key_padding (seqlens_k)"),
                    ("dropout", spec.dropout, "dropout"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
@@ -80,9 +79,10 @@ class Sm90Tiles:
 
 
 def sm90_tiles(head_dim: int) -> Sm90Tiles:
-    """d = 128 takes 176-key tiles, as FlashAttention-3 does: the per-row work of a tile (its max,
-    O's rescale) is spread over more keys, and Q plus two stages still fit (209 KiB)."""
-    return Sm90Tiles(head_dim, block_n=176 if head_dim == 128 else 128)
+    """The key tiles FlashAttention-3 takes: 176 keys at d = 128 (the per-row work of a tile, its
+    max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 80 at d = 256 (Q
+    and two stages in 225 KiB), 128 at d = 64."""
+    return Sm90Tiles(head_dim, block_n={128: 176, 256: 80}.get(head_dim, 128))
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

@@ -12,13 +12,17 @@ from fagen.arch_families import sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.spec import Spec
+import kernel_checks as checks
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
 # A ragged query block and key tile (the tail mask, rows past Nq unstored), Nq > Nk under causal
-# (rows that see no key: O = 0, L = +inf), GQA and MQA, two batches (the maps' coordinates).
+# (rows that see no key: O = 0, L = +inf), GQA and MQA, two batches (the maps' coordinates); with
+# key padding, one entry keeps every key and the other none (kernel_cases.key_lengths).
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
 SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dtype="fp16", arch_family="sm90"),
-         Spec(64, dtype="fp16", arch_family="sm90"), Spec(128, dtype="bf16", mask="causal", arch_family="sm90")]
+         Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
+         Spec(128, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90"),
+         Spec(256, dtype="bf16", mask="causal", arch_family="sm90"), Spec(256, dtype="fp16", arch_family="sm90")]
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +34,11 @@ def poisoned_outputs(monkeypatch):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
     run_and_check(spec, shape)
+
+
+def test_key_padding_aligns_causal_to_each_entrys_own_keys():
+    """Entries of Nk, Nk - 37, 1 and 0 keys, more queries than keys and fewer."""
+    checks.uneven_lengths_check(SPECS[3])
 
 
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
@@ -67,7 +76,7 @@ def test_the_spec_names_the_family_and_round_trips():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(dropout=True), "dropout"), (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
-    (dict(window=True), "window"), (dict(key_padding=True), "key_padding"), (dict(varlen=True), "varlen"),
+    (dict(window=True), "window"), (dict(softcap=True), "softcap"), (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):
