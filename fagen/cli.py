@@ -110,6 +110,8 @@ def cmd_build(args) -> int:
                                f"{', '.join(given)} (drop --default-set to build your own)")
     specs = default_specs() if args.default_set else _specs_from_args(args)
     archs, where = _archs(args)
+    if not args.arch and any(spec.arch_family == "sm90" for spec in specs):
+        archs, where = ["sm_90a"], "the sm90 family's arch-specific target"
     if args.bwd_stages is None and args.bwd_block_n is None:
         # One source serves every arch named: its backward must fit the smallest.
         smallest = min(smem_limit(arch) for arch in archs)

@@ -13,6 +13,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from .arch_families import ARCH_FAMILIES
 from .spec import Spec
 from .tile_shapes import default_tiles
 
@@ -38,6 +39,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
                         help="V's head dim d_v, at most --d (default: --d), e.g. --d 192 --dv 128")
     parser.add_argument("--version", type=int, choices=(1, 2), default=None,
                         help=f"1 = FlashAttention-1, 2 = FlashAttention-2 (default {DEFAULT_VERSION})")
+    parser.add_argument("--arch-family", choices=ARCH_FAMILIES, default=None,
+                        help="the forward's kernel family: sm80 (mma.sync, the default) or sm90 (wgmma and TMA, "
+                             "sm_90a only; fagen.arch_families)")
 
 
 def window_sizes(args: argparse.Namespace) -> list[int] | None:
@@ -55,6 +59,7 @@ def spec_fields(args: argparse.Namespace) -> dict:
             "mask": "causal" if args.causal else "none", "key_padding": args.key_padding,
             "dropout": args.dropout, "deterministic": args.deterministic, "window": window is not None,
             "head_dim_v": getattr(args, "head_dim_v", None),
+            "arch_family": getattr(args, "arch_family", None) or "sm80",
             **{flag: getattr(args, flag, False) for flag in ("softcap", "alibi", "sinks")}}
 
 
@@ -63,6 +68,7 @@ def spec_flags_given(args: argparse.Namespace) -> list[str]:
     given = [flag for field, flag in _FLAGS if getattr(args, field, False)]
     given += ["--window"] if getattr(args, "window", None) is not None else []
     given += ["--dv"] if getattr(args, "head_dim_v", None) is not None else []
+    given += ["--arch-family"] if getattr(args, "arch_family", None) is not None else []
     return given + (["--version"] if args.version is not None else [])
 
 
@@ -78,6 +84,7 @@ def build_command(spec: Spec, out_dir: Path | str | None = None) -> str:
     parts += [flag for field, flag in _FLAGS
               if (spec.causal if field == "causal" else getattr(spec, field))]
     parts += ["--window"] if spec.window else []
+    parts += ["--arch-family", spec.arch_family] if spec.arch_family != "sm80" else []
     if spec.score_mod is not None or spec.mask_mod is not None:
         raise ValueError(f"{spec.name} has a custom mod: build it from Python (fagen.variants), not the command line")
     if spec.tiles != default_tiles(spec.head_dim, spec.version):

@@ -54,6 +54,24 @@ def test_build_for_sm_90a_without_a_gpu(tmp_path, capsys):
     assert "sm_90a" in capsys.readouterr().out
 
 
+def test_build_the_sm90_family_for_sm_90a(tmp_path, capsys):
+    """--arch-family sm90 builds the wgmma/TMA forward (beside the sm80 backward) for sm_90a by
+    default; its op module runs on the CPU's emulator; another arch is refused by name."""
+    from fagen.spec_flags import build_command
+
+    out = tmp_path / "sm90"
+    assert main(["build", "--d", "64", "--causal", "--arch-family", "sm90", "--out", str(out)]) == 0
+    assert "for sm_90a (the sm90 family's arch-specific target" in capsys.readouterr().out
+    manifest = json.loads((out / "fa2_d64_causal_fp16_sm90.json").read_text())
+    assert manifest["spec"]["arch_family"] == "sm90" and list(manifest["resources"]) == ["sm_90a"]
+    report = manifest["resources"]["sm_90a"]["fa2_d64_causal_fp16_sm90_fwd"]
+    assert report["spill_store_bytes"] == 0 and report["registers"] <= 168
+    assert "hopper_fwd" in (out / "fa2_d64_causal_fp16_sm90.cu").read_text()
+    assert build_command(Spec.from_name("fa2_d64_causal_fp16_sm90")).endswith("--causal --arch-family sm90")
+    assert main(["build", "--d", "64", "--arch-family", "sm90", "--arch", "sm_80", "--out", str(out)]) == 2
+    assert "runs on sm_90 only, not on sm_80" in capsys.readouterr().err
+
+
 def test_a_failed_compile_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch):
     """A CompileError (NVRTC's refusal, or a wgmma pipeline ptxas serialises) reaches the user as
     `fagen: ...` and exit status 1, not as a traceback."""
@@ -259,7 +277,7 @@ VALUES = {   # a cheap valid value per option that takes one, by its first spell
     "--bwd-block-n": [str(TABLE.bwd_block_n)], "--arch": ["sm_90"], "--out": ["{tmp}/out"],
     "--dir": ["{built}"], "--json": ["{tmp}/counters.json"], "--spec": [f"fa2_d{D}_fp16"],
     "--seqlen": ["16"], "--seqlen-k": ["24"], "--batch": ["2"], "--heads": ["2"], "--kv-heads": ["1"],
-    "--workers": ["1"], "--dv": [str(D)], "--cubin": ["{tmp}/peer.cubin"],
+    "--workers": ["1"], "--dv": [str(D)], "--cubin": ["{tmp}/peer.cubin"], "--arch-family": ["sm80"],
 }
 BASE = {   # what each command runs with, besides the option under test
     "": [], "build": ["--d", str(D), "--arch", "sm_90", "--out", "{tmp}/out"], "list": [], "bench": [],
