@@ -6,7 +6,7 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain and causal attention, with key padding; the backward stays the sm80 family's.
+         plain, causal and windowed attention, with key padding; the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -37,7 +37,7 @@ def sm90_refusal(spec) -> str | None:
                    ("dropout", spec.dropout, "dropout"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
-                   ("window", spec.window, "window"), ("softcap", spec.softcap, "softcap"),
+                   ("softcap", spec.softcap, "softcap"),
                    ("alibi", spec.alibi, "alibi"), ("sinks", spec.sinks, "sinks"),
                    ("score_mod", spec.score_mod is not None, "a score_mod"),
                    ("mask_mod", spec.mask_mod is not None, "a mask_mod")]
@@ -78,11 +78,13 @@ class Sm90Tiles:
         return SWIZZLE_PERIOD + self.tile_bytes(self.block_m) + self.stages * 2 * self.tile_bytes(self.block_n)
 
 
-def sm90_tiles(head_dim: int) -> Sm90Tiles:
+def sm90_tiles(spec) -> Sm90Tiles:
     """The key tiles FlashAttention-3 takes: 176 keys at d = 128 (the per-row work of a tile, its
     max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 80 at d = 256 (Q
-    and two stages in 225 KiB), 128 at d = 64."""
-    return Sm90Tiles(head_dim, block_n={128: 176, 256: 80}.get(head_dim, 128))
+    and two stages in 225 KiB), 128 at d = 64, and 128 at d = 128 with a window, whose mask's
+    state would not fit the consumers' 240 registers beside 176-key tiles (it spilled)."""
+    wide = 128 if spec.window else 176
+    return Sm90Tiles(spec.head_dim, block_n={128: wide, 256: 80}.get(spec.head_dim, 128))
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

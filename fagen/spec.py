@@ -343,7 +343,7 @@ class Spec:
         if self.arch_family == "sm90":   # wgmma and TMA: arch-specific sm_90a cubins
             if base_arch(arch) != SM90_ARCH:
                 raise ValueError(f"{self.name} (arch_family='sm90') runs on sm_90 only, not on {arch}")
-            needed = sm90_tiles(self.head_dim).shared_bytes
+            needed = sm90_tiles(self).shared_bytes
         if needed > allowed:
             raise ValueError(
                 f"{self.name} needs {needed} bytes of shared memory per block "

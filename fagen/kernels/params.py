@@ -74,11 +74,11 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     """The sm90 family's forward (templates/hopper_fwd.cu.j2): q, k and v as TMA tensor maps passed
     by value, each box one 64-column box of a tile's rows, (1, rows, 1, 64) of (B, N, H, d); O,
     and L in natural log."""
-    tiles = sm90_tiles(spec.head_dim)
+    tiles = sm90_tiles(spec)
     maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
     return tuple(maps + [_tensor("out", ELEM_CTYPE[spec.dtype]), _tensor("lse", "float")] + _sizes(spec)
-                 + _strides("o") + [Param("softmax_scale_log2", "float", "float32")])
+                 + _strides("o") + [Param("softmax_scale_log2", "float", "float32")] + _variant(spec))
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

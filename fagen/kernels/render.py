@@ -139,7 +139,7 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
                        cache_update=Entry(f"{name}_cache_update", cache_update_params(spec) + GRID_OFFSETS,
                                           CACHE_UPDATE_THREADS, 1, "q", 0))
     if spec.arch_family == "sm90":   # FlashAttention-3's design: one producer, two consumer warpgroups
-        tiles = sm90_tiles(spec.head_dim)
+        tiles = sm90_tiles(spec)
         forward = entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes)
     else:
         forward = entry("fwd", forward_params(spec, debug), spec.threads,
@@ -168,7 +168,7 @@ def render(spec: Spec, debug: bool = False) -> Source:
         spec=spec,
         entries=entries,
         forward_template=FORWARD_TEMPLATES["sm90" if spec.arch_family == "sm90" else spec.version],
-        sm90=sm90_tiles(spec.head_dim) if spec.arch_family == "sm90" else None,
+        sm90=sm90_tiles(spec) if spec.arch_family == "sm90" else None,
         layout=spec.shared_layout,
         bwd=spec.backward_tiles,
         bwd_layout=spec.backward_layout,

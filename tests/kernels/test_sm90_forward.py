@@ -13,6 +13,7 @@ from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.spec import Spec
 import kernel_checks as checks
+from variant_cases import run_variant_case
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
 # A ragged query block and key tile (the tail mask, rows past Nq unstored), Nq > Nk under causal
@@ -41,6 +42,20 @@ def test_key_padding_aligns_causal_to_each_entrys_own_keys():
     checks.uneven_lengths_check(SPECS[3])
 
 
+# flash-attn's sliding window: the block's tiles start past the window's left edge (tile skipping on
+# both sides), each tile masked where the variant's tile class says it is not full.
+WINDOWS = {"narrow": ((20, 7), Shape(2, 150, 170, heads=2, kv_heads=1)),
+           "left_edge_past_a_tile": ((130, 0), Shape(1, 300, 700, heads=2, kv_heads=1))}
+
+
+@pytest.mark.parametrize("window", WINDOWS.values(), ids=WINDOWS)
+@pytest.mark.parametrize("base", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
+                                  Spec(128, dtype="fp16", arch_family="sm90")], ids=lambda s: s.name)
+def test_a_window_meets_the_oracle(base, window):
+    sizes, shape = window
+    run_variant_case(base, shape, {"window_size": sizes})
+
+
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
 def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     """The schedules that let the producer run ahead, or the consumers first, and a seeded random
@@ -64,7 +79,7 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
     # 384 threads, one block per SM: ptxas allocates at most 65536 / 384 = 168 registers a thread,
     # within the consumers' setmaxnreg budget of 240.
     assert usage.registers <= 168, usage
-    assert source.kernels.forward.shared_bytes == sm90_tiles(spec.head_dim).shared_bytes <= 227 * 1024
+    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= 227 * 1024
 
 
 def test_the_spec_names_the_family_and_round_trips():
@@ -76,7 +91,7 @@ def test_the_spec_names_the_family_and_round_trips():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(dropout=True), "dropout"), (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
-    (dict(window=True), "window"), (dict(softcap=True), "softcap"), (dict(varlen=True), "varlen"),
+    (dict(alibi=True), "alibi"), (dict(softcap=True), "softcap"), (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):

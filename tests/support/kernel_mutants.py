@@ -271,6 +271,10 @@ MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_
      ""),
     ("the ping-pong turns not taken", "    wait_turn();\n", ""),
 ]]
+MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(window=True),
+                            (Edit("return {seen.first / kBlockN, seen.last / kBlockN + 1};",
+                                  "return {seen.first / kBlockN + 1, seen.last / kBlockN + 1};"),),
+                            (checks.variant_check,)))
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
