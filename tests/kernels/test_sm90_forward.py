@@ -56,6 +56,17 @@ def test_a_window_meets_the_oracle(base, window):
     run_variant_case(base, shape, {"window_size": sizes})
 
 
+# The softcap alone works in units of the cap (t = tanh.approx(tau S / c), c log2(e) in the exponent,
+# L = c m + log l), with a window or without; the tolerance on L is the hardware tanh's
+# (variant_cases.lse_tolerance).
+@pytest.mark.parametrize("variant", [{"softcap": 2.5}, {"softcap": 30.0, "window_size": (40, 10)}],
+                         ids=["softcap", "softcap_window"])
+@pytest.mark.parametrize("base", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
+                                  Spec(128, dtype="fp16", arch_family="sm90")], ids=lambda s: s.name)
+def test_a_softcap_meets_the_oracle(base, variant):
+    run_variant_case(base, Shape(2, 150, 300, heads=2, kv_heads=1), variant)
+
+
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
 def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     """The schedules that let the producer run ahead, or the consumers first, and a seeded random
@@ -91,7 +102,7 @@ def test_the_spec_names_the_family_and_round_trips():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(dropout=True), "dropout"), (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
-    (dict(alibi=True), "alibi"), (dict(softcap=True), "softcap"), (dict(varlen=True), "varlen"),
+    (dict(alibi=True), "alibi"), (dict(sinks=True), "sinks"), (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):

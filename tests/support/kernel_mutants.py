@@ -275,6 +275,8 @@ MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(
                             (Edit("return {seen.first / kBlockN, seen.last / kBlockN + 1};",
                                   "return {seen.first / kBlockN + 1, seen.last / kBlockN + 1};"),),
                             (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
+                            (Edit("    cap();\n", ""),), (checks.variant_check,)))
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
