@@ -1,5 +1,5 @@
 """Which kernel family a call's forward runs (fagen.arch_families.chosen_family): FAGEN_ARCH_FAMILY=sm90
-sends the calls the sm90 family takes (a window among them) to its wgmma/TMA forward (on the CPU, the emulator runs it), with
+sends the calls the sm90 family takes (a window or a softcap among them) to its wgmma/TMA forward (on the CPU, the emulator runs it), with
 the sm80 backward after it; everything else, and every call by default, stays on sm80."""
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def test_what_the_family_cannot_take_and_the_default_stay_on_sm80(monkeypatch, s
     q, k, v, _ = _inputs()
     fagen.flash_attn_func(q, k, v, causal=True)   # no FAGEN_ARCH_FAMILY: the default
     monkeypatch.setenv(ARCH_FAMILY_ENV, "sm90")
-    fagen.flash_attn_func(q, k, v, softcap=5.0)
+    fagen.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
     fagen.flash_attn_func(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
-    assert sources() == ["fa2_d32_bf16", "fa2_d64_causal_bf16", "fa2_d64_softcap_bf16"]
+    assert sources() == ["fa2_d32_bf16", "fa2_d64_alibi_bf16", "fa2_d64_causal_bf16"]
 
 
 def test_a_windowed_call_runs_the_sm90_forward(monkeypatch, sources):
