@@ -6,7 +6,7 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain, causal and windowed attention, with softcap and key padding; the backward stays the sm80 family's.
+         plain, causal and windowed attention, with softcap, dropout and key padding; the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -34,7 +34,6 @@ def sm90_refusal(spec) -> str | None:
                    ("head_dim", spec.head_dim not in SM90_HEAD_DIMS,
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
                    ("head_dim_v", spec.head_dim_v not in (None, spec.head_dim), f"head_dim_v={spec.head_dim_v}"),
-                   ("dropout", spec.dropout, "dropout"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
                    ("alibi", spec.alibi, "alibi"), ("sinks", spec.sinks, "sinks"),
@@ -80,10 +79,16 @@ class Sm90Tiles:
 def sm90_tiles(spec) -> Sm90Tiles:
     """The key tiles FlashAttention-3 takes: 176 keys at d = 128 (the per-row work of a tile, its
     max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 80 at d = 256 (Q
-    and two stages in 225 KiB), 128 at d = 64, and 128 at d = 128 with a window, whose mask's
-    state would not fit the consumers' 240 registers beside 176-key tiles (it spilled)."""
-    wide = 128 if spec.window else 176
-    return Sm90Tiles(spec.head_dim, block_n={128: wide, 256: 80}.get(spec.head_dim, 128))
+    and two stages in 225 KiB), 128 at d = 64. Narrower where the consumers' 240 registers would
+    not hold a variant's state beside them (NVRTC 12.9, sm_90a: these spilled): a window's mask
+    at d = 128 (128 keys), dropout's Philox words (112 at d = 128, 48 at d = 256)."""
+    if spec.head_dim == 128:
+        block_n = 112 if spec.dropout else 128 if spec.window else 176
+    elif spec.head_dim == 256:
+        block_n = 48 if spec.dropout else 80
+    else:
+        block_n = 128
+    return Sm90Tiles(spec.head_dim, block_n=block_n)
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

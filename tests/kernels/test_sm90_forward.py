@@ -67,6 +67,24 @@ def test_a_softcap_meets_the_oracle(base, variant):
     run_variant_case(base, Shape(2, 150, 300, heads=2, kv_heads=1), variant)
 
 
+# Dropout (FlashAttention-2's rule: l takes P whole, O the dropped P, scaled by 1 / (1 - p)) with the
+# sm80 family's keep bits: run_and_check holds O against the oracle with kernel_cases' Philox mask,
+# and the sm80 backward after it regenerates that mask, so a different bit fails the gradients.
+DROPOUT = [Spec(64, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
+           Spec(128, dtype="fp16", dropout=True, arch_family="sm90"),
+           Spec(256, dtype="bf16", dropout=True, key_padding=True, arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", DROPOUT, ids=lambda s: s.name)
+def test_dropout_draws_the_sm80_familys_mask(spec):
+    run_and_check(spec, Shape(2, 150, 200, heads=4, kv_heads=2))
+
+
+def test_dropout_with_a_window_and_a_softcap():
+    run_variant_case(Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
+                     Shape(1, 150, 300, heads=2, kv_heads=1), {"softcap": 30.0, "window_size": (60, 0)})
+
+
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
 def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     """The schedules that let the producer run ahead, or the consumers first, and a seeded random
@@ -76,7 +94,7 @@ def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     run_and_check(SPECS[0], Shape(1, 150, 200, heads=2, kv_heads=1), backward=False)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + DROPOUT, ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
     pytest.importorskip("cuda.bindings")
     from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
@@ -101,7 +119,8 @@ def test_the_spec_names_the_family_and_round_trips():
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(dropout=True), "dropout"), (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
+    (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
+    (dict(version=1), "version=1"),
     (dict(alibi=True), "alibi"), (dict(sinks=True), "sinks"), (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):

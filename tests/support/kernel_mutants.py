@@ -275,6 +275,9 @@ MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(
                             (Edit("return {seen.first / kBlockN, seen.last / kBlockN + 1};",
                                   "return {seen.first / kBlockN + 1, seen.last / kBlockN + 1};"),),
                             (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: dropout keyed on each 8 keys' first pair", SM90.replace(dropout=True),
+                            (Edit("key0 + 8 * c + dropout.col_offset", "key0 + dropout.col_offset"),),
+                            (checks.ragged_check,)))
 MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
                             (Edit("    cap();\n", ""),), (checks.variant_check,)))
 
