@@ -7,6 +7,7 @@ happens-before racecheck; compiled by NVRTC for sm_90a without spills or seriali
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fagen.arch_families import sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
@@ -80,6 +81,17 @@ def test_dropout_draws_the_sm80_familys_mask(spec):
     run_and_check(spec, Shape(2, 150, 200, heads=4, kv_heads=2))
 
 
+# Sinks: every row starts from its head's logit (a key whose value row is zero), in raw score units
+# or, with the softcap alone, in the cap's; the sm80 backward and the host's sink gradient after it.
+@pytest.mark.parametrize("variant", [{"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+                                     {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0]), "softcap": 5.0,
+                                      "window_size": (50, 0)}], ids=["sinks", "sinks_softcap_window"])
+@pytest.mark.parametrize("base", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
+                                  Spec(128, dtype="fp16", arch_family="sm90")], ids=lambda s: s.name)
+def test_sinks_meet_the_oracle(base, variant):
+    run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant)
+
+
 def test_dropout_with_a_window_and_a_softcap():
     run_variant_case(Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
                      Shape(1, 150, 300, heads=2, kv_heads=1), {"softcap": 30.0, "window_size": (60, 0)})
@@ -121,7 +133,7 @@ def test_the_spec_names_the_family_and_round_trips():
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
     (dict(version=1), "version=1"),
-    (dict(alibi=True), "alibi"), (dict(sinks=True), "sinks"), (dict(varlen=True), "varlen"),
+    (dict(alibi=True), "alibi"), (dict(head_dim=128, head_dim_v=64), "head_dim_v=64"), (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):

@@ -278,6 +278,8 @@ MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(
 MUTANTS.append(KernelMutant("sm90: dropout keyed on each 8 keys' first pair", SM90.replace(dropout=True),
                             (Edit("key0 + 8 * c + dropout.col_offset", "key0 + dropout.col_offset"),),
                             (checks.ragged_check,)))
+MUTANTS.append(KernelMutant("sm90: rows start from -inf, not from the sink", SM90.replace(sinks=True),
+                            (Edit("  c.start_from(sink);\n", ""),), (checks.variant_check,)))
 MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
                             (Edit("    cap();\n", ""),), (checks.variant_check,)))
 
