@@ -6,7 +6,7 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain, causal and windowed attention, with softcap, sinks, dropout and key padding; the backward stays the sm80 family's.
+         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout and key padding; the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -36,7 +36,7 @@ def sm90_refusal(spec) -> str | None:
                    ("head_dim_v", spec.head_dim_v not in (None, spec.head_dim), f"head_dim_v={spec.head_dim_v}"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
-                   ("alibi", spec.alibi, "alibi"),
+                   ("alibi", spec.alibi and spec.softcap, "ALiBi with a softcap (a score chain)"),
                    ("score_mod", spec.score_mod is not None, "a score_mod"),
                    ("mask_mod", spec.mask_mod is not None, "a mask_mod")]
     found = [what for _, refused, what in unsupported if refused]

@@ -92,6 +92,16 @@ def test_sinks_meet_the_oracle(base, variant):
     run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant)
 
 
+# ALiBi alone adds its bias to the raw scores, in the plain kernel's units; with a window and sinks too.
+@pytest.mark.parametrize("variant", [{"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125])},
+                                     {"alibi_slopes": torch.tensor([[0.25, 0.0625, 0.5, 0.125]] * 2), "window_size": (50, 3),
+                                      "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}], ids=["alibi", "alibi_window_sinks"])
+@pytest.mark.parametrize("base", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
+                                  Spec(128, dtype="fp16", arch_family="sm90")], ids=lambda s: s.name)
+def test_alibi_meets_the_oracle(base, variant):
+    run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant)
+
+
 def test_dropout_with_a_window_and_a_softcap():
     run_variant_case(Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
                      Shape(1, 150, 300, heads=2, kv_heads=1), {"softcap": 30.0, "window_size": (60, 0)})
@@ -133,7 +143,8 @@ def test_the_spec_names_the_family_and_round_trips():
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
     (dict(version=1), "version=1"),
-    (dict(alibi=True), "alibi"), (dict(head_dim=128, head_dim_v=64), "head_dim_v=64"), (dict(varlen=True), "varlen"),
+    (dict(alibi=True, softcap=True), "ALiBi with a softcap"), (dict(head_dim=128, head_dim_v=64), "head_dim_v=64"),
+    (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):

@@ -49,9 +49,9 @@ def test_what_the_family_cannot_take_and_the_default_stay_on_sm80(monkeypatch, s
     q, k, v, _ = _inputs()
     fagen.flash_attn_func(q, k, v, causal=True)   # no FAGEN_ARCH_FAMILY: the default
     monkeypatch.setenv(ARCH_FAMILY_ENV, "sm90")
-    fagen.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    fagen.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), softcap=5.0)
     fagen.flash_attn_func(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
-    assert sources() == ["fa2_d32_bf16", "fa2_d64_alibi_bf16", "fa2_d64_causal_bf16"]
+    assert sources() == ["fa2_d32_bf16", "fa2_d64_causal_bf16", "fa2_d64_softcap_alibi_bf16"]
 
 
 def test_a_windowed_call_runs_the_sm90_forward(monkeypatch, sources):

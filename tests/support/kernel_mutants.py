@@ -280,6 +280,8 @@ MUTANTS.append(KernelMutant("sm90: dropout keyed on each 8 keys' first pair", SM
                             (checks.ragged_check,)))
 MUTANTS.append(KernelMutant("sm90: rows start from -inf, not from the sink", SM90.replace(sinks=True),
                             (Edit("  c.start_from(sink);\n", ""),), (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: ALiBi's bias not added", SM90.replace(alibi=True),
+                            (Edit("    bias(j);\n", ""),), (checks.variant_check,)))
 MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
                             (Edit("    cap();\n", ""),), (checks.variant_check,)))
 
