@@ -6,7 +6,8 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout and key padding; the backward stays the sm80 family's.
+         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout and key padding;
+         the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for

@@ -93,9 +93,13 @@ def test_sinks_meet_the_oracle(base, variant):
 
 
 # ALiBi alone adds its bias to the raw scores, in the plain kernel's units; with a window and sinks too.
-@pytest.mark.parametrize("variant", [{"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125])},
-                                     {"alibi_slopes": torch.tensor([[0.25, 0.0625, 0.5, 0.125]] * 2), "window_size": (50, 3),
-                                      "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}], ids=["alibi", "alibi_window_sinks"])
+SLOPES = [0.25, 0.0625, 0.5, 0.125]
+
+
+@pytest.mark.parametrize("variant", [{"alibi_slopes": torch.tensor(SLOPES)},
+                                     {"alibi_slopes": torch.tensor([SLOPES] * 2), "window_size": (50, 3),
+                                      "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}],
+                         ids=["alibi", "alibi_window_sinks"])
 @pytest.mark.parametrize("base", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
                                   Spec(128, dtype="fp16", arch_family="sm90")], ids=lambda s: s.name)
 def test_alibi_meets_the_oracle(base, variant):

@@ -1,6 +1,7 @@
 """Which kernel family a call's forward runs (fagen.arch_families.chosen_family): FAGEN_ARCH_FAMILY=sm90
-sends the calls the sm90 family takes (a window or a softcap among them) to its wgmma/TMA forward (on the CPU, the emulator runs it), with
-the sm80 backward after it; everything else, and every call by default, stays on sm80."""
+sends the calls the sm90 family takes (a window or a softcap among them) to its wgmma/TMA forward (on
+the CPU, the emulator runs it), with the sm80 backward after it; everything else, and every call by
+default, stays on sm80."""
 
 from __future__ import annotations
 

@@ -254,7 +254,8 @@ MUTANTS += [
 # The sm90 family's forward (templates/hopper_fwd.cu.j2): its pipeline's barriers and its registers' layouts.
 SM90 = Spec(64, dtype="fp16", arch_family="sm90")
 FULL_WAIT = "    fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);\n"
-MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_pipeline_check,)) for name, old, new in [
+MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_pipeline_check,))
+            for name, old, new in [
     ("the consumers' wait for a full stage deleted", FULL_WAIT, ""),
     ("the full barrier's parity flipped", "static_cast<uint32_t>(j / kStages) & 1);",
      "(static_cast<uint32_t>(j / kStages) & 1) ^ 1);"),
@@ -267,8 +268,8 @@ MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_
     ("P's A fragment with its two rows swapped", "pack2(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1])",
      "pack2(p[8 * kk + 2 * (r ^ 1)], p[8 * kk + 2 * (r ^ 1) + 1])"),
     ("S read before its wgmma group retires", "fagen::wgmma_wait<1>();", "fagen::wgmma_wait<2>();"),
-    ("the wgmma fence before a step's GEMMs deleted", "    fagen::wgmma_fence();   // P was written since the last groups\n",
-     ""),
+    ("the wgmma fence before a step's GEMMs deleted",
+     "    fagen::wgmma_fence();   // P was written since the last groups\n", ""),
     ("the ping-pong turns not taken", "    wait_turn();\n", ""),
 ]]
 MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(window=True),
