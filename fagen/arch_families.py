@@ -6,8 +6,8 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout and key padding;
-         the backward stays the sm80 family's.
+         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout, key padding
+         and d_v != d; the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCH_FAMILIES = ("sm80", "sm90")
-SM90_HEAD_DIMS = (64, 128, 256)
+SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
 
 # The 128-byte swizzle row is 64 two-byte elements: a tile is stored as d / 64 boxes of 64 columns.
@@ -34,7 +34,8 @@ def sm90_refusal(spec) -> str | None:
     unsupported = [("version", spec.version != 2, "version=1 (FlashAttention-1 stays on the sm80 family)"),
                    ("head_dim", spec.head_dim not in SM90_HEAD_DIMS,
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
-                   ("head_dim_v", spec.head_dim_v not in (None, spec.head_dim), f"head_dim_v={spec.head_dim_v}"),
+                   ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
+                    f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
                    ("alibi", spec.alibi and spec.softcap, "ALiBi with a softcap (a score chain)"),
@@ -53,6 +54,7 @@ class Sm90Tiles:
     warpgroup), `block_n` keys per K/V tile, `stages` K/V tiles in flight."""
 
     head_dim: int
+    head_dim_v: int
     block_m: int = 128
     block_n: int = 128
     stages: int = 2
@@ -67,29 +69,29 @@ class Sm90Tiles:
         """64-column boxes per row of a tile (a TMA box is one 128-byte swizzle row wide)."""
         return self.head_dim // BOX_COLUMNS
 
-    def tile_bytes(self, rows: int) -> int:
-        return rows * self.head_dim * 2
-
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: Q, then each stage's K and V, and the slack that aligns them to
-        the swizzle's period."""
-        return SWIZZLE_PERIOD + self.tile_bytes(self.block_m) + self.stages * 2 * self.tile_bytes(self.block_n)
+        """Dynamic shared memory: Q, then each stage's K and V (d and d_v wide), and the slack that
+        aligns them to the swizzle's period."""
+        stage = self.block_n * (self.head_dim + self.head_dim_v) * 2
+        return SWIZZLE_PERIOD + self.block_m * self.head_dim * 2 + self.stages * stage
 
 
 def sm90_tiles(spec) -> Sm90Tiles:
     """The key tiles FlashAttention-3 takes: 176 keys at d = 128 (the per-row work of a tile, its
-    max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 80 at d = 256 (Q
-    and two stages in 225 KiB), 128 at d = 64. Narrower where the consumers' 240 registers would
-    not hold a variant's state beside them (NVRTC 12.9, sm_90a: these spilled): a window's mask
-    at d = 128 (128 keys), dropout's Philox words (112 at d = 128, 48 at d = 256)."""
+    max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 112 at d = 192,
+    80 at d = 256 (Q and two stages in 225 KiB), 128 at d = 64. Narrower where the consumers' 240
+    registers would not hold a variant's state beside them (NVRTC 12.9, sm_90a: these spilled): a
+    window's mask at d = 128 (128 keys), dropout's Philox words (112 at d = 128, 48 at d = 256)."""
     if spec.head_dim == 128:
         block_n = 112 if spec.dropout else 128 if spec.window else 176
+    elif spec.head_dim == 192:
+        block_n = 112
     elif spec.head_dim == 256:
         block_n = 48 if spec.dropout else 80
     else:
         block_n = 128
-    return Sm90Tiles(spec.head_dim, block_n=block_n)
+    return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n)
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

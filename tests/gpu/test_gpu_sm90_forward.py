@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.twins,
 SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dtype="fp16", arch_family="sm90"),
          Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
          Spec(128, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90"),
-         Spec(256, dtype="bf16", mask="causal", arch_family="sm90"), Spec(256, dtype="fp16", arch_family="sm90")]
+         Spec(256, dtype="bf16", mask="causal", arch_family="sm90"), Spec(256, dtype="fp16", arch_family="sm90"),
+         Spec(192, head_dim_v=128, dtype="bf16", mask="causal", arch_family="sm90")]
 SHAPES = [Shape(2, 150, 200, heads=4, kv_heads=2), Shape(1, 200, 130, 2, 1), Shape(1, 1000, 2049, heads=3, kv_heads=1)]
 
 

@@ -24,7 +24,10 @@ SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_m
 SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dtype="fp16", arch_family="sm90"),
          Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
          Spec(128, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90"),
-         Spec(256, dtype="bf16", mask="causal", arch_family="sm90"), Spec(256, dtype="fp16", arch_family="sm90")]
+         Spec(256, dtype="bf16", mask="causal", arch_family="sm90"), Spec(256, dtype="fp16", arch_family="sm90"),
+         # d_v != d: DeepSeek-V3's training shape (192, 128), and (128, 64); V's tiles and O are d_v wide.
+         Spec(192, head_dim_v=128, dtype="bf16", mask="causal", arch_family="sm90"),
+         Spec(128, head_dim_v=64, dtype="fp16", arch_family="sm90")]
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +150,7 @@ def test_the_spec_names_the_family_and_round_trips():
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
     (dict(version=1), "version=1"),
-    (dict(alibi=True, softcap=True), "ALiBi with a softcap"), (dict(head_dim=128, head_dim_v=64), "head_dim_v=64"),
+    (dict(alibi=True, softcap=True), "ALiBi with a softcap"), (dict(head_dim=128, head_dim_v=96), "head_dim_v=96"),
     (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
