@@ -271,6 +271,9 @@ MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_
     ("the wgmma fence before a step's GEMMs deleted",
      "    fagen::wgmma_fence();   // P was written since the last groups\n", ""),
     ("the ping-pong turns not taken", "    wait_turn();\n", ""),
+    ("P written into P V's A registers before that P V retires",
+     "    fagen::wgmma_wait<0>();   // P_{j-1} V_{j-1} has landed",
+     "    probabilities_as_a(p, a);\n    fagen::wgmma_wait<0>();   // P_{j-1} V_{j-1} has landed"),
 ]]
 MUTANTS.append(KernelMutant("sm90: a window's first tile skipped", SM90.replace(window=True),
                             (Edit("return {seen.first / kBlockN, seen.last / kBlockN + 1};",

@@ -60,6 +60,9 @@ struct InFlight {
   Tile a, b;                    // a unused when A came from registers
   std::vector<uint16_t> a_regs;  // 64 x K A bits from registers
   float* d[128] = {};
+  uint32_t* a_where[128] = {};   // A from registers: each thread's four, poisoned while in flight
+  uint32_t a_saved[128][4] = {};  // ... and what they held at issue, restored by the retiring wait
+  uint32_t a_poison = 0;         // the NaN pattern written there (0 when an earlier op in flight owns them)
   bool chained = false;          // C is the result of an earlier wgmma in flight on the same d
   std::vector<float> c;          // else C as it was at issue, thread-major
 };
@@ -270,6 +273,50 @@ void check_uniform(const WarpgroupRendezvous& w) {
 
 bool same_accumulator(const InFlight& op, float* const* d) { return std::equal(op.d, op.d + 128, d); }
 
+// A from registers is poisoned from issue to the retiring wait (NaN in every element: 0x7fff in
+// 16 bits, 0x7f in 8): the PTX ISA leaves touching those registers in between undefined, so a read
+// sees NaN, and a write is found at the wait, where the twin checks the poison is intact before
+// it restores the values. An op whose A another op in flight already poisoned reads that op's
+// saved values and leaves the registers to it.
+void poison_a_registers(WgmmaState& state, InFlight& op, const WarpgroupRendezvous& w) {
+  const InFlight* owner = nullptr;
+  for (const InFlight& earlier : state.in_flight) {
+    if (earlier.a_from_registers && earlier.a_poison && earlier.a_where[0] == issue_of(w, 0).a_regs)
+      owner = &earlier;
+  }
+  void* where[128];
+  for (unsigned t = 0; t < 128; ++t) {
+    op.a_where[t] = const_cast<uint32_t*>(issue_of(w, t).a_regs);
+    where[t] = op.a_where[t];
+    std::memcpy(op.a_saved[t], owner ? owner->a_saved[t] : op.a_where[t], sizeof(op.a_saved[t]));
+  }
+  if (owner) return;
+  op.a_poison = element_bytes(op.issue.a_type) == 2 ? 0x7fff7fffu : 0x7f7f7f7fu;
+  for (unsigned t = 0; t < 128; ++t)
+    for (unsigned r = 0; r < 4; ++r) op.a_where[t][r] = op.a_poison;
+  remember_registers(state, where, 4 * sizeof(uint32_t));
+}
+
+// At the wait that retires the last op in flight reading them: A's poison must be intact (else the
+// kernel wrote those registers, or let the compiler reuse them, while a wgmma could still read
+// them: keep them live with wgmma_fence_fragments until the wait), then their values come back.
+void restore_a_registers(WgmmaState& state, const InFlight& op, unsigned group, Site wait_site) {
+  void* where[128];
+  for (unsigned t = 0; t < 128; ++t) {
+    for (unsigned r = 0; r < 4; ++r) {
+      if (op.a_where[t][r] != op.a_poison) {
+        fail(wait_site, "wgmma (issued at %s:%d): thread %u's A register %u changed between its issue and the "
+                        "wgmma.wait_group that retires it (0x%08x, not the poison 0x%08x the twin left): a write "
+                        "to an in-flight wgmma's A registers, or their registers reused", op.site.file,
+             op.site.line, 128 * group + t, r, op.a_where[t][r], op.a_poison);
+      }
+    }
+    std::memcpy(op.a_where[t], op.a_saved[t], sizeof(op.a_saved[t]));
+    where[t] = op.a_where[t];
+  }
+  remember_registers(state, where, 4 * sizeof(uint32_t));
+}
+
 void compute_issue(WarpgroupRendezvous& w) {
   WgmmaState& state = wgmma_state(w);
   check_uniform(w);
@@ -289,13 +336,13 @@ void compute_issue(WarpgroupRendezvous& w) {
   check_fence(state, d_where, d_bytes, "accumulators", 128 * w.group, w.site);
   if (op.a_from_registers) {
     check_fence(state, a_where, 4 * sizeof(uint32_t), "A registers", 128 * w.group, w.site);
-    remember_registers(state, a_where, 4 * sizeof(uint32_t));
+    poison_a_registers(state, op, w);
     // Register r holds `per` elements, the lowest k in the lowest bits.
     const unsigned depth = static_cast<unsigned>(k_of(op.issue.a_type)), bits = 8u * element_bytes(op.issue.a_type);
     const unsigned per = 32 / bits;
     op.a_regs.resize(64 * depth);
     for (unsigned t = 0; t < 128; ++t) {
-      const uint32_t* regs = issue_of(w, t).a_regs;
+      const uint32_t* regs = op.a_saved[t];   // the values at issue (the registers hold poison now)
       const unsigned row = 16 * (t / 32) + (t % 32) / 4, q = t % 4;
       for (unsigned r = 0; r < 4; ++r) {
         const unsigned m = row + 8 * (r % 2), k = depth / 2 * (r / 2) + per * q;
@@ -358,14 +405,31 @@ void compute_wait(WarpgroupRendezvous& w) {
   const uint32_t kept = static_cast<uint32_t>(*static_cast<const int*>(w.in[0]));
   const uint32_t first_kept = state.committed > kept ? state.committed - kept : 0;
   std::size_t remaining = 0;
+  std::vector<InFlight> retired;
   for (std::size_t i = 0; i < state.in_flight.size(); ++i) {
     if (state.in_flight[i].group < first_kept) {
       retire(state, state.in_flight[i], w.group, w.site);
+      if (state.in_flight[i].a_poison) retired.push_back(std::move(state.in_flight[i]));
     } else if (remaining++ != i) {   // never onto itself: a self-move would empty its vectors
       state.in_flight[remaining - 1] = std::move(state.in_flight[i]);
     }
   }
   state.in_flight.resize(remaining);
+  for (const InFlight& op : retired) {
+    bool still_read = false;   // by an op still in flight, which took A from this one's saved values
+    for (const InFlight& kept : state.in_flight)
+      still_read |= kept.a_from_registers && kept.a_where[0] == op.a_where[0];
+    if (still_read) {
+      for (InFlight& kept : state.in_flight) {
+        if (kept.a_from_registers && kept.a_where[0] == op.a_where[0] && !kept.a_poison) {
+          kept.a_poison = op.a_poison;   // the first of them inherits the poison, and restores it later
+          break;
+        }
+      }
+    } else {
+      restore_a_registers(state, op, w.group, w.site);
+    }
+  }
   state.fenced_since_wait = false;
 }
 

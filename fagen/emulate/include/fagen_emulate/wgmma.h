@@ -5,8 +5,9 @@
 // wgmma ops are warpgroup-collective: the 128 threads of warps 4i..4i+3 must all call the same
 // op at the same call site, or the launch fails. Emulated semantics (src/wgmma.cpp):
 // - issue: the accumulators of every thread are filled with NaN (C is kept aside, or chained
-//   from an in-flight wgmma on the same accumulators); the operand tiles are read once to
-//   remember their bytes and bounds-checked;
+//   from an in-flight wgmma on the same accumulators), and so are A's registers (their values
+//   kept aside, restored by the retiring wait, a fault there if a thread wrote them); the
+//   operand tiles are read once to remember their bytes and bounds-checked;
 // - wgmma_wait(N) retires all committed groups but the N most recent, in issue order: the
 //   shared operands are read again, a fault if any byte changed since issue, and D is written;
 // - a wgmma whose accumulator (or A registers) a thread wrote since the twin last wrote them,
