@@ -339,11 +339,9 @@ class Spec:
         the table's value, so a GPU whose arch the table lacks still runs.
         """
         allowed = smem_limit(arch) if shared_limit is None else shared_limit
-        needed = self.shared_layout.total_bytes
-        if self.arch_family == "sm90":   # wgmma and TMA: arch-specific sm_90a cubins
-            if base_arch(arch) != SM90_ARCH:
-                raise ValueError(f"{self.name} (arch_family='sm90') runs on sm_90 only, not on {arch}")
-            needed = sm90_tiles(self).shared_bytes
+        if self.arch_family == "sm90" and base_arch(arch) != SM90_ARCH:   # wgmma, TMA: sm_90a cubins
+            raise ValueError(f"{self.name} (arch_family='sm90') runs on sm_90 only, not on {arch}")
+        needed = sm90_tiles(self).shared_bytes if self.arch_family == "sm90" else self.shared_layout.total_bytes
         if needed > allowed:
             raise ValueError(
                 f"{self.name} needs {needed} bytes of shared memory per block "

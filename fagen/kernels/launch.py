@@ -109,11 +109,14 @@ class BoundLaunch:
             function(grid, self.block, tuple(args), self.shared_mem)
 
 
-def _driver_map(box: tuple, tensor: torch.Tensor):
-    """A tensor map the driver encodes (cuTensorMapEncodeTiled), as CuPy passes a struct by value:
-    a NumPy structured scalar of its 128 bytes."""
-    data = TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor)
+def struct_argument(data: bytes):
+    """A struct passed by value, as CuPy takes one: a NumPy structured scalar of its bytes."""
     return np.frombuffer(bytes(data), dtype=np.dtype([("bytes", np.uint8, (len(data),))]))[0]
+
+
+def _driver_map(box: tuple, tensor: torch.Tensor):
+    """A tensor map the driver encodes (cuTensorMapEncodeTiled), passed by value."""
+    return struct_argument(TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor))
 
 
 def _emulated_map(box: tuple, tensor: torch.Tensor):

@@ -163,12 +163,13 @@ MAX_PLANS = 1024
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
 
 
-def _planned(plan_key, build, debug) -> list[launch.BoundLaunch]:
-    """The bound launches of `plan_key` (a callable giving the key), built by `build()` on a
-    miss. Debug renders take instrumentation tensors and are never remembered."""
-    key = None if debug else plan_key()
-    plan = None if debug else _plans.get(key)
-    return plan if plan is not None else _remember(_plans, key, build())
+def _planned(key, build, plans: dict | None = None):
+    """The plan kept under `key` in `plans` (default: this module's table), built by `build()` on
+    a miss and kept. A key of None (a debug render, which takes instrumentation tensors) is built
+    every time and never kept."""
+    plans = _plans if plans is None else plans
+    plan = None if key is None else plans.get(key)
+    return plan if plan is not None else _remember(plans, key, build())
 
 
 class Plan:
@@ -235,7 +236,7 @@ def launch_all(plan: list[launch.BoundLaunch], tensors: dict, after_first=None) 
 def launch_planned(plan_key, build, tensors: dict, debug, after_first=None) -> None:
     """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
     guards' flag where the call owns one (REFUSAL)."""
-    launch_all(_planned(plan_key, build, debug), tensors, after_first)
+    launch_all(_planned(None if debug else plan_key(), build), tensors, after_first)
     _raise_refused(tensors)
 
 
@@ -296,16 +297,14 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     caller's own plans (`Memo`)."""
     scale = _scale(softmax_scale, q)
     variant_tensors, variant_scalars = split_variant(source.spec, variant, scale)
-    plans, key = _plans, None
+    key = None
     if memo is not None and not debug:
-        plans, key = memo, ("fwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride())
+        key = ("fwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride())
     elif not debug:
         key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), scale, dropout_p, variant_scalars, varlen_key(varlen))
-    plan = plans.get(key)
-    if plan is None:
-        plan = _remember(plans, key, _forward_plan(source, q, k, v, scale, dropout_p, variant_scalars, varlen,
-                                                   debug))
+    plan = _planned(key, lambda: _forward_plan(source, q, k, v, scale, dropout_p, variant_scalars, varlen, debug),
+                    memo)
     tensors = plan.allocate(q.device)
     stats = tuple(tensors[name] for name in plan.results[1:])
     out = tensors["out"]
@@ -355,18 +354,15 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     scale = _scale(softmax_scale, q)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = split_variant(spec, variant, scale)
-    plans, key = _plans, None
+    key = None
     if memo is not None and not debug:
-        plans, key = memo, ("bwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride(),
-                                 dout.stride())
+        key = ("bwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride(), dout.stride())
     elif not debug:
         key = ("bwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), out.stride(), dout.stride(), scale, drop.get("keep_threshold"), variant_scalars,
                varlen_key(varlen))
-    plan = plans.get(key)
-    if plan is None:
-        plan = _remember(plans, key, _backward_plan(source, q, k, v, out, dout, scale, drop, variant_scalars, varlen,
-                                             debug))
+    plan = _planned(key, lambda: _backward_plan(source, q, k, v, out, dout, scale, drop, variant_scalars, varlen,
+                                                debug), memo)
     tensors = plan.allocate(q.device)
     dq, dk, dv = (tensors[name] for name in plan.results)
     tensors.update(q=q, k=k, v=v, out=out, dout=dout, seqlens_k=seqlens_k, seed=drop.get("seed", 0),

@@ -24,6 +24,7 @@ def gpu_function(source: str, name: str, arch: str):
     import cupy
 
     from fagen.kernels.compile import nvrtc_compile
+    from fagen.kernels.launch import struct_argument
 
     cubin, _ = nvrtc_compile(source, arch)
     module = cupy.cuda.function.Module()
@@ -33,8 +34,8 @@ def gpu_function(source: str, name: str, arch: str):
     def converted(value):
         if isinstance(value, torch.Tensor):
             return np.uint64(value.data_ptr())
-        if isinstance(value, (bytes, bytearray)):   # a struct by value: CuPy takes a structured scalar
-            return np.frombuffer(bytes(value), dtype=np.dtype([("bytes", np.uint8, (len(value),))]))[0]
+        if isinstance(value, (bytes, bytearray)):   # a struct by value (a tensor map's 128 bytes)
+            return struct_argument(value)
         return value
 
     def launch(grid, block, args, shared_mem: int = 0):
