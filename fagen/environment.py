@@ -23,3 +23,17 @@ def setting(name: str) -> str:
         return os.environ.get(name, "")
     value = _DATA.get(name.encode())
     return "" if value is None else os.fsdecode(value)
+
+
+
+def setting_keys(*names: str) -> tuple:
+    """`names` as `raw_settings` takes them (encoded once, where os.environ keeps bytes)."""
+    return names if _DATA is None or type(_DATA) is not dict else tuple(n.encode() for n in names)
+
+
+def raw_settings(keys: tuple) -> tuple:
+    """Several variables' raw values in one step (None when unset), `keys` from `setting_keys`:
+    for a cache key that must change when any of them does (equal tuples, equal settings)."""
+    if _DATA is None or type(_DATA) is not dict:
+        return tuple(map(os.environ.get, keys))
+    return tuple(map(_DATA.get, keys))

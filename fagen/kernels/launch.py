@@ -322,6 +322,10 @@ _key_locks: dict[tuple[str, str], threading.Lock] = {}
 _key_locks_guard = threading.Lock()
 
 
+# What `emulator_build` reads from the environment (and it reads instrumentation.collecting()).
+BACKEND_SETTINGS = (CHECKED_ENV, RACECHECK_ENV)
+
+
 def backend_key(device: torch.device):
     """What decides which loaded kernels serve `device`: the device, and on CPU the emulator
     build (fast, checked or instrumented)."""

@@ -9,6 +9,7 @@ Shapes: q (B, Nq, H, d), k and v (B, Nk, Hk, d); statistics (B, H, Nq) fp32.
 from __future__ import annotations
 
 import math
+import operator
 from fractions import Fraction
 
 import torch
@@ -22,9 +23,10 @@ from ..variants.cuda import variant_code
 LOG2E = 1.4426950408889634
 
 
-def _empty(*shape, dtype, device) -> torch.Tensor:
-    """Every buffer a kernel writes is allocated here (tests poison them through it)."""
-    return torch.empty(*shape, dtype=dtype, device=device)
+# Every buffer a kernel writes is allocated through `_empty(*shape, dtype=, device=)`: tests poison
+# the buffers by replacing it. It is torch.empty itself, not a wrapper: a warm training step
+# allocates eight buffers, and a Python frame each shows in benchmarks/call_overhead.py.
+_empty = torch.empty
 
 
 def new_buffer(*shape, dtype, device) -> torch.Tensor:
@@ -161,15 +163,19 @@ _plans: dict[tuple, Plan | list[launch.BoundLaunch]] = {}
 MAX_PLANS = 1024
 # Drawn anew for every dropout call; and a shard's dropout coordinates (Spec.coord_offsets).
 PER_CALL_SCALARS = frozenset({"seed", "philox_offset", "row_offset", "col_offset"})
+# What a call without values of its own passes for them (and for seqlens_k): in every plan, so
+# that such a call (dense.DenseCall's) only adds q, k and v.
+CALL_DEFAULTS = {"seqlens_k": None, "seed": 0, "philox_offset": 0, "row_offset": 0, "col_offset": 0}
 
 
-def _planned(key, build, plans: dict | None = None):
-    """The plan kept under `key` in `plans` (default: this module's table), built by `build()` on
+def _planned(key, plans: dict | None, build, *args):
+    """The plan kept under `key` in `plans` (None: this module's table), built by `build(*args)` on
     a miss and kept. A key of None (a debug render, which takes instrumentation tensors) is built
-    every time and never kept."""
+    every time and never kept. (`build` and its arguments, not a closure: a closure makes every
+    variable it captures a cell in the caller, which a warm call pays for.)"""
     plans = _plans if plans is None else plans
     plan = None if key is None else plans.get(key)
-    return plan if plan is not None else _remember(plans, key, build())
+    return plan if plan is not None else _remember(plans, key, build(*args))
 
 
 class Plan:
@@ -177,20 +183,24 @@ class Plan:
     shape, dtype), each through `_empty`), add the call's own tensors, and launch the bound
     kernels. Everything else (geometry, strides, scalars converted to their C types) is derived
     once, when the plan is built. `results` names the buffers the call returns; `fixed` holds
-    tensors that are the same on every call (`unused`)."""
+    values that are the same on every call (`unused` tensors), and CALL_DEFAULTS."""
 
-    __slots__ = ("launches", "buffers", "results", "fixed")
+    __slots__ = ("launches", "buffers", "results", "fixed", "take_results")
 
     def __init__(self, launches: list, buffers: list[tuple[str, tuple, torch.dtype]], results: tuple,
                  fixed: dict | None = None):
         self.launches = launches
         self.buffers = buffers
         self.results = results
-        self.fixed = fixed or {}
+        self.fixed = {**CALL_DEFAULTS, **(fixed or {})}
+        self.take_results = operator.itemgetter(*results)   # tensors -> the results, in order
 
     def allocate(self, device: torch.device) -> dict:
-        tensors = {name: _empty(*shape, dtype=dtype, device=device) for name, shape, dtype in self.buffers}
-        tensors.update(self.fixed)
+        """The call's tensors by kernel parameter name: its new buffers and the fixed values."""
+        tensors = self.fixed.copy()
+        empty = _empty   # looked up per call: tests poison buffers by replacing it
+        for name, shape, dtype in self.buffers:
+            tensors[name] = empty(*shape, dtype=dtype, device=device)
         return tensors
 
 
@@ -199,7 +209,8 @@ class Memo(dict):
     strides, dtypes, devices and the scalar arguments, with no tensors of its own beyond q, k, v)
     fixes everything in `forward`'s and `backward`'s keys but the kernels, the backend and the
     strides the kernels see (q, k or v copied into alignment: common.aligned_rows; dO's): a warm
-    call skips building the full key. The caller keeps it with the signature."""
+    call skips building the full key. The caller keeps one per kernels and backend
+    (`launch.backend_key`), so the keys hold only the strides."""
 
     LIMIT = 16
 
@@ -227,16 +238,17 @@ def _scale(softmax_scale, q) -> float:
 def launch_all(plan: list[launch.BoundLaunch], tensors: dict, after_first=None) -> None:
     """Launch a call's bound kernels in order with its tensors (each pointer converted once)."""
     converted: dict = {}
-    for index, bound in enumerate(plan):
+    for bound in plan:
         bound(tensors, converted)
-        if index == 0 and after_first is not None:
+        if after_first is not None:
             after_first()
+            after_first = None
 
 
 def launch_planned(plan_key, build, tensors: dict, debug, after_first=None) -> None:
     """Run the bound launches of `plan_key` (`_planned`) with `tensors`, then raise from the
     guards' flag where the call owns one (REFUSAL)."""
-    launch_all(_planned(None if debug else plan_key(), build), tensors, after_first)
+    launch_all(_planned(None if debug else plan_key(), None, build), tensors, after_first)
     _raise_refused(tensors)
 
 
@@ -295,31 +307,45 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
     and the statistics are (B, H, max_seqlen_q) with each sequence's rows first. `memo`: a
     caller's own plans (`Memo`)."""
-    scale = _scale(softmax_scale, q)
-    variant_tensors, variant_scalars = split_variant(source.spec, variant, scale)
+    variant_tensors, variant_scalars = (split_variant(source.spec, variant, _scale(softmax_scale, q)) if variant else
+                                        ({}, ()))
     key = None
     if memo is not None and not debug:
-        key = ("fwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride())
+        key = ("fwd", q.stride(), k.stride(), v.stride())
     elif not debug:
         key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-               v.stride(), scale, dropout_p, variant_scalars, varlen_key(varlen))
-    plan = _planned(key, lambda: _forward_plan(source, q, k, v, scale, dropout_p, variant_scalars, varlen, debug),
-                    memo)
+               v.stride(), _scale(softmax_scale, q), dropout_p, variant_scalars, varlen_key(varlen))
+    plan = _planned(key, memo, _forward_plan, source, q, k, v, softmax_scale, dropout_p, variant_scalars, varlen,
+                    debug)
     tensors = plan.allocate(q.device)
-    stats = tuple(tensors[name] for name in plan.results[1:])
-    out = tensors["out"]
-    tensors.update(q=q, k=k, v=v, seqlens_k=seqlens_k, seed=seed, philox_offset=philox_offset,
-                   row_offset=coord_offsets[0], col_offset=coord_offsets[1], **variant_tensors)
+    out, *stats = plan.take_results(tensors)
+    tensors["q"], tensors["k"], tensors["v"] = q, k, v
+    if seqlens_k is not None or seed or philox_offset or variant_tensors or debug or coord_offsets != (0, 0):
+        _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
+    if varlen is not None:
+        packed_tensors(tensors, varlen)
+    launch_all(plan.launches, tensors)
+    if varlen is not None:
+        _raise_refused(tensors)
+    return out, tuple(stats)
+
+
+def _call_values(tensors: dict, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug) -> None:
+    """A call's own values over the plan's CALL_DEFAULTS (a plain call has none)."""
+    if seqlens_k is not None:
+        tensors["seqlens_k"] = seqlens_k
+    if seed or philox_offset:
+        tensors["seed"], tensors["philox_offset"] = seed, philox_offset
+    if coord_offsets[0] or coord_offsets[1]:
+        tensors["row_offset"], tensors["col_offset"] = coord_offsets
+    if variant_tensors:
+        tensors.update(variant_tensors)
     if debug:
         tensors.update(debug)
-    packed_tensors(tensors, varlen)
-    launch_all(plan.launches, tensors)
-    _raise_refused(tensors)
-    return out, stats
 
 
-def _forward_plan(source: Source, q, k, v, scale, dropout_p, variant_scalars, varlen, debug) -> Plan:
-    spec = source.spec
+def _forward_plan(source: Source, q, k, v, softmax_scale, dropout_p, variant_scalars, varlen, debug) -> Plan:
+    spec, scale = source.spec, _scale(softmax_scale, q)
     batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
     buffers = [("out", (*q.shape[:-1], v.shape[-1]), q.dtype)]   # d_v columns
@@ -351,58 +377,63 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     own plans (`Memo`).
     """
     spec = source.spec
-    scale = _scale(softmax_scale, q)
     drop = dropout_args or {}
-    variant_tensors, variant_scalars = split_variant(spec, variant, scale)
+    variant_tensors, variant_scalars = split_variant(spec, variant, _scale(softmax_scale, q)) if variant else ({}, ())
     key = None
     if memo is not None and not debug:
-        key = ("bwd", source.hash, launch.backend_key(q.device), q.stride(), k.stride(), v.stride(), dout.stride())
+        key = ("bwd", q.stride(), k.stride(), v.stride(), dout.stride())
     elif not debug:
         key = ("bwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
-               v.stride(), out.stride(), dout.stride(), scale, drop.get("keep_threshold"), variant_scalars,
+               v.stride(), out.stride(), dout.stride(), _scale(softmax_scale, q), drop.get("keep_threshold"),
+               variant_scalars,
                varlen_key(varlen))
-    plan = _planned(key, lambda: _backward_plan(source, q, k, v, out, dout, scale, drop, variant_scalars, varlen,
-                                                debug), memo)
+    plan = _planned(key, memo, _backward_plan, source, q, k, v, out, dout, softmax_scale, drop, variant_scalars, varlen,
+                    debug)
     tensors = plan.allocate(q.device)
-    dq, dk, dv = (tensors[name] for name in plan.results)
-    tensors.update(q=q, k=k, v=v, out=out, dout=dout, seqlens_k=seqlens_k, seed=drop.get("seed", 0),
-                   philox_offset=drop.get("philox_offset", 0), row_offset=coord_offsets[0],
-                   col_offset=coord_offsets[1], **variant_tensors)
+    dq, dk, dv = plan.take_results(tensors)
+    tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
     if spec.version == 2:
         tensors["lse"] = stats[0]
     else:
         tensors["row_max"], tensors["row_sum"] = stats
-    grads = {}
-    if variant:
-        for name, _, _ in variant_code(spec).grad_params:   # captured tensors' gradients, by atomics
-            grads[name] = torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32,
-                                      device=q.device)
-        tensors.update(grads)
-    if debug:
-        tensors.update(debug)
-    delta, seqlen_q = tensors["delta"], stats[0].shape[-1]
-    packed_tensors(tensors, varlen)
-
-    def subtract_dlse():   # after the preprocess kernel: D - dL for every row
-        delta[:, :, :seqlen_q] -= dlse.to(torch.float32)
-
-    launch_all(plan.launches, tensors, after_first=None if dlse is None else subtract_dlse)
-    _raise_refused(tensors)
-    if extras is not None:
+    grads = _capture_gradients(spec, variant_tensors, q.device) if variant else {}
+    if seqlens_k is not None or drop or variant_tensors or debug or coord_offsets != (0, 0):
+        _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
+                     {**variant_tensors, **grads}, debug)
+    delta = tensors["delta"]   # (renamed delta_packed for packed sequences)
+    if varlen is not None:
+        packed_tensors(tensors, varlen)
+    launch_all(plan.launches, tensors, after_first=None if dlse is None else _subtract_dlse(delta, dlse))
+    if varlen is not None:
+        _raise_refused(tensors)
+    if extras is not None and variant:
         extras.update(grads)
         if spec.sinks:
-            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :seqlen_q],
+            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :stats[0].shape[-1]],
                                              None if varlen is None else sequence_rows(varlen))
-    heads, kv_heads = q.shape[-2], k.shape[-2]
-    if heads != kv_heads:   # GQA: per query head in fp32, the group's heads summed, then rounded once
-        group = heads // kv_heads
+    if q.shape[-2] != k.shape[-2]:   # GQA: per query head in fp32, the group's heads summed, then rounded once
+        kv_heads = k.shape[-2]
+        group = q.shape[-2] // kv_heads
         dk = dk.view(*k.shape[:-2], kv_heads, group, dk.shape[-1]).sum(-2).to(q.dtype)
         dv = dv.view(*k.shape[:-2], kv_heads, group, dv.shape[-1]).sum(-2).to(q.dtype)
     return dq, dk, dv
 
 
-def _backward_plan(source: Source, q, k, v, out, dout, scale, drop, variant_scalars, varlen, debug) -> Plan:
-    spec, kernels = source.spec, source.kernels
+def _capture_gradients(spec, variant_tensors: dict, device) -> dict:
+    """Zeroed fp32 gradients of the captured tensors the backward kernel accumulates (by atomics)."""
+    return {name: torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32, device=device)
+            for name, _, _ in variant_code(spec).grad_params}
+
+
+def _subtract_dlse(delta: torch.Tensor, dlse: torch.Tensor):
+    """What runs after the preprocess kernel when L has a gradient: D - dL for every row."""
+    def subtract():
+        delta[:, :, :dlse.shape[-1]] -= dlse.to(torch.float32)
+    return subtract
+
+
+def _backward_plan(source: Source, q, k, v, out, dout, softmax_scale, drop, variant_scalars, varlen, debug) -> Plan:
+    spec, kernels, scale = source.spec, source.kernels, _scale(softmax_scale, q)
     batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     device = q.device
     if device.type == "cuda":  # the compile checked only the forward's shared memory

@@ -34,7 +34,7 @@ class Prepared:
     memo of its launch plans (`run.Memo`). Found once per eager call, or kept with a reusable
     call's signature (dense.DenseCall)."""
 
-    __slots__ = ("options", "tensors", "floats", "ints", "params", "args", "source", "memo")
+    __slots__ = ("options", "tensors", "floats", "ints", "params", "args", "source", "memo", "kernel_args")
 
     def __init__(self, options: CallOptions, q, k, values: CallValues, memo=None):
         self.options, self.tensors, self.floats, self.ints, self.params = (
@@ -42,20 +42,25 @@ class Prepared:
         self.args = unpack(options, values.tensors, values.floats, values.ints, values.params)
         self.source = source_for_call(options, q, k, _varlen_sizes(options, values.tensors, values.ints))
         self.memo = memo
+        # What both passes give `run.forward` / `run.backward` (dropout's Philox pair aside), as
+        # keywords built once: a warm call passes them in one step.
+        args = self.args
+        self.kernel_args = dict(softmax_scale=args["softmax_scale"], seqlens_k=args["seqlens_k"],
+                                variant=args["variant"], varlen=args["varlen"], memo=memo)
 
 
 def forward_kernels(prepared: Prepared, q, k, v):
     """Run a call's forward on q, k, v (rows aligned: common.aligned_rows). Returns (out, lse,
     fa1_stats) with fa1_stats (2, B, H, Nq) = (m, l) for FlashAttention-1 (its backward's
     statistics), None for version 2."""
-    args = prepared.args
-    if args["rng"] is not None:
+    rng = prepared.args["rng"]
+    if rng is None:
+        out, stats = attention_kernels.forward(prepared.source, q, k, v, **prepared.kernel_args)
+    else:
         refuse_graph_capture(q.device)   # never traced: a compiled call is checked on every run
-    seed, offset = (0, 0) if args["rng"] is None else args["rng"].tolist()   # a CPU tensor: no sync
-    out, stats = attention_kernels.forward(prepared.source, q, k, v, softmax_scale=args["softmax_scale"],
-                                           seqlens_k=args["seqlens_k"], dropout_p=args["dropout_p"], seed=seed,
-                                           philox_offset=offset, variant=args["variant"], varlen=args["varlen"],
-                                           memo=prepared.memo)
+        seed, offset = rng.tolist()   # a CPU tensor: no sync
+        out, stats = attention_kernels.forward(prepared.source, q, k, v, dropout_p=prepared.args["dropout_p"],
+                                               seed=seed, philox_offset=offset, **prepared.kernel_args)
     if prepared.options.version == 2:
         return out, stats[0], None
     return out, attention_kernels.lse_from_stats(*stats), torch.stack(stats)
@@ -68,11 +73,9 @@ def backward_kernels(prepared: Prepared, dout, dlse, q, k, v, out, lse, fa1_stat
     stats = (lse,) if prepared.options.version == 2 else tuple(fa1_stats)
     drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
     dout = torch.zeros_like(out) if dout is None else aligned_rows(dout)
-    extras: dict = {}
-    dq, dk, dv = attention_kernels.backward(prepared.source, q, k, v, out, stats, dout,
-                                            softmax_scale=args["softmax_scale"], seqlens_k=args["seqlens_k"],
-                                            dropout_args=drop, variant=args["variant"], dlse=dlse, extras=extras,
-                                            varlen=args["varlen"], memo=prepared.memo)
+    extras = {} if args["variant"] else None   # only a variant has gradients beyond dq, dk, dv
+    dq, dk, dv = attention_kernels.backward(prepared.source, q, k, v, out, stats, dout, dropout_args=drop, dlse=dlse,
+                                            extras=extras, **prepared.kernel_args)
     if not extras:   # no variant gradients: the common call
         return dq, dk, dv, [None] * len(tensors)
     names = prepared.options.variant_names[0]
@@ -100,8 +103,8 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, fa1_stats, *_ = ctx.saved_tensors
-        dq, dk, dv, grads = backward_kernels(ctx.prepared, dout, dlse, q, k, v, out, lse, fa1_stats)
+        saved = ctx.saved_tensors   # q, k, v, out, lse, fa1_stats, then the variant's tensors
+        dq, dk, dv, grads = backward_kernels(ctx.prepared, dout, dlse, *saved[:6])
         return (dq, dk, dv, None, *grads[FIXED_TENSORS:])
 
 
@@ -180,17 +183,21 @@ def _backward(ctx, dout, dlse, dfa1):
 torch.library.register_autograd("fagen::attention_fwd", _backward, setup_context=_setup_context)
 
 
-def run(options: CallOptions, q, k, v, values: CallValues, prepared: Prepared | None = None):
+def run(options: CallOptions, q, k, v, values: CallValues, prepared: Prepared | None = None, aligned: bool = False):
     """(out, L) of a call, with autograd where anything requires grad: the custom ops when traced,
     `Attention` eagerly, the kernels alone without autograd. `prepared`: the call's own, kept
-    with a reusable call's signature (else found here)."""
+    with a reusable call's signature (else found here). `aligned`: the caller has checked that q,
+    k and v's rows are (common.aligned_rows). Whether torch.compile traces is asked here, never
+    inferred from the arguments: dynamo may trace this frame on its own, called from an eager one."""
     if torch.compiler.is_compiling():
         out, lse, _ = attention_fwd(q, k, v, values.tensors, values.floats, values.ints,
                                     params_tensor(values.params), options.key())
         return out, lse
-    q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)   # once: the backward takes the same
+    if not aligned:   # once: the backward takes the same
+        q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     prepared = prepared or Prepared(options, q, k, values)
-    tensors = values.tensors
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors[FIXED_TENSORS:])):
-        return Attention.apply(q, k, v, prepared, *tensors[FIXED_TENSORS:])
+    variant_tensors = values.tensors[FIXED_TENSORS:]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or any(t.requires_grad for t in variant_tensors)):
+        return Attention.apply(q, k, v, prepared, *variant_tensors)
     return forward_kernels(prepared, q, k, v)[:2]

@@ -27,7 +27,7 @@ import torch
 
 from .. import tuning
 from ..arch_families import ARCH_FAMILY_ENV, chosen_family
-from ..environment import setting
+from ..environment import raw_settings, setting, setting_keys
 from ..errors import InputError
 from ..kernels import launch, sources as generated_sources
 from ..kernels.compile import nvrtc_target
@@ -112,6 +112,19 @@ def kernels_generation(device: torch.device) -> tuple[int, str]:
     result invalidates it; CPU calls never read the tuning cache) and the kernel family asked
     for (FAGEN_ARCH_FAMILY)."""
     return tuning.cache.INDEX.current_generation() if device.type == "cuda" else 0, setting(ARCH_FAMILY_ENV)
+
+
+_CPU_STATE = setting_keys(ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
+
+
+def kernels_state(cuda: bool) -> tuple:
+    """What a kept call's kernels and launch plans (dense.DenseCall's) depend on beyond the call,
+    on a CUDA device or (cuda False) the CPU: `kernels_generation`, and on the CPU what
+    `launch.backend_key` reads (the emulator build's settings, raw, and whether counters are
+    collected). Read in one step on every warm call; a change starts the call's plans over."""
+    if cuda:
+        return tuning.cache.INDEX.current_generation(), setting(ARCH_FAMILY_ENV)
+    return raw_settings(_CPU_STATE), launch.instrumentation.collecting()
 
 
 def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:

@@ -129,14 +129,19 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     aligned contiguous copy (this also covers broadcast tensors such as the dO of `out.sum()`,
     and a contiguous view that starts off alignment, which .contiguous() would return as is).
     Any number of dims: (B, N, H, d) or packed (total, H, d)."""
+    return t if t.data_ptr() % 16 == 0 and strides_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def strides_aligned(t: torch.Tensor) -> bool:
+    """Whether t's strides keep every row 16-byte aligned when its first element is: the last
+    dim contiguous, every other stride a positive multiple of 16 bytes (`aligned_rows`'s stride
+    half: a caller that knows the strides checks only the pointers)."""
     if t.dim() == 4:   # the hot path of every call: unrolled
         s_b, s_n, s_h, s_d = t.stride()
-        ok = (s_d == 1 and t.data_ptr() % 16 == 0 and s_b > 0 and s_n > 0 and s_h > 0
-              and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
-    else:
-        *outer, s_d = t.stride()
-        ok = s_d == 1 and t.data_ptr() % 16 == 0 and all(s > 0 and s % ALIGN_ELEMENTS == 0 for s in outer)
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
+        return (s_d == 1 and s_b > 0 and s_n > 0 and s_h > 0
+                and not (s_b % ALIGN_ELEMENTS or s_n % ALIGN_ELEMENTS or s_h % ALIGN_ELEMENTS))
+    *outer, s_d = t.stride()
+    return s_d == 1 and all(s > 0 and s % ALIGN_ELEMENTS == 0 for s in outer)
 
 
 def refuse_graph_capture(device: torch.device) -> None:

@@ -26,9 +26,9 @@ from ..kernels import sources as generated_sources
 from ..kernels.run import Memo
 from ..spec import Spec, check_dropout_p
 from . import autograd
-from .call import CallOptions, CallValues, kernels_generation, options_for, values_of
+from .call import CallOptions, CallValues, kernels_state, options_for, values_of
 from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim,
-                     philox_state)
+                     philox_state, strides_aligned)
 from .variant_args import variant_call
 
 
@@ -44,22 +44,29 @@ class DenseCall:
     head_dim_v: int      # v's, the caller's (the kernels' is padded to a multiple of 8)
     return_lse: bool
     reusable: bool
-    prepared: tuple | None = None   # a reusable call's (call.kernels_generation, autograd.Prepared)
+    padded: bool         # q's or v's head dim is not a multiple of 8: padded on the way in, O sliced
+    cuda: bool = False   # on a CUDA device (else the CPU: the emulator)
+    strides_aligned: bool = False   # q, k and v's (common.strides_aligned), for a reusable unpadded call
+    prepared: tuple | None = None   # a reusable call's (call.kernels_state, autograd.Prepared)
 
     def run(self, q, k, v):
-        if q.shape[-1] != self.options.head_dim or v.shape[-1] % HEAD_DIM_MULTIPLE:
+        if self.padded:
             q, k, v, _ = padded_head_dim(q, k, v)
+        # Asked here, not passed in: dynamo may trace this frame on its own (after a graph break
+        # in a caller), where the caller's answer is not this frame's.
         traced = torch.compiler.is_compiling()   # the custom ops then take the options and values alone
         prepared = self._prepared(q, k) if self.reusable and not traced else None
-        out, lse = autograd.run(self.options, q, k, v, self.values, prepared)
-        if out.shape[-1] != self.head_dim_v:
+        # A reusable call's strides are its signature's: only the pointers' alignment is new.
+        aligned = self.strides_aligned and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
+        out, lse = autograd.run(self.options, q, k, v, self.values, prepared, aligned)
+        if self.padded:
             out = out[..., :self.head_dim_v]
         return (out, lse) if self.return_lse else out
 
     def _prepared(self, q, k) -> autograd.Prepared:
         """The call's kernels, arguments and launch plans (run.Memo), kept with its signature
         until a new tuning result or another kernel family asked for."""
-        generation = kernels_generation(q.device)
+        generation = kernels_state(self.cuda)   # the memo's keys hold neither kernels nor backend
         if self.prepared is None or self.prepared[0] != generation:
             self.prepared = (generation, autograd.Prepared(self.options, q, k, self.values, memo=Memo()))
         return self.prepared[1]
@@ -78,39 +85,39 @@ def _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_l
                           variant_kinds=call.kinds if call else None, module_source=module_source, v=v)
     values = values_of(options, seqlens_k=seqlens_k, rng=philox_state(dropout_p, q.device), varlen=None,
                        softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
-    return DenseCall(options, values, v.shape[-1], return_lse,
-                     reusable=call is None and seqlens_k is None and dropout_p == 0)
+    reusable = call is None and seqlens_k is None and dropout_p == 0
+    padded = bool(q.shape[-1] % HEAD_DIM_MULTIPLE or v.shape[-1] % HEAD_DIM_MULTIPLE)
+    eager = not torch.compiler.is_compiling()   # traced calls check alignment in the custom ops
+    return DenseCall(options, values, v.shape[-1], return_lse, reusable, padded, cuda=q.device.type == "cuda",
+                     strides_aligned=eager and reusable and not padded and all(strides_aligned(t) for t in (q, k, v)))
 
 
 # Checked calls by signature (`_signature`); bounded: many distinct shapes start it over.
 _calls: dict[tuple, DenseCall] = {}
 MAX_CALLS = 4096
-_SCALARS = (int, float, bool, str, type(None))
+_SCALARS = frozenset((int, float, bool, str, type(None)))
 
 
 def _signature(q, k, v, scalars: tuple) -> tuple | None:
     """Everything the checks read of a call without tensors of its own: q, k and v's shapes,
     strides, dtypes and devices, and the other arguments with their types (causal=1 is refused
-    where causal=True is not). None where there is anything else, and under torch.compile
-    (which traces the checks)."""
-    if torch.compiler.is_compiling():
+    where causal=True is not). None where there is anything else. (Not under torch.compile,
+    which traces the checks: the caller asks.)"""
+    tensor, strided = torch.Tensor, torch.strided
+    if not (type(q) is tensor and type(k) is tensor and type(v) is tensor
+            and q.layout == strided and k.layout == strided and v.layout == strided):
         return None
-    parts = []
-    for t in (q, k, v):
-        if type(t) is not torch.Tensor or t.layout != torch.strided:
-            return None
-        parts += (t.shape, t.stride(), t.dtype, t.device)
-    for x in scalars:
-        if type(x) not in _SCALARS:
-            return None
-        parts += (type(x), x)
-    return tuple(parts)
+    types = tuple(map(type, scalars))
+    if not _SCALARS.issuperset(types):
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            v.shape, v.stride(), v.dtype, v.device, types, scalars)
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse, deterministic, version,
                module_source, variant=None):
     key = None
-    if variant is None and seqlens_k is None:
+    if variant is None and seqlens_k is None and not torch.compiler.is_compiling():
         key = _signature(q, k, v, (dropout_p, softmax_scale, causal, return_lse, deterministic, version, module_source))
     call = None if key is None else _calls.get(key)
     if call is None:
