@@ -13,6 +13,7 @@ from typing import Callable
 
 from .flops import tflops
 from .peers import NotAvailable, System, failure_reason, is_out_of_memory
+from .speed.config import FORWARD_ONLY
 from .timing import Timing
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -99,6 +100,9 @@ def measure_system(system: System, q, k, v, causal: bool, passes: tuple, flops: 
     # and the forward timing below builds (and frees) its own each call.
     out = None
     for pass_ in passes:
+        if pass_ != "fwd" and system.name in FORWARD_ONLY:
+            cells[pass_] = {"skipped": FORWARD_ONLY[system.name]}
+            continue
         try:
             if pass_ == "fwd":
                 fn = lambda: system.forward(q, k, v, causal)  # noqa: E731

@@ -12,6 +12,8 @@ A system that cannot run raises; the sweep records the reason and goes on.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Callable
 
 from .speed.config import SYSTEM_LABELS
@@ -55,11 +57,15 @@ def fagen_attention_func() -> Callable:
 
 
 class FagenSystem(System):
+    """fagen's flash_attn_func, FlashAttention `version` 1 or 2; with `family` "sm90", version 2's
+    forward on the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each call: the backward, which
+    autograd runs later, is the sm80 family's)."""
+
     is_fagen = True
 
-    def __init__(self, version: int):
-        self.version = version
-        self.name = f"fagen_v{version}"
+    def __init__(self, version: int, family: str = ""):
+        self.version, self.family = version, family
+        self.name = f"fagen_{family}" if family else f"fagen_v{version}"
         self._func = None
 
     def unavailable_reason(self) -> str | None:
@@ -71,12 +77,37 @@ class FagenSystem(System):
             import cupy  # noqa: F401 - fagen launches through CuPy on a GPU
         except Exception as exc:  # noqa: BLE001
             return f"cupy does not import: {type(exc).__name__}: {exc}"
+        if self.family == "sm90":
+            import torch
+
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            if capability != (9, 0):
+                return f"the sm90 family runs on compute capability 9.0 only (sm_90a), this GPU is {capability}"
         return None
 
     def forward(self, q, k, v, causal: bool):
         if self._func is None:
             self._func = fagen_attention_func()
-        return self._func(q, k, v, causal=causal, version=self.version)
+        if not self.family:
+            return self._func(q, k, v, causal=causal, version=self.version)
+        with arch_family(self.family):
+            return self._func(q, k, v, causal=causal, version=self.version)
+
+
+@contextlib.contextmanager
+def arch_family(family: str):
+    """FAGEN_ARCH_FAMILY set to `family` for the calls inside (fagen reads it on every call)."""
+    from fagen.arch_families import ARCH_FAMILY_ENV
+
+    before = os.environ.get(ARCH_FAMILY_ENV)
+    os.environ[ARCH_FAMILY_ENV] = family
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ARCH_FAMILY_ENV]
+        else:
+            os.environ[ARCH_FAMILY_ENV] = before
 
 
 # -- PyTorch scaled_dot_product_attention, one backend at a time --------------
@@ -188,6 +219,8 @@ class FlexSystem(System):
 # -- construction and failure text ----------------------------------------------
 
 def make_system(name: str) -> System:
+    if name == "fagen_sm90":
+        return FagenSystem(2, family="sm90")
     if name.startswith("fagen_v"):
         return FagenSystem(int(name[len("fagen_v"):]))
     if name in SDPA_BACKENDS:

@@ -59,17 +59,19 @@ def record_test_kernels(identity):
 
 
 def compile_spec(spec, arch: str, use_cache: bool = True) -> dict:
-    """Render and NVRTC-compile one kernel for `arch` (through fagen's cache unless `use_cache`
-    is False); a summary."""
+    """Render and NVRTC-compile one kernel for a GPU of `arch`, for the target its family loads
+    there (`spec_target`: sm_90a for the sm90 family), through fagen's cache unless `use_cache`
+    is False; a summary."""
     from fagen.kernels.render import render
-    from fagen.kernels.compile import compile_source
+    from fagen.kernels.compile import compile_source, spec_target
 
     start = time.perf_counter()
-    compiled = compile_source(render(spec), arch, use_cache=use_cache)
+    target = spec_target(spec, arch)
+    compiled = compile_source(render(spec), target, use_cache=use_cache)
     resources = {name: {"registers": r.registers, "spill_bytes": r.spill_bytes,
                         "static_shared_bytes": r.static_shared_bytes}
                  for name, r in compiled.resources.items()}
-    return {"name": spec.name, "arch": arch, "cache": compiled.cache,
+    return {"name": spec.name, "arch": target, "cache": compiled.cache,
             "seconds": time.perf_counter() - start, "resources": resources}
 
 
@@ -86,7 +88,7 @@ def precompile(plan, arch: str, timeout_s: float, workers: int | None = None,
     instead (noted, not an error)."""
     from fagen.kernels.compile import nvrtc_target
 
-    target, end = nvrtc_target(arch), time.monotonic() + max(1.0, timeout_s)
+    target, end = nvrtc_target(arch), time.monotonic() + max(1.0, timeout_s)   # the sm80 family's
     workers = workers or default_workers()
     section: dict = {"arch": arch, "target": target, "workers": workers, "kernels": {}, "status": "ok", "note": ""}
     pool = ProcessPoolExecutor(max_workers=max(2, workers), mp_context=multiprocessing.get_context("spawn"))
@@ -101,7 +103,7 @@ def precompile(plan, arch: str, timeout_s: float, workers: int | None = None,
         while pending and time.monotonic() < end:
             done, pending = wait(pending, timeout=max(0.0, end - time.monotonic()), return_when=FIRST_COMPLETED)
             for future in done:
-                problems += _submit_recorded(pool, future, recorders, compiles, target)
+                problems += _submit_recorded(pool, future, recorders, compiles, arch)
         if pending:
             problems.append("recording " + " and ".join(recorders[f] for f in pending) + " did not finish in time")
         _collect(section, compiles, max(0.0, end - time.monotonic()))
@@ -111,8 +113,9 @@ def precompile(plan, arch: str, timeout_s: float, workers: int | None = None,
     return section
 
 
-def _submit_recorded(pool, future, recorders: dict, compiles: dict, target: str) -> list[str]:
-    """Compile jobs for a finished recorder's new kernels; its problems, as notes."""
+def _submit_recorded(pool, future, recorders: dict, compiles: dict, arch: str) -> list[str]:
+    """Compile jobs for a finished recorder's new kernels, for a GPU of `arch`; its problems, as
+    notes."""
     try:
         recorded = future.result()
     except Exception as exc:  # noqa: BLE001 - the sections meet (and report) their own errors again
@@ -121,7 +124,7 @@ def _submit_recorded(pool, future, recorders: dict, compiles: dict, target: str)
     for spec in recorded.specs:
         if spec.name not in known:
             known.add(spec.name)
-            compiles[pool.submit(compile_spec, spec, target)] = spec
+            compiles[pool.submit(compile_spec, spec, arch)] = spec
     return [f"{recorders[future]}: {error}" for error in recorded.errors[:3]]
 
 

@@ -172,6 +172,13 @@ def nvrtc_target(device_arch: str, supported: tuple[int, ...] | None = None, *,
     return f"sm_{best}" if best // 10 == number // 10 else f"compute_{best}"
 
 
+def spec_target(spec, device_arch: str) -> str:
+    """The NVRTC target a spec's kernels compile for on a GPU of `device_arch`: the arch-specific
+    form for the sm90 family (its wgmma, TMA and setmaxnreg exist only in sm_90a), else
+    `nvrtc_target`'s. What `launch` loads and the GPU check's precompile builds."""
+    return nvrtc_target(device_arch, arch_specific=spec.arch_family == "sm90")
+
+
 def _arch_specific_target(device_arch: str, number: int, supported: tuple[int, ...]) -> str:
     if number < ARCH_SPECIFIC_FROM:
         raise ValueError(f"{device_arch} has no arch-specific target (sm_XYa exists from "

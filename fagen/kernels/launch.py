@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .render import Entry, Source
-from .compile import compile_source, describe_target, nvrtc_target
+from .compile import compile_source, describe_target, spec_target
 from .tensor_map import Swizzle, TensorMapSpec
 from ..emulate import instrumentation
 from ..environment import setting
@@ -263,8 +263,7 @@ def _shared_limit_of(index: int) -> int:
 def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
     cupy = _cupy()
     device_arch = arch_of(device)
-    # The sm90 family's wgmma and TMA exist only in the arch-specific target (sm_90a).
-    target = nvrtc_target(device_arch, arch_specific=source.spec.arch_family == "sm90")
+    target = spec_target(source.spec, device_arch)
     logger.info("loading %s for %s on %s: NVRTC target %s", source.spec.name, device,
                 torch.cuda.get_device_name(device), describe_target(device_arch, target))
     compiled = compile_source(source, target, shared_limit=shared_limit(device))

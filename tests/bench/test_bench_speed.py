@@ -2,12 +2,17 @@
 the too-slow cut and a lost CUDA context."""
 
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
+from fagen.arch_families import ARCH_FAMILY_ENV
 from fagen.bench.measure import GUARD_REASON
-from fagen.bench.peers import failure_reason
+from fagen.bench.peers import failure_reason, make_system
 from fagen.bench.plan import Plan
+from fagen.bench.speed.config import FORWARD_ONLY
 from fagen.bench.speed.run import run_speed_sweep
 from fagen.bench.timing import Timing
 
@@ -103,3 +108,28 @@ def test_a_kernel_fault_stops_the_sweep_with_a_note():
     section = sweep([Faults("fagen_v1", is_fagen=False), after])
     assert section["status"] == "error" and "CUDA context was lost at fagen v1" in section["note"]
     assert after.calls == 0  # nothing runs on a broken context
+
+
+def test_fagen_sm90_is_timed_forward_only_with_its_reason():
+    section = sweep([Exact("fagen_v2"), Exact("fagen_sm90")])
+    assert "tflops" in cell(section, "fagen_sm90", "fwd", 64)
+    for pass_ in ("bwd", "fwd_bwd"):
+        assert cell(section, "fagen_sm90", pass_, 64)["skipped"] == FORWARD_ONLY["fagen_sm90"]
+        assert "tflops" in cell(section, "fagen_v2", pass_, 64)
+    two = dataclasses.replace(TINY, systems=("fagen_v2", "fagen_sm90"))
+    assert two.timed_runs() == 3 * (3 + 1)   # 3 lengths x (fagen v2's 3 passes, fagen sm90's forward)
+
+
+def test_fagen_sm90_asks_for_the_hopper_family_around_its_calls_only(monkeypatch):
+    system = make_system("fagen_sm90")
+    seen = []
+    system._func = lambda q, k, v, causal, version: seen.append((os.environ.get(ARCH_FAMILY_ENV), version))
+    monkeypatch.delenv(ARCH_FAMILY_ENV, raising=False)
+    system.forward(None, None, None, True)
+    assert seen == [("sm90", 2)] and ARCH_FAMILY_ENV not in os.environ
+    monkeypatch.setenv(ARCH_FAMILY_ENV, "sm80")
+    system.forward(None, None, None, True)
+    assert seen[-1] == ("sm90", 2) and os.environ[ARCH_FAMILY_ENV] == "sm80"
+    assert system.label == "fagen sm90" and make_system("fagen_v2").forward.__self__.family == ""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        assert "compute capability 9.0 only" in (system.unavailable_reason() or "cupy")

@@ -14,20 +14,29 @@ from dataclasses import dataclass
 
 # Every system the speed sweep knows, in table order. fagen first, then the
 # peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
-# then FlexAttention).
-SYSTEMS = ("fagen_v2", "fagen_v1", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
+# then FlexAttention). fagen_sm90 is fagen v2's forward on the Hopper family
+# (FAGEN_ARCH_FAMILY=sm90, sm_90a: wgmma, TMA), on compute capability 9.0 only.
+SYSTEMS = ("fagen_v2", "fagen_sm90", "fagen_v1", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
            "flex")
-FAGEN_SYSTEMS = ("fagen_v2", "fagen_v1")
+FAGEN_SYSTEMS = ("fagen_v2", "fagen_sm90", "fagen_v1")
+# Systems timed forward only: fagen_sm90's backward is the sm80 family's, fagen v2's own.
+FORWARD_ONLY = {"fagen_sm90": "forward only: its backward is fagen v2's (the sm80 family's)"}
 SYSTEM_LABELS = {
-    "fagen_v2": "fagen v2", "fagen_v1": "fagen v1", "sdpa_flash": "SDPA flash",
+    "fagen_v2": "fagen v2", "fagen_sm90": "fagen sm90", "fagen_v1": "fagen v1", "sdpa_flash": "SDPA flash",
     "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient", "sdpa_math": "SDPA math",
     "flex": "FlexAttention",
 }
 # Column headings of the printed table (kept narrow so the whole table fits in
 # the last 12,000 characters of output the device tool returns).
 SYSTEM_SHORT = {
-    "fagen_v2": "v2", "fagen_v1": "v1", "sdpa_flash": "flsh", "sdpa_cudnn": "cdnn",
+    "fagen_v2": "v2", "fagen_sm90": "sm90", "fagen_v1": "v1", "sdpa_flash": "flsh", "sdpa_cudnn": "cdnn",
     "sdpa_efficient": "eff", "sdpa_math": "math", "flex": "flex",
+}
+# The short table's column headings: at most 3 characters, as its columns are 4 wide (the full
+# plan's table, every system a column, must fit the device tool's returned output).
+COLUMN_SHORT = {
+    "fagen_v2": "v2", "fagen_sm90": "s90", "fagen_v1": "v1", "sdpa_flash": "fla", "sdpa_cudnn": "cdn",
+    "sdpa_efficient": "eff", "sdpa_math": "mth", "flex": "flx",
 }
 PASS_LABELS = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..figures import pyplot
 from ..markdown import md as _md
 from ..sizes import short_seqlen
-from .config import FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS
+from .config import COLUMN_SHORT, FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS
 
 PASS_SHORT = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "f+b"}
 
@@ -97,6 +97,11 @@ def _panel_label(panel: tuple) -> str:
     return f"{dtype} d={d} {'causal' if causal else 'non-causal'}"
 
 
+def _available(speed: dict, system: str) -> bool:
+    """Whether `system` could run on this machine (the sm90 family: compute capability 9.0)."""
+    return (speed.get("systems") or {}).get(system, {}).get("available", True)
+
+
 def system_cells(point: dict, systems) -> list[str]:
     """One speed row's cells, per system: the rate, "h" where the host bounded it."""
     cells = []
@@ -140,17 +145,19 @@ def short_lines(results: dict) -> list[str]:
     add_ratios(speed)
     # Columns for systems that ran (or ran out of memory) somewhere; a peer
     # that never ran is a line in results.md, not a column of dashes.
-    systems = [s for s in systems_in(speed)
-               if s in FAGEN_SYSTEMS or any(cell_text(p["results"].get(s), 0) != "-" for p in speed["points"])]
-    header = "pass    N |" + "".join(f"{SYSTEM_SHORT.get(s, s)[:5]:>5}" for s in systems) + " | v2/best"
-    lines = ["TFLOP/s (4N^2dHB fwd, x2.5 bwd, /2 causal); v2/v1 fagen; flsh/cdnn/eff/math SDPA "
-             "backends; flex FlexAttention; '-' skipped, 'oom' out of memory (reasons in results.md)", header]
+    systems = [s for s in systems_in(speed) if _available(speed, s)
+               and (s in FAGEN_SYSTEMS or any(cell_text(p["results"].get(s), 0) != "-" for p in speed["points"]))]
+    # Columns 4 wide (TFLOP/s have 3 digits), headed by COLUMN_SHORT.
+    header = "pass    N |" + "".join(f"{COLUMN_SHORT.get(s, s)[:3]:>4}" for s in systems) + " | v2/best"
+    lines = ["TFLOP/s (4N^2dHB fwd, x2.5 bwd, /2 causal); v2/v1 fagen, s90 fagen's Hopper forward (sm90); "
+             "fla/cdn/eff/mth SDPA backends (flash, cuDNN, efficient, math); flx FlexAttention; '-' skipped, "
+             "'oom' out of memory (reasons, and sm90 / best peer, in results.md)", header]
     for panel in _panels(speed):
         lines.append(f"-- {_panel_label(panel)}")
         for point in speed["points"]:
             if (point["dtype"], point["head_dim"], point["causal"]) != panel:
                 continue
-            values = "".join(f"{cell_text(point['results'].get(s), 0):>5}" for s in systems)
+            values = "".join(f"{cell_text(point['results'].get(s), 0):>4}" for s in systems)
             ratio = point.get("ratios", {}).get("fagen_v2/best")
             best = SYSTEM_SHORT.get(point.get("best_peer") or "", "")
             ratio_text = f"{ratio:4.2f} {best}" if ratio is not None else "-"
@@ -167,6 +174,7 @@ def markdown_lines(results: dict) -> list[str]:
         return []
     add_ratios(speed)
     systems = systems_in(speed)
+    hopper = _available(speed, "fagen_sm90")
     out = ["", "## Speed (TFLOP/s)", "",
            "FLOPs as in the FlashAttention-2 paper: 4·N²·d·H·B forward, 2.5× that backward, "
            "3.5× for forward + backward, halved when causal. 16k tokens per batch (B = 16384/N), "
@@ -177,19 +185,20 @@ def markdown_lines(results: dict) -> list[str]:
     for pass_ in dict.fromkeys(p["pass"] for p in speed["points"]):
         out += ["", f"### {PASS_LABELS.get(pass_, pass_)}", "",
                 "| dtype | d | causal | N | B | " + " | ".join(SYSTEM_LABELS.get(s, s) for s in systems)
-                + " | v2 / best peer | v1 / best peer |",
-                "|---|---:|---|---:|---:|" + "---:|" * len(systems) + "---:|---:|"]
+                + " | v2 / best peer | v1 / best peer |" + (" sm90 / best peer |" if hopper else ""),
+                "|---|---:|---|---:|---:|" + "---:|" * len(systems) + "---:|---:|" + ("---:|" if hopper else "")]
         for point in speed["points"]:
             if point["pass"] != pass_:
                 continue
             cells = system_cells(point, systems)
             ratios = point.get("ratios", {})
             best = SYSTEM_LABELS.get(point.get("best_peer") or "", "")
-            r2, r1 = ratios.get("fagen_v2/best"), ratios.get("fagen_v1/best")
+            r2, r1, r90 = (ratios.get(f"{name}/best") for name in ("fagen_v2", "fagen_v1", "fagen_sm90"))
             out.append(f"| {point['dtype']} | {point['head_dim']} | {'yes' if point['causal'] else 'no'} | "
                        f"{short_seqlen(point['seqlen'])} | {point['batch']} | " + " | ".join(cells)
                        + f" | {f'{r2:.2f} ({best})' if r2 is not None else '-'}"
-                       + f" | {f'{r1:.2f}' if r1 is not None else '-'} |")
+                       + f" | {f'{r1:.2f}' if r1 is not None else '-'} |"
+                       + (f" {f'{r90:.2f} ({best})' if r90 is not None else '-'} |" if hopper else ""))
     return out + _markdown_not_run(speed) + _markdown_sanity(speed)
 
 
