@@ -6,8 +6,9 @@
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
-         plain, causal and windowed attention, with softcap or ALiBi, sinks, dropout, key padding
-         and d_v != d; the backward stays the sm80 family's.
+         plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
+         (captured tensors too), dropout, key padding and d_v != d; the backward stays the sm80
+         family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -37,10 +38,7 @@ def sm90_refusal(spec) -> str | None:
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
                    ("varlen", spec.varlen, "varlen (packed sequences)"),
-                   ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}"),
-                   ("alibi", spec.alibi and spec.softcap, "ALiBi with a softcap (a score chain)"),
-                   ("score_mod", spec.score_mod is not None, "a score_mod"),
-                   ("mask_mod", spec.mask_mod is not None, "a mask_mod")]
+                   ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:
         return None
@@ -82,15 +80,19 @@ def sm90_tiles(spec) -> Sm90Tiles:
     max and O's rescale, spread over more keys; Q and two stages fit in 209 KiB), 112 at d = 192,
     80 at d = 256 (Q and two stages in 225 KiB), 128 at d = 64. Narrower where the consumers' 240
     registers would not hold a variant's state beside them (NVRTC 12.9, sm_90a: these spilled): a
-    window's mask at d = 128 (128 keys), dropout's Philox words (112 at d = 128, 48 at d = 256)."""
+    window's mask or ALiBi's chain with a softcap at d = 128 (128 keys), dropout's Philox words (112
+    at d = 128, 48 at d = 256), and a custom score_mod or mask_mod, whose per-element loads and
+    captured tensors' pointers take registers too (96, 80, 64 and 48 keys at d = 64, 128, 192, 256:
+    a relative-bias table, a document mask and both with dropout spilled one step wider)."""
+    custom = spec.score_mod is not None or spec.mask_mod is not None
     if spec.head_dim == 128:
-        block_n = 112 if spec.dropout else 128 if spec.window else 176
+        block_n = 80 if custom else 112 if spec.dropout else 128 if spec.window or spec.alibi and spec.softcap else 176
     elif spec.head_dim == 192:
-        block_n = 112
+        block_n = 64 if custom else 112
     elif spec.head_dim == 256:
-        block_n = 48 if spec.dropout else 80
+        block_n = 48 if custom or spec.dropout else 80
     else:
-        block_n = 128
+        block_n = 96 if custom else 128
     return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n)
 
 

@@ -79,7 +79,7 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
     return tuple(maps + [_tensor("out", ELEM_CTYPE[spec.dtype]), _tensor("lse", "float")] + _sizes(spec)
                  + _strides("o") + [Param("softmax_scale_log2", "float", "float32")]
-                 + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi else [])
+                 + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi or spec.score_mod else [])
                  + _dropout(spec) + _variant(spec))
 
 

@@ -30,7 +30,7 @@ from ..arch_families import ARCH_FAMILY_ENV, chosen_family
 from ..environment import raw_settings, setting, setting_keys
 from ..errors import InputError
 from ..kernels import launch, sources as generated_sources
-from ..kernels.compile import nvrtc_target
+from ..kernels.compile import spec_target
 from ..kernels.render import Source, source_for
 from ..kernels.spill_free import spill_free
 from ..spec import CustomMod, Spec
@@ -151,7 +151,7 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     if family != spec.arch_family:
         spec = spec.replace(arch_family=family)
     if on_gpu and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
-        spec = spill_free(spec, nvrtc_target(launch.arch_of(q.device)))
+        spec = spill_free(spec, spec_target(spec, launch.arch_of(q.device)))
     source = source_for(spec)
     if len(_call_sources) >= MAX_CALL_SHAPES:   # many distinct shapes: start over, stay bounded
         _call_sources.clear()

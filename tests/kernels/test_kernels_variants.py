@@ -85,6 +85,18 @@ def test_relative_position_bias_table_with_its_gradient():
     run_variant_case(Spec(64, mask="causal"), RAGGED, {"score_mod": score_mod}, captures=(bias,))
 
 
+@pytest.mark.parametrize("head_dim", [160, 256])
+def test_a_captured_tensors_gradient_counts_each_score_once_where_warps_split_d(head_dim):
+    # Past d = 128 the backward's warps of a key group split d: each computes the same scores for
+    # its slice of dK and dV, and each added them to the captured tensor's gradient (2x, 4x).
+    bias = (torch.randn(2, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 199]
+
+    run_variant_case(Spec(head_dim, mask="causal"), RAGGED, {"score_mod": score_mod}, captures=(bias,))
+
+
 def test_a_captured_tensor_inside_a_nonlinearity_gets_its_gradient():
     # sigmoid's derivative divides by (1 + e^-x)^2: printed once as a/(t1) * (t1) (CudaPrinter),
     # which made dQ, dK and this tensor's gradient wrong.

@@ -13,6 +13,7 @@ from fagen.arch_families import sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.spec import Spec
+from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
 import kernel_checks as checks
 from variant_cases import run_variant_case
 from kernel_cases import Shape, poisoned_empty, run_and_check
@@ -109,6 +110,45 @@ def test_alibi_meets_the_oracle(base, variant):
     run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant)
 
 
+# A score chain: ALiBi with a softcap, and custom mods (the same generated device functions as the sm80
+# family's, on the wgmma accumulator's (row, col) map), with captured tensors and their gradients
+# (the sm80 backward's); a document mask's tile classes; the narrower key tiles mods take
+# (arch_families.sm90_tiles: 96, 80, 64 and 48 keys).
+BIAS = (torch.randn(4, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
+DOCUMENTS = torch.sort(torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
+                       dim=1).values
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h, q_idx - kv_idx + 199]
+
+
+def _same_document(b, h, q_idx, kv_idx):
+    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
+
+
+def _gated(score, b, h, q_idx, kv_idx):
+    return score * torch.sigmoid(score)
+
+
+MODS = {"alibi_softcap_d64": (Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
+                              {"alibi_slopes": torch.tensor(SLOPES), "softcap": 5.0}, ()),
+        "relative_bias_d64": (Spec(64, dtype="fp16", mask="causal", arch_family="sm90"),
+                              {"score_mod": _relative_bias}, (BIAS,)),
+        "documents_d128": (Spec(128, dtype="bf16", arch_family="sm90"), {"mask_mod": _same_document}, ()),
+        "gated_documents_sinks_d256": (Spec(256, dtype="fp16", arch_family="sm90"),
+                                       {"score_mod": _gated, "mask_mod": _same_document,
+                                        "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}, ()),
+        "relative_bias_dropout_d192": (Spec(192, dtype="bf16", mask="causal", dropout=True,
+                                            arch_family="sm90"), {"score_mod": _relative_bias}, (BIAS,))}
+
+
+@pytest.mark.parametrize("case", MODS.values(), ids=MODS)
+def test_score_chains_and_mods_meet_the_oracle(case):
+    base, variant, captures = case
+    run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant, captures=captures)
+
+
 def test_dropout_with_a_window_and_a_softcap():
     run_variant_case(Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
                      Shape(1, 150, 300, heads=2, kv_heads=1), {"softcap": 30.0, "window_size": (60, 0)})
@@ -123,7 +163,19 @@ def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     run_and_check(SPECS[0], Shape(1, 150, 200, heads=2, kv_heads=1), backward=False)
 
 
-@pytest.mark.parametrize("spec", SPECS + DROPOUT, ids=lambda s: s.name)
+def _traced(score=None, mask=None) -> dict:
+    return {"score_mod": score and custom_mod(trace_score_mod(score)), "mask_mod": mask and custom_mod(trace_mask_mod(mask))}
+
+
+# The score chains and mods at every head dim, on their key tiles (arch_families.sm90_tiles).
+STATIC_MODS = [Spec(64, mask="causal", **_traced(_relative_bias), arch_family="sm90"),
+               Spec(128, mask="causal", dropout=True, **_traced(_relative_bias), arch_family="sm90"),
+               Spec(128, mask="causal", softcap=True, alibi=True, arch_family="sm90"),
+               Spec(192, **_traced(mask=_same_document), arch_family="sm90"),
+               Spec(256, **_traced(_gated, _same_document), arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", SPECS + DROPOUT + STATIC_MODS, ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
     pytest.importorskip("cuda.bindings")
     from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
@@ -150,7 +202,7 @@ def test_the_spec_names_the_family_and_round_trips():
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
     (dict(version=1), "version=1"),
-    (dict(alibi=True, softcap=True), "ALiBi with a softcap"), (dict(head_dim=128, head_dim_v=96), "head_dim_v=96"),
+    (dict(head_dim=128, head_dim_v=96), "head_dim_v=96"),
     (dict(varlen=True), "varlen"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):

@@ -50,9 +50,28 @@ def test_what_the_family_cannot_take_and_the_default_stay_on_sm80(monkeypatch, s
     q, k, v, _ = _inputs()
     fagen.flash_attn_func(q, k, v, causal=True)   # no FAGEN_ARCH_FAMILY: the default
     monkeypatch.setenv(ARCH_FAMILY_ENV, "sm90")
-    fagen.flash_attn_func(q, k, v, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), softcap=5.0)
+    fagen.flash_attn_func(q, k, v, version=1)   # FlashAttention-1 stays on the sm80 family
     fagen.flash_attn_func(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
-    assert sources() == ["fa2_d32_bf16", "fa2_d64_causal_bf16", "fa2_d64_softcap_alibi_bf16"]
+    assert sources() == ["fa1_d64_bf16", "fa2_d32_bf16", "fa2_d64_causal_bf16"]
+
+
+def test_a_call_with_a_score_mod_and_its_captured_tensor_runs_the_sm90_forward(monkeypatch, sources):
+    q, k, v, dout = _inputs()
+    bias = torch.randn(q.shape[2], 400, generator=torch.Generator().manual_seed(2)) * 0.5
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 200]   # q_idx - kv_idx in [-199, 149]
+
+    results, names = {}, []
+    for family in ("sm90", "sm80"):
+        monkeypatch.setenv(ARCH_FAMILY_ENV, family)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fagen.flash_attn_func(*leaves, causal=True, score_mod=score_mod)
+        results[family] = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+        names += sources()
+    assert names[0] == names[1] + "_sm90" and names[1].startswith("fa2_d64_causal_smod")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["sm90"], results["sm80"]):
+        assert max_error(a, b) < 2e-2, name   # two kernels, each within the oracle's rule (tests/kernels)
 
 
 def test_a_windowed_call_runs_the_sm90_forward(monkeypatch, sources):

@@ -288,6 +288,12 @@ MUTANTS.append(KernelMutant("sm90: ALiBi's bias not added", SM90.replace(alibi=T
                             (Edit("    bias(j);\n", ""),), (checks.variant_check,)))
 MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
                             (Edit("    cap();\n", ""),), (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: the score chain (ALiBi with a softcap) skipped past the first tile",
+                            SM90.replace(alibi=True, softcap=True), (Edit("    score(j);\n", ""),),
+                            (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: a mask_mod's tiles taken as full", _documents().replace(arch_family="sm90"),
+                            (Edit("fagen_variant::kFullTile;\n  }", "fagen_variant::kFullTile && false;\n  }"),),
+                            (checks.variant_check,)))
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
