@@ -7,8 +7,8 @@
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
-         (captured tensors too), dropout, key padding and d_v != d; the backward stays the sm80
-         family's.
+         (captured tensors too), dropout, key padding, packed sequences and d_v != d; the backward
+         stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -37,7 +37,6 @@ def sm90_refusal(spec) -> str | None:
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
-                   ("varlen", spec.varlen, "varlen (packed sequences)"),
                    ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:

@@ -114,13 +114,21 @@ def struct_argument(data: bytes):
     return np.frombuffer(bytes(data), dtype=np.dtype([("bytes", np.uint8, (len(data),))]))[0]
 
 
+def _mapped(box: tuple, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as its map's box sees it: packed sequences (total, H, d) as one batch entry of all
+    their rows, (1, total, H, d) (the kernel adds each sequence's first row to its coordinates)."""
+    return tensor.unsqueeze(0) if tensor.dim() == len(box) - 1 else tensor
+
+
 def _driver_map(box: tuple, tensor: torch.Tensor):
     """A tensor map the driver encodes (cuTensorMapEncodeTiled), passed by value."""
+    tensor = _mapped(box, tensor)
     return struct_argument(TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor))
 
 
 def _emulated_map(box: tuple, tensor: torch.Tensor):
     """fagen's own encoding of the same map, which only the emulator's TMA twin reads."""
+    tensor = _mapped(box, tensor)
     return TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).emulated_bytes(tensor)
 
 

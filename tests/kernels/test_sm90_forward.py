@@ -175,7 +175,16 @@ STATIC_MODS = [Spec(64, mask="causal", **_traced(_relative_bias), arch_family="s
                Spec(256, **_traced(_gated, _same_document), arch_family="sm90")]
 
 
-@pytest.mark.parametrize("spec", SPECS + DROPOUT + STATIC_MODS, ids=lambda s: s.name)
+# Packed sequences (the oracle tests are tests/ops/test_varlen.py's): their guards and views too.
+PACKED = [Spec(128, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
+          Spec(256, varlen=True, window=True, dropout=True, arch_family="sm90")]
+
+
+def test_packed_sequences_meet_the_oracle():
+    checks.packed_forward_check(PACKED[0])
+
+
+@pytest.mark.parametrize("spec", SPECS + DROPOUT + STATIC_MODS + PACKED, ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
     pytest.importorskip("cuda.bindings")
     from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
@@ -203,7 +212,7 @@ def test_the_spec_names_the_family_and_round_trips():
     (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
     (dict(version=1), "version=1"),
     (dict(head_dim=128, head_dim_v=96), "head_dim_v=96"),
-    (dict(varlen=True), "varlen"),
+    (dict(kv_cache="contiguous", key_padding=True), "kv_cache='contiguous'"),
 ])
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):

@@ -21,12 +21,13 @@ def cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def packed(dtype, heads=4, kv_heads=2, d=64, seed=0):
+def packed(dtype, heads=4, kv_heads=2, d=64, seed=0, d_v=None):
     gen = torch.Generator().manual_seed(seed)
+    d_v = d_v or d
     q = torch.randn(sum(LENGTHS_Q), heads, d, generator=gen).to(dtype)
     k = torch.randn(sum(LENGTHS_K), kv_heads, d, generator=gen).to(dtype)
-    v = torch.randn(sum(LENGTHS_K), kv_heads, d, generator=gen).to(dtype)
-    dout = torch.randn(sum(LENGTHS_Q), heads, d, generator=gen).to(dtype)
+    v = torch.randn(sum(LENGTHS_K), kv_heads, d_v, generator=gen).to(dtype)
+    dout = torch.randn(sum(LENGTHS_Q), heads, d_v, generator=gen).to(dtype)
     return q, k, v, dout
 
 
@@ -78,10 +79,31 @@ def test_kernels_per_sequence(version, causal, deterministic):
     assert torch.equal(dk[cu(LENGTHS_K)[1]:cu(LENGTHS_K)[2]], torch.zeros_like(dk[:40]))  # keys nobody queries
 
 
-def test_dropout_is_keyed_on_each_sequences_own_coordinates():
+# The sm90 family's forward on packed sequences: its TMA maps see (1, total, H, d) and each block's
+# sequence starts at its cu_seqlens row (a tile past the sequence's end reads the next one's rows,
+# masked as keys and unstored as queries); then the sm80 family's backward.
+SM90 = [Spec(64, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
+        Spec(128, varlen=True, dtype="fp16", arch_family="sm90"),
+        Spec(256, varlen=True, mask="causal", dtype="bf16", arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", SM90, ids=lambda s: s.name)
+def test_the_sm90_forward_per_sequence(spec):
+    dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
+    q, k, v, dout = packed(dtype, d=spec.head_dim, d_v=spec.head_dim_v or spec.head_dim)
+    source = render(spec)
+    varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
+    out, stats = ops.forward(source, q, k, v, varlen=varlen)
+    dlse = torch.randn(len(LENGTHS_Q), 4, max(LENGTHS_Q))
+    dq, dk, dv = ops.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
+    check_sequences({"out": out, "lse": stats[0], "dq": dq, "dk": dk, "dv": dv}, q, k, v, dout, dlse, spec.causal)
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_dropout_is_keyed_on_each_sequences_own_coordinates(family):
     """The keep mask of sequence b is the padded batch's entry b: packing never changes it."""
     q, k, v, dout = packed(torch.float16, seed=1)
-    spec = Spec(64, varlen=True, mask="causal", dropout=True)
+    spec = Spec(64, varlen=True, mask="causal", dropout=True, arch_family=family)
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
     out, stats = ops.forward(source, q, k, v, varlen=varlen, dropout_p=DROPOUT_P, seed=SEED, philox_offset=OFFSET)
@@ -93,7 +115,9 @@ def test_dropout_is_keyed_on_each_sequences_own_coordinates():
                     dlse, True, keep=keep)
 
 
-def test_the_op_with_variants_sinks_and_a_differentiable_lse():
+@pytest.mark.parametrize("family", ["", "sm90"])
+def test_the_op_with_variants_sinks_and_a_differentiable_lse(family, monkeypatch):
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
     q, k, v, dout = (t.requires_grad_() for t in packed(torch.bfloat16, seed=2))
     sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], requires_grad=True)
     out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
@@ -191,9 +215,11 @@ def test_bad_packed_inputs(change, error, message, monkeypatch):
     {"cu_seqlens_q": torch.tensor([0, 70, 60, 200, 205, 238], dtype=torch.int32)},     # a negative length
     {"max_seqlen_q": 100},                                                             # a sequence past the grid
 ], ids=["past the rows", "decreasing", "max_seqlen too small"])
-def test_bad_values_are_refused_by_the_guards(change):
+@pytest.mark.parametrize("family", ["", "sm90"])
+def test_bad_values_are_refused_by_the_guards(change, family, monkeypatch):
     """By default the values are not read on the host (a sync): the kernels refuse a sequence
     outside the packed rows or longer than max_seqlen, and the call raises from their flag."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
     args = {**_args(), **change}
     with pytest.raises(ValueError, match="out of range in cu_seqlens_q or cu_seqlens_k.*FAGEN_CHECK_VALUES=1"):
         fagen.flash_attn_varlen_func(**args)
@@ -201,10 +227,14 @@ def test_bad_values_are_refused_by_the_guards(change):
 
 @pytest.mark.parametrize("spec", [Spec(64, varlen=True, mask="causal", dropout=True, block_m=64, block_n=32),
                                   Spec(64, version=1, varlen=True, block_m=64, block_n=32),
-                                  Spec(64, varlen=True, mask="causal", deterministic=True)], ids=lambda s: s.name)
+                                  Spec(64, varlen=True, mask="causal", deterministic=True),
+                                  Spec(64, varlen=True, mask="causal", dropout=True, arch_family="sm90")],
+                         ids=lambda s: s.name)
 def test_packed_kernels_are_race_free(spec, monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
-    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "warp-serial")
+    # The sm90 family's producer and consumers in a random order (warp-serial would run the
+    # consumers' waits before the producer's loads forever).
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "random" if spec.arch_family == "sm90" else "warp-serial")
     q, k, v, dout = packed(torch.float16, seed=4)
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))

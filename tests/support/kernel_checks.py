@@ -64,6 +64,32 @@ def ragged_check(spec: Spec, source: Source | None = None) -> None:
         run_and_check(spec, shape, source=source)
 
 
+def packed_forward_check(spec: Spec, source: Source | None = None) -> None:
+    """Packed sequences (Spec.varlen), the forward: each sequence's O and L against the oracle on it
+    alone (FlashAttention-2's rule), with an empty query sequence, Nq > Nk and Nq < Nk, GQA."""
+    from fagen.reference import attention_gradients, attention_same_dtype
+    from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, max_error
+
+    lengths_q, lengths_k = [70, 0, 130, 33], [90, 40, 20, 33]
+    gen = torch.Generator().manual_seed(7)
+    dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
+    q = torch.randn(sum(lengths_q), 4, spec.head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(sum(lengths_k), 2, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lengths_q, lengths_k))
+    out, stats = ops.forward(source or render(spec), q, k, v, varlen=(cu_q, cu_k, max(lengths_q), max(lengths_k)))
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        if lq == 0:
+            continue
+        one = [t[None] for t in (q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]])]
+        ref = attention_gradients(*one, torch.zeros_like(one[0]), causal=spec.causal)
+        same = attention_same_dtype(*one, torch.zeros_like(one[0]), causal=spec.causal)[0]
+        bound = OUTPUT_FACTOR * max_error(same, ref["out"]) + ABS_FLOOR
+        assert max_error(out[cu_q[b]:cu_q[b + 1]][None], ref["out"]) <= bound, f"sequence {b}: O"
+        finite = torch.isfinite(ref["lse"][0])
+        assert torch.equal(torch.isfinite(stats[0][b, :, :lq]), finite), f"sequence {b}: rows with no key"
+        assert max_error(stats[0][b, :, :lq][finite], ref["lse"][0][finite]) < 1e-3, f"sequence {b}: L"
+
+
 def gqa_check(spec: Spec, source: Source | None = None) -> None:
     run_and_check(spec, Shape(2, 64, 80, heads=6, kv_heads=3), source=source)
     run_and_check(spec, Shape(1, 64, 80, heads=4, kv_heads=1), source=source)

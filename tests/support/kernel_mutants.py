@@ -288,6 +288,10 @@ MUTANTS.append(KernelMutant("sm90: ALiBi's bias not added", SM90.replace(alibi=T
                             (Edit("    bias(j);\n", ""),), (checks.variant_check,)))
 MUTANTS.append(KernelMutant("sm90: the softcap's tanh not applied", SM90.replace(softcap=True),
                             (Edit("    cap();\n", ""),), (checks.variant_check,)))
+MUTANTS.append(KernelMutant("sm90: packed sequences' K and V read from the first sequence's rows",
+                            SM90.replace(varlen=True, mask="causal"),
+                            (Edit("kv_row0 + j * kBlockN, kv_head", "j * kBlockN, kv_head"),),
+                            (checks.packed_forward_check,)))
 MUTANTS.append(KernelMutant("sm90: the score chain (ALiBi with a softcap) skipped past the first tile",
                             SM90.replace(alibi=True, softcap=True), (Edit("    score(j);\n", ""),),
                             (checks.variant_check,)))
