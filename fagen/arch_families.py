@@ -101,13 +101,16 @@ ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
 def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> str:
     """The family a call's forward runs on a device of compute `capability` (None: the CPU's
     emulator, which runs both): `requested` (FAGEN_ARCH_FAMILY: "sm80", "sm90", or "" for the
-    default) where the spec and the device allow it, else sm80.
+    default: the spec's own, which is sm80 unless `fagen tune` chose sm90 for this shape on this
+    GPU) where the spec and the device allow it, else sm80.
 
     The default is sm80 on every device, Hopper included, until the sm90 forward has passed the
     GPU check on one (benchmarks/gpu_check.sh): it is correct on the emulator and static checks
-    only, and a kernel that hangs on hardware would hang a user's training step."""
+    only, and a kernel that hangs on hardware would hang a user's training step. A tuning result
+    is the exception: the tuner checked that forward's output on the GPU before it timed it."""
     if requested not in ("", *ARCH_FAMILIES):
         raise ValueError(f"{ARCH_FAMILY_ENV}={requested!r}: expected one of {', '.join(ARCH_FAMILIES)}, or unset")
-    if requested == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
+    wanted = requested or spec.arch_family
+    if wanted == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
         return "sm90"
     return "sm80"

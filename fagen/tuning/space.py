@@ -9,6 +9,10 @@ Pruning happens twice, both times before anything runs on a GPU:
    wins), registers x threads against the registers per block, and static +
    dynamic shared memory against the opt-in limit.
 
+On compute capability 9.0 one more candidate is the sm90 kernel family's forward
+(`fagen.arch_families`, with its own tiles) beside the fallback's backward, where
+the family takes the spec: the tuner then chooses the family too, per shape.
+
 Only the forward kernel takes part: it is the kernel whose tiles are tuned
 and timed. The backward kernels' tiles derive from the head dim alone
 (`Spec.backward_tiles`), with a pipeline depth fitted to the device's shared
@@ -27,8 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from ..arch import base_arch
+from ..arch_families import SM90_ARCH, sm90_refusal
 from ..kernels.render import kernel_entries, render
-from ..kernels.compile import CompileError, ResourceReport, compile_source
+from ..kernels.compile import CompileError, ResourceReport, compile_source, spec_target
 from ..spec import Spec
 from .device import DeviceLimits
 from .fallback import fallback_spec, fit_backward_to
@@ -74,7 +80,16 @@ def candidates(spec: Spec, limits: DeviceLimits, grid: TileGrid = DEFAULT_GRID) 
         candidate = fit_backward_to(candidate, limits.arch, limits.shared_per_block_optin)
         if candidate not in found:
             found.append(candidate)
-    return found
+    hopper = _sm90_candidate(spec, limits, found[0])
+    return found + ([hopper] if hopper is not None else [])
+
+
+def _sm90_candidate(spec: Spec, limits: DeviceLimits, fallback: Spec) -> Spec | None:
+    """The sm90 family's forward on a compute capability 9.0 device, beside the fallback's tiles
+    for the backward (which stays the sm80 family's), where that family takes `spec`."""
+    if base_arch(limits.arch) != SM90_ARCH or spec.arch_family != "sm80" or sm90_refusal(spec) is not None:
+        return None
+    return fallback.replace(arch_family="sm90")
 
 
 def prune(specs: Iterable[Spec], limits: DeviceLimits, resources: Mapping[Spec, Resources] | None = None
@@ -148,8 +163,9 @@ def _kernel_role(spec: Spec, kernel_name: str) -> str:
 # -- compiling -------------------------------------------------------------
 
 def nvrtc_resources(spec: Spec, arch: str) -> Resources:
-    """Compile `spec` for `arch` (through the cubin cache) and return its resource report."""
-    return compile_source(render(spec), arch).resources
+    """Compile `spec` for a GPU of `arch`, for its family's target there (`spec_target`), through
+    the cubin cache, and return its resource report."""
+    return compile_source(render(spec), spec_target(spec, arch)).resources
 
 
 def compile_all(specs: list[Spec], compile_one: Callable[[Spec], Resources], *, workers: int | None = None,

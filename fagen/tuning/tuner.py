@@ -160,7 +160,10 @@ def tune(spec_or_fields, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
     # 5. the fastest correct candidate wins (ties: the earlier, i.e. the fallback first)
     timings.sort(key=lambda item: item[1])
     winner, winner_ms = timings[0]
-    entry = TuneEntry(identity=identity, family=base.family, bucket=bucket, tiles=dict(winner.tiles),
+    # The kernel family is chosen too (space.candidates: sm90 on compute capability 9.0); it is
+    # stored with the tiles only where it is not the default, so sm80 entries read as before.
+    tiles = {**winner.tiles, **({"arch_family": winner.arch_family} if winner.arch_family != "sm80" else {})}
+    entry = TuneEntry(identity=identity, family=base.family, bucket=bucket, tiles=tiles,
                       median_ms=winner_ms, fallback_ms=next((ms for s, ms in timings if s == fallback), None),
                       shape={"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k},
                       counts={"generated": len(generated), "pruned": len(pruned), "rejected": len(rejected),

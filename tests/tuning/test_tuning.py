@@ -24,6 +24,7 @@ from fagen.kernels.render import kernel_entries
 from fagen.kernels.compile import CompileError, ResourceReport
 from fagen.reference import attention_forward, attention_same_dtype, dropout_keep_mask
 from fagen.arch import smem_limit
+from fagen.arch_families import chosen_family
 from fagen.spec import Spec
 from fagen.tile_shapes import default_tiles
 
@@ -79,6 +80,9 @@ def test_candidates_cover_the_legal_grid_and_start_with_the_fallback(head_dim, a
     found = candidates(base, limits)
     assert found[0] == fallback_spec(base, arch)
     assert len(set(found)) == len(found)
+    if arch == "sm_90":   # one more: the sm90 family's forward, the fallback's tiles for the backward
+        assert found[-1] == found[0].replace(arch_family="sm90")
+        found = found[:-1]
     assert {s.family for s in found} == {base.family}
     legal = set()
     for tiles in autotune.DEFAULT_GRID.combinations():
@@ -87,6 +91,22 @@ def test_candidates_cover_the_legal_grid_and_start_with_the_fallback(head_dim, a
         except ValueError:
             pass
     assert legal and set(found) == legal | {found[0]}
+
+
+def test_on_compute_capability_9_0_the_tuner_chooses_the_kernel_family_too(cache):
+    base = Spec(128, mask="causal", dtype="bf16")
+    hopper = fallback_spec(base, "sm_90").replace(arch_family="sm90")
+    result = fake_tune(base, timer=lambda spec: 0.5 if spec == hopper else 1.0)
+    assert result.winner == hopper and result.entry.tiles["arch_family"] == "sm90"
+    tuned = lookup(base, **SHAPE, identity=FAKE_GPU)
+    assert tuned == hopper
+    # A call takes it by default on a 9.0 GPU; FAGEN_ARCH_FAMILY=sm80 still forces the sm80 family.
+    assert chosen_family(tuned, "", (9, 0)) == "sm90" and chosen_family(tuned, "sm80", (9, 0)) == "sm80"
+    # Where the family does not take the spec (FlashAttention-1), or off Hopper, no such candidate.
+    assert all(s.arch_family == "sm80" for s in candidates(base.replace(version=1), SM90))
+    assert all(s.arch_family == "sm80" for s in candidates(base, DeviceLimits.preset("sm_80")))
+    # An sm80 winner's entry reads as before: no family in its tiles.
+    assert "arch_family" not in fake_tune(Spec(64), timer=lambda spec: 1.0).entry.tiles
 
 
 def test_static_pruning_checks_the_devices_shared_memory():
@@ -109,8 +129,11 @@ def test_static_pruning_checks_threads_per_block():
     grid = TileGrid(block_m=(128,), block_n=(32, 64), num_warps=(4, 8), num_stages=(1,))
     kept, pruned = prune(candidates(Spec(64), SM90, grid), limits)
     assert kept and pruned
-    assert all(s.threads <= 128 for s in kept)
-    assert all(s.threads > 128 and "256 threads per block" in r for s, r in pruned)
+    threads = {s: kernel_entries(s).forward.threads for s in kept + [s for s, _ in pruned]}
+    assert all(threads[s] <= 128 for s in kept)
+    # The sm80 family's 8 warps, and the sm90 family's 3 warpgroups (its candidate on sm_90).
+    assert all(threads[s] > 128 and f"{threads[s]} threads per block" in r for s, r in pruned)
+    assert {threads[s] for s, _ in pruned} == {256, 384}
 
 
 def test_pruning_by_the_resource_report():
