@@ -30,3 +30,59 @@ def test_sm90_forward_on_the_gpu(spec, shape):
     if require_capability(9, 0) != "sm_90":
         pytest.skip("the sm90 family's cubins are sm_90a: compute capability 9.0 only")
     run_and_check(spec, shape, device="cuda")
+
+
+# The mods, a score chain and packed sequences, at the op: the sm90 forward against the sm80 family's
+# on the same GPU (which the kernel matrix holds to the oracle), outputs and gradients (the sm80
+# backward after each forward). Both round to bf16: 2e-2 is a few of its ulps at these values.
+OP_CASES = ("relative_bias", "documents", "alibi_softcap", "window")
+
+
+def _op_case(name: str) -> dict:
+    """flash_attn_func's keywords for a case, its captured tensors on the GPU."""
+    bias = torch.randn(4, 4096, generator=torch.Generator().manual_seed(3)).cuda() * 0.5
+    docs = torch.sort(torch.randint(0, 6, (2, 1500), generator=torch.Generator().manual_seed(4)), dim=1).values.cuda()
+    return {"relative_bias": dict(causal=True, score_mod=lambda s, b, h, q, k: s + bias[h, q - k + 2048]),
+            "documents": dict(mask_mod=lambda b, h, q, k: docs[b, q] == docs[b, k]),
+            "alibi_softcap": dict(causal=True, softcap=5.0,
+                                  alibi_slopes=torch.tensor([0.25, 0.0625, 0.5, 0.125], device="cuda")),
+            "window": dict(causal=True, window_size=(300, 0))}[name]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", OP_CASES, ids=str)
+def test_sm90_forward_with_mods_equals_the_sm80_familys(case, head_dim, monkeypatch):
+    if require_capability(9, 0) != "sm_90":
+        pytest.skip("the sm90 family's cubins are sm_90a: compute capability 9.0 only")
+    import fagen
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 1500, 4, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1500, 2, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    kwargs = _op_case(case)
+    results = {}
+    for family in ("sm90", "sm80"):
+        monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fagen.flash_attn_func(*leaves, **kwargs)
+        results[family] = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["sm90"], results["sm80"]):
+        assert torch.isfinite(a).all() and (a.float() - b.float()).abs().max().item() < 2e-2 * max(1.0, b.abs().max().item()), name
+
+
+def test_sm90_forward_on_packed_sequences_equals_the_sm80_familys(monkeypatch):
+    if require_capability(9, 0) != "sm_90":
+        pytest.skip("the sm90 family's cubins are sm_90a: compute capability 9.0 only")
+    import fagen
+
+    lengths = [700, 0, 1300, 5, 333, 2049]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(sum(lengths), heads, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for heads in (4, 2, 2))
+    outs = {}
+    for family in ("sm90", "sm80"):
+        monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
+        outs[family] = fagen.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    assert (outs["sm90"].float() - outs["sm80"].float()).abs().max().item() < 2e-2
