@@ -79,8 +79,12 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     tiles = sm90_tiles(spec)
     maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
-    return tuple(maps + [_tensor("out", ELEM_CTYPE[spec.dtype]), _tensor("lse", "float")] + _sizes(spec)
-                 + _strides("o") + [Param("softmax_scale_log2", "float", "float32")]
+    # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences by the threads (a
+    # box would write past a sequence's end, into the next one's rows).
+    out = ([_tensor("out", ELEM_CTYPE[spec.dtype])] if spec.varlen else
+           [Param("out", "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, 64, 1, BOX_COLUMNS))])
+    return tuple(maps + out + [_tensor("lse", "float")] + _sizes(spec)
+                 + (_strides("o") if spec.varlen else []) + [Param("softmax_scale_log2", "float", "float32")]
                  + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi or spec.score_mod else [])
                  + _dropout(spec) + _variant(spec))
 
