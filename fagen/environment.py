@@ -25,7 +25,6 @@ def setting(name: str) -> str:
     return "" if value is None else os.fsdecode(value)
 
 
-
 def setting_keys(*names: str) -> tuple:
     """`names` as `raw_settings` takes them (encoded once, where os.environ keeps bytes)."""
     return names if _DATA is None or type(_DATA) is not dict else tuple(n.encode() for n in names)

@@ -12,9 +12,9 @@ A system that cannot run raises; the sweep records the reason and goes on.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Callable
+from unittest import mock
 
 from .speed.config import SYSTEM_LABELS
 
@@ -90,24 +90,10 @@ class FagenSystem(System):
             self._func = fagen_attention_func()
         if not self.family:
             return self._func(q, k, v, causal=causal, version=self.version)
-        with arch_family(self.family):
+        from fagen.arch_families import ARCH_FAMILY_ENV
+
+        with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: self.family}):   # fagen reads it on every call
             return self._func(q, k, v, causal=causal, version=self.version)
-
-
-@contextlib.contextmanager
-def arch_family(family: str):
-    """FAGEN_ARCH_FAMILY set to `family` for the calls inside (fagen reads it on every call)."""
-    from fagen.arch_families import ARCH_FAMILY_ENV
-
-    before = os.environ.get(ARCH_FAMILY_ENV)
-    os.environ[ARCH_FAMILY_ENV] = family
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[ARCH_FAMILY_ENV]
-        else:
-            os.environ[ARCH_FAMILY_ENV] = before
 
 
 # -- PyTorch scaled_dot_product_attention, one backend at a time --------------

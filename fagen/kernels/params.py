@@ -5,10 +5,8 @@ use adds no parameter, so its kernels' signatures, and sources, stay as they wer
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..arch_families import BOX_COLUMNS, sm90_tiles
 from ..spec import Spec
@@ -212,7 +210,7 @@ def varlen_params(params: list[Param]) -> list[Param]:
     flagged = any(p.name == ERROR_FLAG.name for p in params)
     for p in params:
         if p.name in VARLEN_PACKED:
-            out.append(dataclasses.replace(p, name=p.name + "_packed"))   # a tensor map keeps its box
+            out.append(replace(p, name=p.name + "_packed"))   # a tensor map keeps its box
         elif p.name in ("seqlen_q", "seqlen_k"):
             side = p.name[-1]
             out += [_tensor(f"cu_seqlens_{side}", "int", const=True), Param("max_" + p.name, p.ctype, p.kind),

@@ -320,8 +320,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     tensors = plan.allocate(q.device)
     out, *stats = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"] = q, k, v
-    if seqlens_k is not None or seed or philox_offset or variant_tensors or debug or coord_offsets != (0, 0):
-        _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
+    _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
     if varlen is not None:
         packed_tensors(tensors, varlen)
     launch_all(plan.launches, tensors)
@@ -397,9 +396,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     else:
         tensors["row_max"], tensors["row_sum"] = stats
     grads = _capture_gradients(spec, variant_tensors, q.device) if variant else {}
-    if seqlens_k is not None or drop or variant_tensors or debug or coord_offsets != (0, 0):
-        _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
-                     {**variant_tensors, **grads}, debug)
+    _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
+                 {**variant_tensors, **grads} if grads else variant_tensors, debug)
     delta = tensors["delta"]   # (renamed delta_packed for packed sequences)
     if varlen is not None:
         packed_tensors(tensors, varlen)

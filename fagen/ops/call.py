@@ -111,7 +111,11 @@ def kernels_generation(device: torch.device) -> tuple[int, str]:
     """What a memo of a call's kernels must match: the tuning cache's generation (a new tuning
     result invalidates it; CPU calls never read the tuning cache) and the kernel family asked
     for (FAGEN_ARCH_FAMILY)."""
-    return tuning.cache.INDEX.current_generation() if device.type == "cuda" else 0, setting(ARCH_FAMILY_ENV)
+    return _generation(device.type == "cuda")
+
+
+def _generation(cuda: bool) -> tuple[int, str]:
+    return tuning.cache.INDEX.current_generation() if cuda else 0, setting(ARCH_FAMILY_ENV)
 
 
 _CPU_STATE = setting_keys(ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
@@ -123,7 +127,7 @@ def kernels_state(cuda: bool) -> tuple:
     `launch.backend_key` reads (the emulator build's settings, raw, and whether counters are
     collected). Read in one step on every warm call; a change starts the call's plans over."""
     if cuda:
-        return tuning.cache.INDEX.current_generation(), setting(ARCH_FAMILY_ENV)
+        return _generation(True)
     return raw_settings(_CPU_STATE), launch.instrumentation.collecting()
 
 

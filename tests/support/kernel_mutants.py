@@ -272,7 +272,7 @@ MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_
      "    fagen::wgmma_fence();   // P was written since the last groups\n", ""),
     ("the ping-pong turns not taken", "    wait_turn();\n", ""),
     ("O's shared writes not fenced for the TMA store", "  fagen::fence_proxy_async_shared();   // the writes above", "  // the writes above"),
-    ("the TMA store of O issued before its warpgroup's writes", "  fagen::named_barrier_sync(kEpilogue + consumer, 128);\n", ""),
+    ("the TMA store of O issued before its warpgroup's writes", "  fagen::named_barrier_sync(kEpilogue + consumer, 128);", "  // (deleted)"),
     ("O written to shared memory unswizzled", "swizzled = chunk ^ (local % 8);", "swizzled = chunk;"),
     ("P written into P V's A registers before that P V retires",
      "    fagen::wgmma_wait<0>();   // P_{j-1} V_{j-1} has landed",
