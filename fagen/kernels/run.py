@@ -183,17 +183,19 @@ class Plan:
     shape, dtype), each through `_empty`), add the call's own tensors, and launch the bound
     kernels. Everything else (geometry, strides, scalars converted to their C types) is derived
     once, when the plan is built. `results` names the buffers the call returns; `fixed` holds
-    values that are the same on every call (`unused` tensors), and CALL_DEFAULTS."""
+    values that are the same on every call (`unused` tensors), and CALL_DEFAULTS. `group`: a
+    backward's query heads per K/V head (its dK and dV are summed over them, `_summed_groups`)."""
 
-    __slots__ = ("launches", "buffers", "results", "fixed", "take_results")
+    __slots__ = ("launches", "buffers", "results", "fixed", "take_results", "group")
 
     def __init__(self, launches: list, buffers: list[tuple[str, tuple, torch.dtype]], results: tuple,
-                 fixed: dict | None = None):
+                 fixed: dict | None = None, group: int = 1):
         self.launches = launches
         self.buffers = buffers
         self.results = results
         self.fixed = {**CALL_DEFAULTS, **(fixed or {})}
         self.take_results = operator.itemgetter(*results)   # tensors -> the results, in order
+        self.group = group
 
     def allocate(self, device: torch.device) -> dict:
         """The call's tensors by kernel parameter name: its new buffers and the fixed values."""
@@ -210,9 +212,44 @@ class Memo(dict):
     fixes everything in `forward`'s and `backward`'s keys but the kernels, the backend and the
     strides the kernels see (q, k or v copied into alignment: common.aligned_rows; dO's): a warm
     call skips building the full key. The caller keeps one per kernels and backend
-    (`launch.backend_key`), so the keys hold only the strides."""
+    (`launch.backend_key`), so the keys hold only the strides.
+
+    Such a call runs through `Memo.forward` and `Memo.backward`: with its plan kept, they only
+    allocate, add the call's tensors and launch (what a plain call needs of `forward` and
+    `backward`, whose general path they take to build the plan)."""
 
     LIMIT = 16
+
+    def forward(self, source: Source, q, k, v, softmax_scale) -> tuple:
+        """`forward` of a call with no values of its own: (out, *stats)."""
+        plan = self.get(_memo_forward_key(q, k, v))
+        if plan is None:
+            out, stats = forward(source, q, k, v, softmax_scale=softmax_scale, memo=self)
+            return (out, *stats)
+        tensors = plan.allocate(q.device)
+        tensors["q"], tensors["k"], tensors["v"] = q, k, v
+        launch_all(plan.launches, tensors)
+        return plan.take_results(tensors)
+
+    def backward(self, source: Source, q, k, v, out, stats, dout, softmax_scale) -> tuple:
+        """`backward` of a call with no values of its own and no gradient of L: (dq, dk, dv)."""
+        plan = self.get(_memo_backward_key(q, k, v, dout))
+        if plan is None:
+            return backward(source, q, k, v, out, stats, dout, softmax_scale=softmax_scale, memo=self)
+        tensors = plan.allocate(q.device)
+        tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
+        _add_stats(tensors, stats)
+        launch_all(plan.launches, tensors)
+        dq, dk, dv = plan.take_results(tensors)
+        return (dq, *_summed_groups(dk, dv, plan.group, q.dtype)) if plan.group > 1 else (dq, dk, dv)
+
+
+def _memo_forward_key(q, k, v) -> tuple:
+    return ("fwd", q.stride(), k.stride(), v.stride())
+
+
+def _memo_backward_key(q, k, v, dout) -> tuple:
+    return ("bwd", q.stride(), k.stride(), v.stride(), dout.stride())
 
 
 def _remember(plans: dict, key, plan: Plan) -> Plan:
@@ -311,7 +348,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
                                         ({}, ()))
     key = None
     if memo is not None and not debug:
-        key = ("fwd", q.stride(), k.stride(), v.stride())
+        key = _memo_forward_key(q, k, v)
     elif not debug:
         key = ("fwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), _scale(softmax_scale, q), dropout_p, variant_scalars, varlen_key(varlen))
@@ -380,7 +417,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     variant_tensors, variant_scalars = split_variant(spec, variant, _scale(softmax_scale, q)) if variant else ({}, ())
     key = None
     if memo is not None and not debug:
-        key = ("bwd", q.stride(), k.stride(), v.stride(), dout.stride())
+        key = _memo_backward_key(q, k, v, dout)
     elif not debug:
         key = ("bwd", source.hash, launch.backend_key(q.device), q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), out.stride(), dout.stride(), _scale(softmax_scale, q), drop.get("keep_threshold"),
@@ -391,10 +428,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     tensors = plan.allocate(q.device)
     dq, dk, dv = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
-    if spec.version == 2:
-        tensors["lse"] = stats[0]
-    else:
-        tensors["row_max"], tensors["row_sum"] = stats
+    _add_stats(tensors, stats)
     grads = _capture_gradients(spec, variant_tensors, q.device) if variant else {}
     _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
                  {**variant_tensors, **grads} if grads else variant_tensors, debug)
@@ -407,14 +441,28 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     if extras is not None and variant:
         extras.update(grads)
         if spec.sinks:
-            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version, delta[:, :, :stats[0].shape[-1]],
+            extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version,
+                                             delta[:, :, :stats[0].shape[-1]],
                                              None if varlen is None else sequence_rows(varlen))
-    if q.shape[-2] != k.shape[-2]:   # GQA: per query head in fp32, the group's heads summed, then rounded once
-        kv_heads = k.shape[-2]
-        group = q.shape[-2] // kv_heads
-        dk = dk.view(*k.shape[:-2], kv_heads, group, dk.shape[-1]).sum(-2).to(q.dtype)
-        dv = dv.view(*k.shape[:-2], kv_heads, group, dv.shape[-1]).sum(-2).to(q.dtype)
+    if plan.group > 1:
+        dk, dv = _summed_groups(dk, dv, plan.group, q.dtype)
     return dq, dk, dv
+
+
+def _add_stats(tensors: dict, stats: tuple) -> None:
+    """The forward's statistics, as the backward kernels take them: (lse,) for version 2, (m, l)
+    for version 1."""
+    if len(stats) == 1:
+        tensors["lse"] = stats[0]
+    else:
+        tensors["row_max"], tensors["row_sum"] = stats
+
+
+def _summed_groups(dk, dv, group: int, dtype) -> tuple:
+    """GQA's dK and dV: written per query head in fp32, the heads of each K/V head's group summed,
+    then rounded once to q's dtype."""
+    *outer, heads, _ = dk.shape
+    return tuple(g.view(*outer, heads // group, group, g.shape[-1]).sum(-2).to(dtype) for g in (dk, dv))
 
 
 def _capture_gradients(spec, variant_tensors: dict, device) -> dict:
@@ -461,4 +509,4 @@ def _backward_plan(source: Source, q, k, v, out, dout, softmax_scale, drop, vari
     loaded = launch.load(source, device)
     launches = [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
                 for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
-    return Plan(launches, buffers, results=("dq", dk_name, dv_name), fixed=unused_ones)
+    return Plan(launches, buffers, results=("dq", dk_name, dv_name), fixed=unused_ones, group=heads // kv_heads)

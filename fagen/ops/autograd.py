@@ -54,7 +54,9 @@ def forward_kernels(prepared: Prepared, q, k, v):
     fa1_stats) with fa1_stats (2, B, H, Nq) = (m, l) for FlashAttention-1 (its backward's
     statistics), None for version 2."""
     rng = prepared.args["rng"]
-    if rng is None:
+    if prepared.memo is not None:   # a reusable call (dense.DenseCall): q, k and v are all it passes
+        out, *stats = prepared.memo.forward(prepared.source, q, k, v, prepared.args["softmax_scale"])
+    elif rng is None:
         out, stats = attention_kernels.forward(prepared.source, q, k, v, **prepared.kernel_args)
     else:
         refuse_graph_capture(q.device)   # never traced: a compiled call is checked on every run
@@ -71,8 +73,11 @@ def backward_kernels(prepared: Prepared, dout, dlse, q, k, v, out, lse, fa1_stat
     (dq, dk, dv, grads) with grads one per tensor of the call (None where it gets none)."""
     args, tensors = prepared.args, prepared.tensors
     stats = (lse,) if prepared.options.version == 2 else tuple(fa1_stats)
-    drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
     dout = torch.zeros_like(out) if dout is None else aligned_rows(dout)
+    if prepared.memo is not None and dlse is None:   # a reusable call (dense.DenseCall), L unused
+        dq, dk, dv = prepared.memo.backward(prepared.source, q, k, v, out, stats, dout, args["softmax_scale"])
+        return dq, dk, dv, [None] * len(tensors)
+    drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
     extras = {} if args["variant"] else None   # only a variant has gradients beyond dq, dk, dv
     dq, dk, dv = attention_kernels.backward(prepared.source, q, k, v, out, stats, dout, dropout_args=drop, dlse=dlse,
                                             extras=extras, **prepared.kernel_args)
@@ -106,6 +111,31 @@ class Attention(torch.autograd.Function):
         saved = ctx.saved_tensors   # q, k, v, out, lse, fa1_stats, then the variant's tensors
         dq, dk, dv, grads = backward_kernels(ctx.prepared, dout, dlse, *saved[:6])
         return (dq, dk, dv, None, *grads[FIXED_TENSORS:])
+
+
+def _eager_apply():
+    """`Attention.apply` less its Python wrapper, or None where torch lacks the hooks it needs.
+
+    torch.autograd.Function.apply is a Python wrapper over torch's C++ apply. For `Attention` (no
+    setup_context: no default arguments to bind) it only hands the call to functorch while a
+    transform (vmap, grad) is active, and otherwise unwraps tensors that a finished transform
+    left behind (`unwrap_if_dead`) before the C++ apply. `run` does those two steps itself: a
+    warm forward + backward spends ~3 us less on the host (benchmarks/call_overhead.py)."""
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if transforms_active is None or unwrap_if_dead is None:
+        return None
+    cpp_apply = super(torch.autograd.Function, Attention).apply   # torch._C._FunctionBase's, bound to Attention
+
+    def apply(q, k, v, prepared, *variant_tensors):
+        if transforms_active():   # functorch's path, and its error: Attention has no setup_context
+            return Attention.apply(q, k, v, prepared, *variant_tensors)
+        return cpp_apply(unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v), prepared,
+                         *map(unwrap_if_dead, variant_tensors))
+    return apply
+
+
+_apply = _eager_apply() or Attention.apply
 
 
 # -- the custom ops (what torch.compile traces) ---------------------------------------------------
@@ -199,5 +229,5 @@ def run(options: CallOptions, q, k, v, values: CallValues, prepared: Prepared | 
     variant_tensors = values.tensors[FIXED_TENSORS:]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or any(t.requires_grad for t in variant_tensors)):
-        return Attention.apply(q, k, v, prepared, *variant_tensors)
+        return _apply(q, k, v, prepared, *variant_tensors)
     return forward_kernels(prepared, q, k, v)[:2]

@@ -21,6 +21,7 @@ from ..spec import MAX_HEAD_DIM, check_dropout_p
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
 HEAD_DIM_MULTIPLE = 8  # head dims in between are zero-padded up to this (flash-attn does too)
+CHECK_VALUES_ENV = "FAGEN_CHECK_VALUES"   # 1: index values are read and checked on the host (values_checked)
 MAX_INT32 = 2**31 - 1  # sequence lengths, heads and batch reach the kernels as int
 
 
@@ -198,9 +199,9 @@ def values_checked(t: torch.Tensor) -> bool:
     error flag (fagen.kernels.run.raise_flagged)."""
     if not values_checkable(t):   # first: under torch.compile the environment is never read
         return False
-    value = setting("FAGEN_CHECK_VALUES")
+    value = setting(CHECK_VALUES_ENV)
     if value not in ("", "0", "1"):
-        raise ValueError(f"FAGEN_CHECK_VALUES={value!r}: expected 0 or 1")
+        raise ValueError(f"{CHECK_VALUES_ENV}={value!r}: expected 0 or 1")
     return value == "1"
 
 

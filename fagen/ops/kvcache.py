@@ -37,7 +37,9 @@ from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..spec import Spec
-from .common import HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit, values_checked
+from ..environment import raw_settings, setting_keys
+from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit,
+                     values_checked)
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
 from .variant_args import variant_call
 
@@ -164,6 +166,7 @@ class StepPlan:
     reusable: bool
     update: list | None = None           # the bound launches (kernels.launch.BoundLaunch), bound by the first step
     attend: list | None = None
+    packs_in_place: bool = False         # GQA packing of one query: q and out pass as they are (`_attend`)
 
     def run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, alibi_slopes):
@@ -225,16 +228,19 @@ class StepPlan:
             out = out_kernel = attention_kernels.new_buffer(batch, seqlen_q, heads, head_dim_v, dtype=q.dtype,
                                                             device=q.device)   # O has v's head dim
         elif seqlen_q == 1:   # packed row g of K/V head j is query head j * group + g
-            packed, (s_b, _, s_h, _) = (batch, group, kv_heads, head_dim), q.stride()
-            q_kernel = aligned_rows(q.as_strided(packed, (s_b, s_h, group * s_h, 1), q.storage_offset()))
             out = attention_kernels.new_buffer(batch, 1, heads, head_dim_v, dtype=q.dtype, device=q.device)
-            out_kernel = out.as_strided((batch, group, kv_heads, head_dim_v),
-                                        (heads * head_dim_v, head_dim_v, group * head_dim_v, 1))
+            if self.packs_in_place:   # the bound launch has the views' strides; their pointers are q's and out's
+                q_kernel, out_kernel = q, out
+            else:
+                packed, (s_b, _, s_h, _) = (batch, group, kv_heads, head_dim), q.stride()
+                q_kernel = aligned_rows(q.as_strided(packed, (s_b, s_h, group * s_h, 1), q.storage_offset()))
+                out_kernel = out.as_strided((batch, group, kv_heads, head_dim_v),
+                                            (heads * head_dim_v, head_dim_v, group * head_dim_v, 1))
         else:   # rows i * group + g: copies
             q_kernel = _pack(q, kv_heads)
             out_kernel = attention_kernels.new_buffer(*q_kernel.shape[:-1], head_dim_v, dtype=q.dtype,
                                                       device=q.device)
-        kernel_heads, kernel_rows = q_kernel.shape[2], q_kernel.shape[1]
+        kernel_heads, kernel_rows = (kv_heads, group * seqlen_q) if group is not None else (heads, seqlen_q)
         # L in the caller's (B, H, Nq) where one query packs: the kernel writes it by row index,
         # and the (B, Hk, group) rows it indexes lie as (B, H, 1)'s do.
         lse_shape = (batch, heads, 1) if group is not None and seqlen_q == 1 else (batch, kernel_heads, kernel_rows)
@@ -256,6 +262,10 @@ class StepPlan:
                 seqlen_k=self.cache.capacity, scale=self.scale, num_splits=self.num_splits, pack_group=group,
                 new_tokens=self.cache.new_tokens, scalars=dict(scalars) if self.variant else {})
         attention_kernels.launch_all(self.attend, tensors)
+        if group is not None and seqlen_q == 1 and not self.packs_in_place:
+            # Now bound: a later step of this signature (the same strides and alignment) passes q
+            # and out themselves where the views start at their first elements (q not copied).
+            self.packs_in_place = q_kernel.data_ptr() == q.data_ptr()
         if group is None or seqlen_q == 1:
             return out, lse
         return _unpack(out_kernel, lse, q.shape)
@@ -323,8 +333,10 @@ def _signature(args) -> tuple | None:
     they are plain Python values; the launch backend. None (checked in full) for anything else
     (tensor or NumPy scalars, tensor subclasses, sparse tensors) and for `_unplanned` steps."""
     q, k_cache, v_cache = args[0], args[1], args[2]
-    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor \
-            or _unplanned(q):
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or type(v_cache) is not torch.Tensor:
+        return None
+    settings = raw_settings(_STEP_SETTINGS)
+    if _unplanned(q, settings[0]):
         return None
     try:
         parts = [q.shape, q.stride(), q.dtype, q.device, q.requires_grad, q.data_ptr() % 16,
@@ -334,10 +346,12 @@ def _signature(args) -> tuple | None:
                  v_cache.data_ptr() % 16]
         for a in args[3:]:
             kind = type(a)
-            if a is None or kind is int or kind is float or kind is bool:
-                parts.append(a)
-            elif kind is torch.Tensor:
+            if kind is torch.Tensor:
                 parts += (a.shape, a.stride(), a.dtype, a.device)
+            elif a is None or kind is int or kind is float or kind is bool:
+                parts.append(a)
+            elif kind is tuple and len(a) == 2 and type(a[0]) is int and type(a[1]) is int:   # a window
+                parts.append(a)
             elif (kind is tuple or kind is list) and all(type(x) is int for x in a):
                 parts.append(tuple(a))
             else:
@@ -345,20 +359,29 @@ def _signature(args) -> tuple | None:
     except RuntimeError:   # a layout without strides or storage (sparse): the checks name it
         return None
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
-    parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), launch.backend_key(q.device))
+    # The launch backend: q's device (in parts), and what `launch.backend_key` reads on the CPU.
+    parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), settings[1:],
+              launch.instrumentation.collecting())
     k, v = args[3], args[4]
     if gap == 0 and type(k) is torch.Tensor and type(v) is torch.Tensor:   # one MLA cache: is v k's view too?
         parts.append(k.data_ptr() == v.data_ptr())
     return tuple(parts)
 
 
-def _unplanned(q) -> bool:
-    """Steps that check everything every time: FAGEN_CHECK_VALUES=1 (the index values are read),
-    and CUDA graph capture (a plan's index tensors made during a capture hold nothing until a
-    replay, and one made before it would be freed under the graph if its plan were dropped)."""
+# Read raw in one step on every warm call (environment.raw_settings): FAGEN_CHECK_VALUES, then
+# the emulator build's settings (what `launch.backend_key` reads, with instrumentation.collecting).
+_STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, *launch.BACKEND_SETTINGS)
+_UNSET = (None, b"", b"0", "", "0")   # raw values of a FAGEN_CHECK_VALUES that checks nothing
+
+
+def _unplanned(q, check_values_raw) -> bool:
+    """Steps that check everything every time: FAGEN_CHECK_VALUES=1 (the index values are read;
+    `check_values_raw` is its raw value, and common.values_checked decides when it is set), and
+    CUDA graph capture (a plan's index tensors made during a capture hold nothing until a replay,
+    and one made before it would be freed under the graph if its plan were dropped)."""
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return True
-    return values_checked(q)
+    return check_values_raw not in _UNSET and values_checked(q)
 
 
 def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.ops import dense
+from fagen.ops import autograd, dense
 from call_counts import count_calls
 
 
@@ -36,6 +36,52 @@ def test_a_warm_call_equals_a_fresh_one_forward_and_backward(checks, head_dim):
     assert len(checks) == 2
     for warm, fresh in zip(results[1], results[2]):
         assert torch.equal(warm, fresh)
+
+
+@pytest.mark.parametrize("kv_heads, version", [(2, 2), (1, 2), (2, 1)], ids=["mha", "gqa", "fa1"])
+def test_a_warm_backward_without_a_gradient_of_l_equals_a_fresh_one(checks, kv_heads, version):
+    """The warm path of a plain call (run.Memo.forward / Memo.backward: kept plans, no gradient of
+    L), with GQA's dK and dV summed over each group and FlashAttention-1's statistics, against the
+    general path of a call checked afresh."""
+    results = []
+    for _ in range(3):
+        if len(results) == 2:
+            dense._calls.clear()   # the third call checks and plans afresh
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 40, 2, 64, generator=gen).half().requires_grad_()
+        k, v = (torch.randn(1, 40, kv_heads, 64, generator=gen).half().requires_grad_() for _ in range(2))
+        out = fagen.flash_attn_func(q, k, v, causal=True, version=version)
+        out.float().square().sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    assert len(checks) == 2
+    for warm, fresh in zip(results[1], results[2]):
+        assert torch.equal(warm, fresh)
+
+
+def test_an_eager_call_skips_function_apply_s_python_wrapper_with_the_same_gradients(monkeypatch):
+    """autograd._apply (torch's C++ apply where no functorch transform is active) against
+    Attention.apply itself, with a variant tensor that takes a gradient (sinks)."""
+    wrapper_calls = []
+    apply = autograd.Attention.apply
+    monkeypatch.setattr(autograd.Attention, "apply", staticmethod(lambda *a: wrapper_calls.append(1) or apply(*a)))
+    results = []
+    for eager_apply in (autograd._apply, autograd.Attention.apply):
+        monkeypatch.setattr(autograd, "_apply", eager_apply)
+        q, k, v = _inputs(requires_grad=True)
+        sinks = torch.linspace(-1.0, 1.0, 2).requires_grad_()
+        out = fagen.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v, sinks))))
+    assert wrapper_calls == [1]   # the second pass only
+    for fast, wrapped in zip(*results):
+        assert torch.equal(fast, wrapped)
+
+
+def test_the_eager_apply_hands_the_call_to_functorch_while_a_transform_is_active(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+    monkeypatch.setattr(autograd.Attention, "apply", staticmethod(lambda *a: seen.append(a) or "functorch's"))
+    assert autograd._eager_apply()("q", "k", "v", "prepared", "sinks") == "functorch's"
+    assert seen == [("q", "k", "v", "prepared", "sinks")]
 
 
 @pytest.mark.parametrize("change, message", [

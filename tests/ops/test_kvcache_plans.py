@@ -101,3 +101,21 @@ def test_a_warm_alibi_step_takes_its_own_slopes(prepares):
     fresh = fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, alibi_slopes=slopes[1], causal=True,
                                           **case.kwargs())
     assert torch.equal(warm[1], fresh) and not torch.equal(warm[0], warm[1])
+
+
+def test_a_warm_packed_step_passes_q_and_out_as_they_are_unless_q_was_copied(prepares):
+    """GQA packing of one query: the first step binds the launch to the packed views' strides; a
+    warm one passes q and out themselves (the views start at their first elements), except where
+    the first step had to copy q into alignment. Each warm step equals a fresh one bit for bit."""
+    case = Case(seed=47)
+    fresh = fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs())
+    (plan,) = kvcache._plans.values()
+    assert plan.packs_in_place
+    assert torch.equal(fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs()), fresh)
+    flat = torch.zeros(case.q.numel() + 4, dtype=case.dtype)
+    misaligned = flat[4:].view(case.q.shape)   # 8 bytes off: the packed view is copied
+    misaligned.copy_(case.q)
+    steps = [fagen.flash_attn_with_kvcache(misaligned, case.k_cache, case.v_cache, **case.kwargs()) for _ in range(2)]
+    assert len(prepares) == 2
+    assert not [p for p in kvcache._plans.values() if p is not plan][0].packs_in_place
+    assert all(torch.equal(step, fresh) for step in steps)
