@@ -201,6 +201,29 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
     assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= 227 * 1024
 
 
+# The steady state of each head dim's key tile (sm90_tiles), plain and causal, with the variants
+# whose scores keep the plain loop's shape.
+OVERLAP = [Spec(d, dtype="bf16", arch_family="sm90", **fields)
+           for d in (64, 128, 192, 256) for fields in (dict(), dict(mask="causal"))] + \
+          [Spec(128, softcap=True, arch_family="sm90"), Spec(128, mask="causal", alibi=True, arch_family="sm90"),
+           Spec(128, sinks=True, arch_family="sm90"), Spec(256, dropout=True, arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", OVERLAP, ids=lambda s: s.name)
+def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
+    """FlashAttention-3's intra-warpgroup overlap, read from the machine code (fagen.sass.overlap):
+    the wait for P_{j-1} V_{j-1} stays after tile j's softmax (Consumer::keep_exp2_above), so
+    ptxas does not hoist it above the exp2."""
+    pytest.importorskip("cuda.bindings")
+    from fagen.sass.listing import find_cuobjdump
+    from fagen.sass.report import report_for_spec
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    overlap = report_for_spec(spec, "sm_90a")[render(spec).kernels.forward.name].overlap
+    assert overlap.exp2 > 0 and overlap.exp2_in_flight == overlap.exp2, overlap
+
+
 def test_the_spec_names_the_family_and_round_trips():
     spec = Spec(128, dtype="bf16", mask="causal", arch_family="sm90")
     assert spec.name == "fa2_d128_causal_bf16_sm90" and Spec.from_name(spec.name) == spec
