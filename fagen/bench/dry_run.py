@@ -80,6 +80,7 @@ def _required_checks(check: _Checks, plan: Plan) -> None:
           lambda: _record(plan, recorded))
     for title, prefix in (("the speed sweep's", "speed "), ("the speed sweep's sm90 family (sm_90a)", "speed fagen_sm90"),
                           ("the variants section's", "variants "),
+                          ("the variants section's sm90 family (sm_90a)", "variants fagen_sm90"),
                           ("the decode section's", "decode "), ("the models section's", "models "),
                           ("the ring section's", "ring")):
         check(f"{title} fagen kernels compile for {DRY_RUN_ARCH}", True, lambda p=prefix: _compile_last(recorded, p))

@@ -56,11 +56,12 @@ def _variant_calls(plan) -> list:
 
     config, factories = plan.variants, default_factories()
     calls = []
-    for case in config.cases if "fagen_v2" in config.systems else ():
-        made = make_case(case, config, batch=config.batch, seqlen=SMALL_N, heads=config.heads, device="cpu")
-        calls.append((f"variants {case}", functools.partial(
-            _forward, factories["fagen_v2"](made), config.dtype, config.head_dim, config.heads, config.causal,
-            config.batch)))
+    for name in config.fagen_systems():   # the sm90 family's on CPU tensors: the emulator takes either
+        for case in config.cases:
+            made = make_case(case, config, batch=config.batch, seqlen=SMALL_N, heads=config.heads, device="cpu")
+            calls.append((f"variants {name} {case}", functools.partial(
+                _forward, factories[name](made), config.dtype, config.head_dim, config.heads, config.causal,
+                config.batch)))
     if config.cases and "fagen_v2_nomod" in config.systems:
         calls.append(("variants no mod", functools.partial(
             _forward, factories["fagen_v2_nomod"](None), config.dtype, config.head_dim, config.heads, config.causal)))

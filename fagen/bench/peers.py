@@ -86,14 +86,18 @@ class FagenSystem(System):
         return None
 
     def forward(self, q, k, v, causal: bool):
+        return self.call(q, k, v, causal=causal, version=self.version)
+
+    def call(self, *args, **kwargs):
+        """fagen's flash_attn_func in this system's kernel family."""
         if self._func is None:
             self._func = fagen_attention_func()
         if not self.family:
-            return self._func(q, k, v, causal=causal, version=self.version)
+            return self._func(*args, **kwargs)
         from fagen.arch_families import ARCH_FAMILY_ENV
 
         with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: self.family}):   # fagen reads it on every call
-            return self._func(q, k, v, causal=causal, version=self.version)
+            return self._func(*args, **kwargs)
 
 
 # -- PyTorch scaled_dot_product_attention, one backend at a time --------------

@@ -52,12 +52,15 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "    variant softcap: softcap 50, softcap=C",
                    "    variant alibi: ALiBi, alibi_slopes 2^(-8 i / H) fp32 (H,)",
                    "    variant document: document mask (8 docs), mask_mod doc[b, q] == doc[b, k]",
-                   "    systems: fagen v2 (same mod), FlexAttention (same mod), SDPA flash (plain causal, "
-                   "measured once), fagen v2 (no mod) (plain causal, measured once)",
-                   f"    timed runs: {full_plan().variants.timed_runs()}; fagen variant kernels to compile: 4",
+                   "    systems: fagen v2 (same mod), fagen sm90 (same mod), FlexAttention (same mod), SDPA flash "
+                   "(plain causal, measured once), fagen v2 (no mod) (plain causal, measured once)",
+                   f"    timed runs: {full_plan().variants.timed_runs()}; fagen variant kernels to compile: 8",
                    "[     ok] the variants section's fagen kernels compile for sm_90: "
                    "fa2_d128_causal_window_bf16_m128n128w8s2, fa2_d128_causal_softcap_bf16_m128n128w8s2, "
-                   "fa2_d128_causal_alibi_bf16_m128n128w8s2, fa2_d128_causal_mmod"):
+                   "fa2_d128_causal_alibi_bf16_m128n128w8s2, fa2_d128_causal_mmod",
+                   "[     ok] the variants section's sm90 family (sm_90a) fagen kernels compile for sm_90: "
+                   "fa2_d128_causal_window_bf16_sm90_m128n128w8s2, fa2_d128_causal_softcap_bf16_sm90_m128n128w8s2, "
+                   "fa2_d128_causal_alibi_bf16_sm90_m128n128w8s2, fa2_d128_causal_mmod"):
         assert needle in out, needle
     assert " compiles in " in out.split("the variants section's fagen kernels")[1].splitlines()[0]
     assert "variants " in out.split("estimated seconds:")[1].splitlines()[0]

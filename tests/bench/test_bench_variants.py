@@ -27,12 +27,13 @@ def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
     # The speed sweep's 16k point: B = 1, H = 2048 / d.
     assert v.seqlen == max(plan.seqlens) and v.batch == plan.batch(v.seqlen) == 1 and v.heads == plan.heads(128)
     assert v.flops("fwd") == plan.flops("fwd", plan.configs()[1], 16384)  # bf16 d=128 causal, counted alike
-    assert v.systems == ("fagen_v2", "flex", "sdpa_flash", "fagen_v2_nomod")
-    # Each variant in fagen and Flex, the two plain-causal peers once.
-    assert v.timed_runs() == 2 * (4 * 2 + 2) == 20
+    assert v.systems == ("fagen_v2", "fagen_sm90", "flex", "sdpa_flash", "fagen_v2_nomod")
+    # Each variant in fagen v2 and Flex (both passes) and fagen sm90 (its forward), the two
+    # plain-causal peers once.
+    assert v.timed_runs() == 4 * (2 + 1 + 2) + 2 * 2 == 24
     estimate = replay(plan, sanitizers=True)
     assert 0 < estimate["variants"] <= v.cap_s and sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
-    assert plan.variant_kernels() == 4
+    assert plan.variant_kernels() == 8   # each variant's kernel in the sm80 and the sm90 family
     # --quick shrinks it: fewer variants, a smaller cap, and the whole quick plan in its budget.
     assert 0 < len(quick.variants.cases) < len(v.cases) and quick.variants.cap_s < v.cap_s
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
@@ -208,8 +209,8 @@ def dense_factories(calls):
             return system
         return make
 
-    return {"fagen_v2": factory("fagen_v2", True), "flex": factory("flex"), "sdpa_flash": factory("sdpa_flash"),
-            "fagen_v2_nomod": factory("fagen_v2_nomod")}
+    return {"fagen_v2": factory("fagen_v2", True), "fagen_sm90": factory("fagen_sm90", True), "flex": factory("flex"),
+            "sdpa_flash": factory("sdpa_flash"), "fagen_v2_nomod": factory("fagen_v2_nomod")}
 
 
 def test_the_variants_section_keeps_to_its_deadline_and_flex_allowance():
@@ -218,7 +219,10 @@ def test_the_variants_section_keeps_to_its_deadline_and_flex_allowance():
     section = variant_sweep(plan, dense_factories([]), deadline=passed_deadline())
     assert section["status"] == "partial" and "time guard" in section["note"]
     assert section["not_run"] == plan.variants.timed_runs()
-    assert all(cell["skipped"].startswith(GUARD_REASON) for p in section["points"] for cell in p["results"].values())
+    for point in section["points"]:   # fagen sm90's forward + backward cells: forward only, as when it runs
+        for name, cell in point["results"].items():
+            forward_only = name == "fagen_sm90" and point["pass"] != "fwd"
+            assert cell["skipped"].startswith("forward only" if forward_only else GUARD_REASON), (name, cell)
     # Flex's compiles take 50 s each on this clock: the first case spends the 40 s allowance,
     # the rest are skipped with a note, and fagen's rows are all there.
     now = [0.0]
@@ -281,3 +285,49 @@ def test_report_has_the_variant_rows_with_their_ratios(tmp_path):
     assert "fwd  window    44% |  300  200  400  250 |    1.50    0.75    1.20" in table
     assert "f+b  document  14% |  300    -  400  250 |       -    0.75    1.20" in table
     assert len(list(tmp_path.iterdir())) <= 8
+
+
+def test_fagen_sm90_times_each_variants_forward_beside_fagen_v2_and_flex(tmp_path):
+    """The sm90 family's system (stand-ins here): a sanity check and a forward per variant, its
+    forward + backward cells marked forward only; fagen sm90 / Flex in the note and the tables."""
+    calls = []
+    section = variant_sweep(variants_plan(), dense_factories(calls))
+    assert section["status"] == "ok", section["note"]
+    assert set(section["sanity"]) == {"fagen_v2", "fagen_sm90"}
+    assert all(r["ok"] for checked in section["sanity"].values() for r in checked.values())
+    for case in ("window", "softcap", "alibi", "document"):
+        assert "tflops" in variant_cell(section, "fagen_sm90", case, "fwd")
+        assert variant_cell(section, "fagen_sm90", case, "fwd_bwd")["skipped"].startswith("forward only")
+        point = next(p for p in section["points"] if p["variant"] == case and p["pass"] == "fwd")
+        assert point["ratios"]["fagen_sm90/flex"] == pytest.approx(1.0)
+    # Its availability probed once (with the first case); per case a system for the sanity check
+    # and one for the timed point.
+    assert calls.count(("fagen_sm90", "window")) == 3 and calls.count(("fagen_sm90", "softcap")) == 2
+    assert "fagen sm90 / Flex: window fwd 1.00, softcap fwd 1.00" in section["note"]
+    results = synthetic_results()
+    results["variants"] = section
+    report.write_report(results, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| fagen v2 | fagen sm90 | FlexAttention | SDPA flash | fagen v2 (no mod) | v2 / FlexAttention " \
+           "| v2 / SDPA flash | v2 / fagen v2 (no mod) | sm90 / FlexAttention |" in md
+    assert "Sanity of the fagen sm90 variant kernels" in md
+    assert "pass variant  seen |   v2 sm90 flex flsh v2nm | v2/flex v2/flsh v2/v2nm s90/flex" in report.short_table(results)
+
+
+def test_fagen_sm90_runs_each_variant_on_the_sm90_family(monkeypatch, tmp_path):
+    """fagen sm90's variant system for real on the emulator (d = 64, the family's smallest head
+    dim): its forward is the sm90 family's kernel, and it passes the section's sanity check."""
+    from fagen.bench.variants.run import FagenVariant, make_case, variant_sanity
+    import fagen.kernels.launch as launch
+
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    families, load = [], launch.load
+    monkeypatch.setattr(launch, "load", lambda source, device: families.append(source.spec.arch_family)
+                        or load(source, device))
+    config = VariantsConfig(head_dim=64, heads=2, batch=1, seqlen=64, window=16, documents=3)
+    for name in ("window", "document"):
+        case = make_case(name, config, batch=1, seqlen=64, heads=2, device="cpu")
+        qkv = [torch.randn(1, 64, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+        result = variant_sanity(FagenVariant(case, "sm90"), case, *qkv)
+        assert result["ok"] and "dq_err" in result, result
+    assert "sm90" in families

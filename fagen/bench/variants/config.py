@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 from ..flops import attention_flops
 from ..sizes import random_lengths, short_seqlen
-from ..speed.config import SYSTEM_LABELS, SYSTEM_SHORT
+from ..speed.config import FORWARD_ONLY, SYSTEM_LABELS, SYSTEM_SHORT
 
 # The variants section: fagen with a mod against FlexAttention with the same mod, and
 # against plain causal attention (fagen's own and SDPA's flash backend, measured once).
 VARIANT_CASES = ("window", "softcap", "alibi", "document")
-VARIANT_SYSTEMS = ("fagen_v2", "flex", "sdpa_flash", "fagen_v2_nomod")
+VARIANT_SYSTEMS = ("fagen_v2", "fagen_sm90", "flex", "sdpa_flash", "fagen_v2_nomod")
+# fagen's systems with the mod, each variant sanity-checked before it is timed: fagen v2, and its
+# forward on the sm90 family (forward only: its backward is fagen v2's; compute capability 9.0).
+FAGEN_VARIANT_SYSTEMS = ("fagen_v2", "fagen_sm90")
 # The systems of a variant row that run without the mod (plain causal attention).
 NO_MOD_SYSTEMS = ("sdpa_flash", "fagen_v2_nomod")
 # The sweep's labels, and fagen v2 without the mod beside fagen v2 with it.
@@ -83,21 +86,29 @@ class VariantsConfig:
         return causal
 
     def timed_runs(self) -> int:
-        """Measurements: each case with its mod (fagen, Flex), plus the no-mod peers once."""
+        """Measurements: each case with its mod (fagen, Flex; a forward-only system its forward),
+        plus the no-mod peers once."""
         with_mod = [s for s in self.systems if s not in NO_MOD_SYSTEMS]
         no_mod = [s for s in self.systems if s in NO_MOD_SYSTEMS]
-        return len(self.passes) * (len(self.cases) * len(with_mod) + (len(no_mod) if self.cases else 0))
+        forward_only = int("fwd" in self.passes)
+        per_case = sum(forward_only if s in FORWARD_ONLY else len(self.passes) for s in with_mod)
+        return len(self.cases) * per_case + (len(self.passes) * len(no_mod) if self.cases else 0)
+
+    def fagen_systems(self) -> list[str]:
+        """The plan's fagen systems with the mod (FAGEN_VARIANT_SYSTEMS)."""
+        return [s for s in FAGEN_VARIANT_SYSTEMS if s in self.systems]
 
     def estimate_seconds(self) -> float:
         """About 0.5 s per 16k measurement (warm-up, sizing call, 3 repeats of 10-100 ms),
-        a sanity check and a block mask per case, and Flex's compiles (about 20 s per mod,
-        forward and backward), capped by its allowance and by the section's cap."""
+        a sanity check per case and fagen system, a block mask per case, and Flex's compiles
+        (about 20 s per mod, forward and backward), capped by its allowance and by the section's cap."""
         if not self.cases:
             return 0.0
         flex = min(self.flex_allowance_s, 20.0 * len(self.cases)) if "flex" in self.systems else 0.0
-        return min(self.cap_s, 0.5 * self.timed_runs() + 1.5 * len(self.cases) + flex)
+        checks = 1.5 * len(self.cases) * max(1, len(self.fagen_systems()))
+        return min(self.cap_s, 0.5 * self.timed_runs() + checks + flex)
 
     def fagen_kernels(self) -> int:
-        """Distinct fagen kernels the section compiles (one per case; its no-mod peer is the
-        sweep's causal kernel)."""
-        return len(self.cases) if "fagen_v2" in self.systems else 0
+        """Distinct fagen kernels the section compiles (one per case and fagen system; its no-mod
+        peer is the sweep's causal kernel)."""
+        return len(self.cases) * len(self.fagen_systems())

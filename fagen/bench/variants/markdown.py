@@ -11,7 +11,7 @@ from ..markdown import md as _md
 from ..markdown import sanity_table
 from ..speed.config import PASS_LABELS
 from ..speed.markdown import PASS_SHORT, add_ratios, cell_text, skip_reasons, system_cells
-from .config import NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VARIANT_SYSTEMS
+from .config import FAGEN_VARIANT_SYSTEMS, NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VARIANT_SYSTEMS
 
 # How each variant is called in fagen (and, with the same mod, in FlexAttention).
 _CASE_CALLS = {
@@ -55,16 +55,18 @@ def short_lines(results: dict) -> list[str]:
     add_ratios(variants)
     systems = [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
     label = (variants.get("config") or {}).get("label", "")
-    lines = [f"-- variants, {label}: v2, flex with the mod; flsh, v2nm (fagen v2) plain causal; "
-             "FLOPs as causal",
+    hopper = "fagen_sm90" in systems
+    lines = [f"-- variants, {label}: v2{', s90' if hopper else ''}, flex with the mod; flsh, v2nm (fagen v2) "
+             "plain causal; FLOPs as causal",
              "pass variant  seen |" + "".join(f"{VARIANT_SHORT.get(s, s)[:5]:>5}" for s in systems)
-             + " | v2/flex v2/flsh v2/v2nm"]
+             + " | v2/flex v2/flsh v2/v2nm" + (" s90/flex" if hopper else "")]
+    keys = (("fagen_v2/flex", 7), ("fagen_v2/sdpa_flash", 7), ("fagen_v2/fagen_v2_nomod", 7))
+    keys += (("fagen_sm90/flex", 8),) if hopper else ()
     for point in variants["points"]:
         values = "".join(f"{cell_text(point['results'].get(s), 0):>5}" for s in systems)
         ratios = point.get("ratios", {})
         ratio_text = " ".join(f"{ratios[key]:{width}.2f}" if key in ratios else f"{'-':>{width}}"
-                              for key, width in (("fagen_v2/flex", 7), ("fagen_v2/sdpa_flash", 7),
-                                                 ("fagen_v2/fagen_v2_nomod", 7)))
+                              for key, width in keys)
         pass_ = PASS_SHORT.get(point["pass"], point["pass"])
         lines.append(f"{pass_:<4} {point['variant'][:8]:<8} {point.get('visible_share', 1.0):4.0%} |{values} | "
                      f"{ratio_text}")
@@ -88,11 +90,14 @@ def markdown_lines(results: dict) -> list[str]:
            "'keys seen' is the share of the causal keys the variant leaves visible. Ratios are fagen v2 / peer."]
     if variants.get("note"):
         out += ["", f"Note: {_md(variants['note'])}"]
-    ratio_keys = [(f"fagen_v2/{s}", VARIANT_LABELS.get(s, s)) for s in systems if s != "fagen_v2"]
+    ratio_keys = [(f"fagen_v2/{s}", f"v2 / {VARIANT_LABELS.get(s, s)}") for s in systems
+                  if s not in FAGEN_VARIANT_SYSTEMS]
+    if "fagen_sm90" in systems and "flex" in systems:
+        ratio_keys.append(("fagen_sm90/flex", f"sm90 / {VARIANT_LABELS['flex']}"))
     for pass_ in dict.fromkeys(p["pass"] for p in variants["points"]):
         out += ["", f"### {PASS_LABELS.get(pass_, pass_)}", "",
                 "| variant | keys seen | " + " | ".join(VARIANT_LABELS.get(s, s) for s in systems) + " | "
-                + " | ".join(f"v2 / {label}" for _, label in ratio_keys) + " |",
+                + " | ".join(label for _, label in ratio_keys) + " |",
                 "|---|---:|" + "---:|" * (len(systems) + len(ratio_keys))]
         for point in variants["points"]:
             if point["pass"] != pass_:
@@ -116,8 +121,8 @@ def _markdown_not_run(variants: dict) -> list[str]:
     for name, info in (variants.get("systems") or {}).items():
         if not info.get("available"):
             out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
-    sanity = (variants.get("sanity") or {}).get("fagen_v2") or {}
-    if sanity:
-        out += sanity_table("Sanity of the fagen variant kernels (small problem vs the variant in fp32 torch)",
-                            "variant", sanity)
+    for name, sanity in (variants.get("sanity") or {}).items():
+        if sanity:
+            out += sanity_table(f"Sanity of the {VARIANT_LABELS.get(name, name)} variant kernels (small problem vs "
+                                "the variant in fp32 torch)", "variant", sanity)
     return out

@@ -14,6 +14,7 @@ of random lengths (seeded: config.VariantsConfig.document_lengths). Each is time
 forward + backward in
 
   fagen_v2        fagen with the variant
+  fagen_sm90      the same, its forward on the sm90 family (forward only; compute capability 9.0)
   flex            torch.compile(flex_attention) with the same mod (a block mask from
                   create_block_mask for the masks, the causal one for the score mods)
   sdpa_flash      SDPA's flash backend, plain causal: SDPA expresses none of these mods
@@ -22,7 +23,7 @@ forward + backward in
 
 The two no-mod peers are measured once and their cells are copied into every variant's
 rows (marked "shared"), so each row holds fagen and its three peers side by side, in the
-speed sweep's point structure, and `speed.markdown.add_ratios` gives fagen_v2 / each peer.
+speed sweep's point structure, and `speed.markdown.add_ratios` gives fagen / each peer.
 
 FLOPs are the sweep's causal count (4 N^2 d H B / 2 forward, x3.5 for both passes) for
 every variant: a mask that hides more keys therefore shows as a higher rate, and each row
@@ -44,9 +45,10 @@ from typing import Callable
 from ..measure import FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, context_lost, make_inputs, measure_system
 from ..peers import FagenSystem, FlexSystem, NotAvailable, SdpaSystem, System, failure_reason
 from ..sizes import short_seqlen
+from ..speed.config import FORWARD_ONLY
 from ..speed.markdown import add_ratios
 from ..timing import Deadline, Timing, time_cuda
-from .config import NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VariantsConfig
+from .config import FAGEN_VARIANT_SYSTEMS, NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VariantsConfig
 
 SHARED_NOTE = "plain causal, measured once for every variant"
 # The order FlexAttention's cases run in (each costs a compile; the allowance may stop them).
@@ -196,18 +198,15 @@ def make_case(name: str, config: VariantsConfig, *, batch: int, seqlen: int, hea
 # -- the systems ---------------------------------------------------------------------------
 
 class FagenVariant(FagenSystem):
-    """fagen v2 with the case's variant."""
+    """fagen v2 with the case's variant; with `family` "sm90", its forward on the Hopper family
+    (FagenSystem's: FAGEN_ARCH_FAMILY around each call, compute capability 9.0 only)."""
 
-    def __init__(self, case: VariantCase):
-        super().__init__(2)
+    def __init__(self, case: VariantCase, family: str = ""):
+        super().__init__(2, family)
         self.case = case
 
     def forward(self, q, k, v, causal: bool):
-        if self._func is None:
-            from ..peers import fagen_attention_func
-
-            self._func = fagen_attention_func()
-        return self._func(q, k, v, causal=causal, version=2, **self.case.fagen_kwargs)
+        return self.call(q, k, v, causal=causal, version=2, **self.case.fagen_kwargs)
 
 
 class FlexVariant(FlexSystem):
@@ -249,7 +248,7 @@ class Renamed(System):
 def default_factories() -> dict[str, Callable]:
     """Per system: a function of the case (None for the no-mod peers) giving the System."""
     shared_flex = FlexSystem()
-    return {"fagen_v2": lambda case: FagenVariant(case),
+    return {"fagen_v2": lambda case: FagenVariant(case), "fagen_sm90": lambda case: FagenVariant(case, "sm90"),
             "flex": lambda case: FlexVariant(case, shared_flex),
             "sdpa_flash": lambda case: SdpaSystem("sdpa_flash"),
             "fagen_v2_nomod": lambda case: Renamed(FagenSystem(2), "fagen_v2_nomod")}
@@ -334,9 +333,12 @@ def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
         return next((c["skipped"] for c in cells.values() if "skipped" in c and context_lost(c["skipped"])), None)
 
     def skip(name: str, case: str | None, reason: str) -> None:
-        if reason.startswith(GUARD_REASON):
-            section["not_run"] += len(config.passes)
-        record(name, case, {p: {"skipped": reason} for p in config.passes})
+        cells = {}
+        for p in config.passes:   # a forward-only system's other passes say so, as when it runs
+            forward_only = p != "fwd" and name in FORWARD_ONLY
+            cells[p] = {"skipped": FORWARD_ONLY[name] if forward_only else reason}
+            section["not_run"] += reason.startswith(GUARD_REASON) and not forward_only
+        record(name, case, cells)
 
     def lost(where: str, reason: str) -> dict:
         section["status"] = "error"
@@ -364,27 +366,28 @@ def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
         reason = record(name, None, cells)
         if reason is not None:
             return lost(VARIANT_SHORT.get(name, name), reason)
-    # 2. fagen with each variant: a sanity check on a small problem, then the timed point.
-    for case in config.cases:
-        if "fagen_v2" not in runnable:
-            break
-        if deadline.expired(1.0):
-            skip("fagen_v2", case, GUARD_REASON)
-            continue
-        sb, sn, sh = plan.sanity_shape
-        small = make_case(case, config, batch=sb, seqlen=sn, heads=sh, device=device)
-        sanity = variant_sanity(factories["fagen_v2"](small), small,
-                                *make_inputs(sb, sn, sh, config.head_dim, config.dtype, device))
-        section["sanity"].setdefault("fagen_v2", {})[case] = sanity
-        fault = sanity.get("error") or sanity.get("bwd_error") or ""
-        if context_lost(fault):
-            return lost(f"fagen v2's {case} sanity check", fault)
-        cells, _ = measure("fagen_v2", case)
-        reason = record("fagen_v2", case, cells)
-        if reason is not None:
-            return lost(f"fagen v2, {case}", reason)
-        if checkpoint is not None:
-            checkpoint(section)
+    # 2. fagen with each variant (v2, then its forward on the sm90 family): a sanity check on a
+    #    small problem, then the timed point.
+    for name in [n for n in FAGEN_VARIANT_SYSTEMS if n in runnable]:
+        label = VARIANT_LABELS.get(name, name)
+        for case in config.cases:
+            if deadline.expired(1.0):
+                skip(name, case, GUARD_REASON)
+                continue
+            sb, sn, sh = plan.sanity_shape
+            small = make_case(case, config, batch=sb, seqlen=sn, heads=sh, device=device)
+            sanity = variant_sanity(factories[name](small), small,
+                                    *make_inputs(sb, sn, sh, config.head_dim, config.dtype, device))
+            section["sanity"].setdefault(name, {})[case] = sanity
+            fault = sanity.get("error") or sanity.get("bwd_error") or ""
+            if context_lost(fault):
+                return lost(f"{label}'s {case} sanity check", fault)
+            cells, _ = measure(name, case)
+            reason = record(name, case, cells)
+            if reason is not None:
+                return lost(f"{label}, {case}", reason)
+            if checkpoint is not None:
+                checkpoint(section)
     # 3. FlexAttention with each variant's mod, while its allowance lasts: the masks first
     #    (where block sparsity sets Flex and fagen apart), should the allowance run out.
     for case in sorted(config.cases, key=lambda c: FLEX_ORDER.index(c) if c in FLEX_ORDER else len(FLEX_ORDER)):
@@ -411,7 +414,8 @@ def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
         section["status"] = "partial"
         section["note"] = f"time guard: {section['not_run']} of {config.timed_runs()} measurements were not run; "
     section["note"] += ratio_note(section)
-    bad = [case for case, r in section["sanity"].get("fagen_v2", {}).items() if not r.get("ok")]
+    bad = [f"{VARIANT_LABELS.get(name, name)} {case}" for name, checked in section["sanity"].items()
+           for case, r in checked.items() if not r.get("ok")]
     if bad:
         section["note"] += f"; SANITY FAILED for {', '.join(bad)}"
     if checkpoint is not None:
@@ -420,13 +424,18 @@ def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
 
 
 def ratio_note(section: dict) -> str:
-    """fagen v2 / Flex per variant and pass, in one line (the section's note)."""
-    parts = []
-    for point in section.get("points", []):
-        ratio = (point.get("ratios") or {}).get("fagen_v2/flex")
-        if ratio is not None:
-            parts.append(f"{point['variant']} {'fwd' if point['pass'] == 'fwd' else 'f+b'} {ratio:.2f}")
-    return ("fagen v2 / Flex: " + ", ".join(parts)) if parts else "no fagen v2 / Flex ratio"
+    """fagen v2 / Flex per variant and pass, in one line (the section's note), then fagen sm90 /
+    Flex where it ran."""
+    notes = []
+    for name in FAGEN_VARIANT_SYSTEMS:
+        parts = []
+        for point in section.get("points", []):
+            ratio = (point.get("ratios") or {}).get(f"{name}/flex")
+            if ratio is not None:
+                parts.append(f"{point['variant']} {'fwd' if point['pass'] == 'fwd' else 'f+b'} {ratio:.2f}")
+        if parts:
+            notes.append(f"{VARIANT_LABELS.get(name, name)} / Flex: " + ", ".join(parts))
+    return "; ".join(notes) if notes else "no fagen v2 / Flex ratio"
 
 
 def _progress_line(case: str, points: dict, names: list[str], passes: tuple) -> str:
