@@ -8,7 +8,8 @@ nothing here derives a Spec: the recorder makes the calls themselves, on small C
 two of fagen's seams replaced for the duration:
 
   - `fagen.tuning.lookup` resolves tiles for the GPU's identity (its arch) instead of the
-    emulator's sm_80 fallback that CPU tensors get;
+    emulator's sm_80 fallback that CPU tensors get, and `fagen.ops.call.compiled_arch` names that
+    arch, so that a mod's kernel gets the spill-free tiles the GPU's call would (kernels.spill_free);
   - `fagen.kernels.launch.load` records each Source's Spec and hands back kernels that do nothing, so no
     kernel compiles or runs and a call goes on to its next kernel (its outputs are garbage).
 
@@ -75,9 +76,10 @@ def recording(identity, recorded: Recorded):
     """Within: every kernel load is recorded into `recorded` (and runs nothing), and tiles are
     looked up for `identity` (a DeviceIdentity)."""
     import fagen.kernels.launch as launch
+    import fagen.ops.call as call
     import fagen.tuning as tuning
 
-    real_load, real_lookup = launch.load, tuning.lookup
+    real_load, real_lookup, real_arch = launch.load, tuning.lookup, call.compiled_arch
 
     def load(source, device):
         recorded.add(source.spec, recorded.label)
@@ -90,12 +92,12 @@ def recording(identity, recorded: Recorded):
         shape["identity"] = identity
         return real_lookup(spec, **shape)
 
-    launch.load, tuning.lookup = load, lookup
+    launch.load, tuning.lookup, call.compiled_arch = load, lookup, lambda device: identity.arch
     try:
         with _fresh_caches():
             yield recorded
     finally:
-        launch.load, tuning.lookup = real_load, real_lookup
+        launch.load, tuning.lookup, call.compiled_arch = real_load, real_lookup, real_arch
 
 
 @contextlib.contextmanager

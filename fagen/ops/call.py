@@ -131,6 +131,13 @@ def kernels_state(cuda: bool) -> tuple:
     return raw_settings(_CPU_STATE), launch.instrumentation.collecting()
 
 
+def compiled_arch(device: torch.device) -> str | None:
+    """The arch a call's kernels compile for where it matters to the spec (a mod's spill-free tiles,
+    `spill_free`): the GPU's; None on the CPU, whose emulator compiles for the host. (A seam: the
+    GPU check's recorder, fagen.bench.kernel_record, answers for the GPU it records for.)"""
+    return launch.arch_of(device) if device.type == "cuda" else None
+
+
 def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     """The kernels for a call: its Spec with the tiles the tuning cache (or the fallback table)
     gives its shapes, in the kernel family FAGEN_ARCH_FAMILY asks for where the spec and the
@@ -154,8 +161,9 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     family = chosen_family(spec, generation[1], torch.cuda.get_device_capability(q.device) if on_gpu else None)
     if family != spec.arch_family:
         spec = spec.replace(arch_family=family)
-    if on_gpu and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
-        spec = spill_free(spec, spec_target(spec, launch.arch_of(q.device)))
+    arch = compiled_arch(q.device)
+    if arch is not None and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
+        spec = spill_free(spec, spec_target(spec, arch))
     source = source_for(spec)
     if len(_call_sources) >= MAX_CALL_SHAPES:   # many distinct shapes: start over, stay bounded
         _call_sources.clear()

@@ -308,6 +308,10 @@ def test_precompile_compiles_what_it_records(tmp_path, monkeypatch):
     # The sweep's kernel, the document mask's, and the sanitizer workload's four (fp16 d=64, v2 and v1, causal or not).
     assert set(section["kernels"]) == set(sections) and len(sections) == 6
     assert all(info["arch"] == H200 and info["resources"] for info in section["kernels"].values())
+    # The document mask's kernels with the tiles the H200's call takes (kernels.spill_free; its
+    # backward at the fallback tiles spills 32 B there): nothing precompiled spills.
+    assert any(name.startswith("fa2_d128_causal_mmod") and name.endswith("_bwdn64") for name in sections), sections
+    assert all(r["spill_bytes"] == 0 for info in section["kernels"].values() for r in info["resources"].values())
 
 
 # -- versions ----------------------------------------------------------------------------------
