@@ -83,6 +83,8 @@ def sm90_tiles(spec) -> Sm90Tiles:
     at d = 128, 48 at d = 256), and a custom score_mod or mask_mod, whose per-element loads and
     captured tensors' pointers take registers too (96, 80, 64 and 48 keys at d = 64, 128, 192, 256:
     a relative-bias table, a document mask and both with dropout spilled one step wider)."""
+    if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
+        return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=spec.sm90_block_n)
     custom = spec.score_mod is not None or spec.mask_mod is not None
     if spec.head_dim == 128:
         block_n = 80 if custom else 112 if spec.dropout else 128 if spec.window or spec.alibi and spec.softcap else 176
@@ -93,6 +95,30 @@ def sm90_tiles(spec) -> Sm90Tiles:
     else:
         block_n = 96 if custom else 128
     return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n)
+
+
+# The sm90 forward's key tiles a spec may set (Spec.sm90_block_n): whole 16-key k-steps of P V,
+# at least two of them.
+SM90_BLOCK_N_STEP = 16
+SM90_MIN_BLOCK_N = 32
+
+
+def sm90_block_n_problem(spec) -> str | None:
+    """Why `spec.sm90_block_n` (set) is not a key tile of its sm90 forward, or None."""
+    block_n = spec.sm90_block_n
+    if spec.arch_family != "sm90":
+        return f"sm90_block_n sets the sm90 forward's key tile: it needs arch_family='sm90', got {spec.arch_family!r}"
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n % SM90_BLOCK_N_STEP \
+            or not SM90_MIN_BLOCK_N <= block_n <= 256:
+        return (f"sm90_block_n must be a multiple of {SM90_BLOCK_N_STEP} from {SM90_MIN_BLOCK_N} to 256, "
+                f"got {block_n!r}")
+    return None
+
+
+def narrower_sm90_tiles(spec) -> list[int]:
+    """The sm90 forward's key tiles below `spec`'s, widest first (kernels.spill_free's candidates)."""
+    widest = sm90_tiles(spec).block_n - SM90_BLOCK_N_STEP
+    return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .arch_families import ARCH_FAMILIES, SM90_ARCH, sm90_refusal, sm90_tiles
+from .arch_families import ARCH_FAMILIES, SM90_ARCH, sm90_block_n_problem, sm90_refusal, sm90_tiles
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                     BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles, smaller_kv_cache_tiles)
@@ -142,6 +142,8 @@ class Spec:
                  and the append writes it once
     arch_family  the forward's kernel family (fagen.arch_families): "sm80" (mma.sync, any GPU
                  from sm_80) or "sm90" (wgmma and TMA, Hopper only); the backward is sm80's
+    sm90_block_n the sm90 forward's keys per K/V tile; unset takes arch_families.sm90_tiles' rule
+                 (a narrower one keeps a heavy mod from spilling: kernels.spill_free)
     """
 
     head_dim: int
@@ -170,6 +172,7 @@ class Spec:
     head_dim_v: int | None = None
     v_from_k: bool = False
     arch_family: str = "sm80"
+    sm90_block_n: int | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -192,6 +195,8 @@ class Spec:
             raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
         if self.arch_family == "sm90" and sm90_refusal(self):
             raise ValueError(sm90_refusal(self))
+        if self.sm90_block_n is not None and sm90_block_n_problem(self):
+            raise ValueError(sm90_block_n_problem(self))
         if self.coord_offsets and not self.dropout:
             raise ValueError("coord_offsets shift the dropout mask's coordinates: it needs dropout=True")
         # Unset tile fields take the fallback table's values.
@@ -505,6 +510,8 @@ class Spec:
         """Stable readable name; tile sizes and the backward pipeline depth appear only
         when they differ from the tables: `fa2_d128_bf16_m128n32w8s2_bwd1`."""
         parts = [self.family]
+        if self.sm90_block_n is not None:
+            parts.append(f"kn{self.sm90_block_n}")
         if self.tiles != default_tiles(self.head_dim, self.version):
             t = self.tiles
             parts.append(f"m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}")
@@ -525,6 +532,8 @@ class Spec:
             del data["head_dim_v"]
         if data["arch_family"] == "sm80":
             del data["arch_family"]
+        if data["sm90_block_n"] is None:
+            del data["sm90_block_n"]
         for field in ("score_mod", "mask_mod", "kv_cache"):
             if data[field] is None:
                 del data[field]
@@ -563,6 +572,10 @@ class Spec:
         if tiles:
             parts.pop()
             fields.update(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, tiles.groups())))
+        keys = re.fullmatch(r"kn(\d+)", parts[-1]) if parts else None
+        if keys:
+            parts.pop()
+            fields["sm90_block_n"] = int(keys.group(1))
         dims = re.fullmatch(r"d(\d+)(?:v(\d+))?", parts[1]) if len(parts) > 1 else None
         if len(parts) < 3 or not re.fullmatch(r"fa[12]", parts[0]) or not dims:
             raise ValueError(f"not a spec name: {name!r} (expected e.g. fa2_d64_causal_bf16)")

@@ -8,7 +8,8 @@ cache: loading it compiles the same source anyway) and, for each pass that spill
 pass's next tiles:
 
 - the forward: more warps over the same rows (fewer rows per warp, fewer accumulators per
-  thread), then half the rows;
+  thread), then half the rows; the sm90 family's (whose warpgroups and rows are fixed): fewer keys
+  per K/V tile (`Spec.sm90_block_n`), 16 at a time;
 - the backward: fewer keys per thread block (`Spec.bwd_block_n`'s choices).
 
 The first candidate that does not spill wins; where none is free, the one that spills least, and
@@ -22,6 +23,7 @@ import functools
 import logging
 from typing import Iterator
 
+from ..arch_families import narrower_sm90_tiles, sm90_tiles
 from ..spec import Spec
 from ..tile_shapes import backward_block_n_choices
 from .compile import compile_source
@@ -50,6 +52,10 @@ def _legal(make) -> Spec | None:
 
 def forward_candidates(spec: Spec) -> Iterator[Spec]:
     """Forward tiles with fewer accumulators per thread, in the order tried."""
+    if spec.arch_family == "sm90":
+        for block_n in narrower_sm90_tiles(spec):
+            yield _legal(lambda: spec.replace(sm90_block_n=block_n))
+        return
     if spec.num_warps * 2 <= MAX_WARPS and spec.block_m >= 16 * spec.num_warps * 2:
         yield _legal(lambda: spec.replace(num_warps=spec.num_warps * 2))
     yield _legal(lambda: spec.replace(block_m=spec.block_m // 2))
@@ -105,5 +111,7 @@ def spill_free(spec: Spec, arch: str) -> Spec:
 
 
 def _tiles(spec: Spec) -> str:
+    if spec.arch_family == "sm90":
+        return f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}"
     return (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "
             f"bwd_block_n={spec.bwd_block_n}")

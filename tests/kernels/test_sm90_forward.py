@@ -42,6 +42,16 @@ def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
     run_and_check(spec, shape)
 
 
+@pytest.mark.parametrize("spec", [Spec(64, dtype="bf16", mask="causal", arch_family="sm90", sm90_block_n=32),
+                                  Spec(128, dtype="fp16", arch_family="sm90", sm90_block_n=144)],
+                         ids=lambda s: s.name)
+def test_a_key_tile_the_spec_sets_meets_the_oracle(spec):
+    """Spec.sm90_block_n (kernels.spill_free narrows a mod's): the narrowest tile, and one between
+    the rule's; keys past a tile and a partial last tile."""
+    assert sm90_tiles(spec).block_n == spec.sm90_block_n
+    run_and_check(spec, Shape(2, 150, 170, heads=2, kv_heads=1))
+
+
 def test_key_padding_aligns_causal_to_each_entrys_own_keys():
     """Entries of Nk, Nk - 37, 1 and 0 keys, more queries than keys and fewer."""
     checks.uneven_lengths_check(SPECS[3])
@@ -229,6 +239,14 @@ def test_the_spec_names_the_family_and_round_trips():
     assert spec.name == "fa2_d128_causal_bf16_sm90" and Spec.from_name(spec.name) == spec
     assert spec.to_dict()["arch_family"] == "sm90" and "arch_family" not in Spec(128).to_dict()
     assert Spec.from_dict(spec.to_dict()) == spec
+    # A key tile the spec sets (kernels.spill_free's): named, kept, refused where it is not one.
+    narrow = Spec(128, dtype="bf16", arch_family="sm90", sm90_block_n=48, bwd_block_n=64)
+    assert narrow.name == "fa2_d128_bf16_sm90_kn48_bwdn64" and Spec.from_name(narrow.name) == narrow
+    assert Spec.from_dict(narrow.to_dict()) == narrow and "sm90_block_n" not in spec.to_dict()
+    with pytest.raises(ValueError, match="sm90_block_n sets the sm90 forward's key tile: it needs arch_family"):
+        Spec(128, sm90_block_n=48)
+    with pytest.raises(ValueError, match="sm90_block_n must be a multiple of 16 from 32 to 256, got 40"):
+        Spec(128, arch_family="sm90", sm90_block_n=40)
 
 
 @pytest.mark.parametrize("fields, named", [

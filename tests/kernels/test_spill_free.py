@@ -47,6 +47,20 @@ def test_a_spilling_custom_mod_gets_tiles_that_do_not_spill_logged_once(caplog):
     assert len(messages) == 1 and HEAVY.name in messages[0] and "forward 56 B" in messages[0]
 
 
+def test_an_sm90_forward_that_spills_gets_a_narrower_key_tile(caplog):
+    """The sm90 family's warpgroups and rows are fixed: its forward narrows the K/V tile
+    (Spec.sm90_block_n) until it does not spill. (The backward is the sm80 family's, narrowed as
+    before: at d = 128 this mod's still spills 48 B at the narrowest, which the warning says.)"""
+    wide = Spec(128, mask="causal", score_mod=HEAVY.score_mod, arch_family="sm90", sm90_block_n=128)
+    assert sf.spilled_bytes(wide, "sm_90a")["forward"] > 0   # the premise, on the pinned NVRTC
+    assert [c.sm90_block_n for c in sf.forward_candidates(wide)] == [112, 96, 80, 64, 48, 32]
+    with caplog.at_level(logging.INFO, logger="fagen"):
+        chosen = sf.spill_free(wide, "sm_90a")
+    assert chosen.sm90_block_n == 112 and chosen.replace(sm90_block_n=128, bwd_block_n=wide.bwd_block_n) == wide
+    assert sf.spilled_bytes(chosen, "sm_90a")["forward"] == 0
+    assert any("sm90_block_n=112" in r.getMessage() for r in caplog.records)
+
+
 def test_specs_without_custom_mods_or_spills_are_left_alone():
     plain = Spec(64, mask="causal", softcap=True, alibi=True)
     assert sf.spill_free(plain, "sm_90") is plain
