@@ -217,12 +217,22 @@ def driver_encode(spec: TensorMapSpec, global_address: int) -> tuple[object, byt
     None). The GPU tests hand it maps `check` refuses, to see the driver refuse them too."""
     from cuda.bindings import driver
 
-    result, tensor_map = driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType(int(spec.dtype)), spec.rank, global_address, list(spec.global_dims),
-        list(spec.global_strides), list(spec.box_dims), list(spec.steps),
-        driver.CUtensorMapInterleave(int(spec.interleave)), driver.CUtensorMapSwizzle(int(spec.swizzle)),
-        driver.CUtensorMapL2promotion(int(spec.l2_promotion)), driver.CUtensorMapFloatOOBfill(int(spec.oob_fill)))
+    result, tensor_map = driver.cuTensorMapEncodeTiled(*driver_arguments(spec, global_address))
     return result, _opaque_bytes(tensor_map) if result == driver.CUresult.CUDA_SUCCESS else None
+
+
+def driver_arguments(spec: TensorMapSpec, global_address: int) -> tuple:
+    """cuTensorMapEncodeTiled's arguments in cuda.bindings' types. Its arrays take cuuint64_t /
+    cuuint32_t elements: cuda-bindings 12.9 refuses plain ints there ("Cannot convert int to
+    cuda.bindings.driver.cuuint32_t"), before any driver call."""
+    from cuda.bindings import driver
+
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    return (driver.CUtensorMapDataType(int(spec.dtype)), spec.rank, global_address,
+            [u64(n) for n in spec.global_dims], [u64(n) for n in spec.global_strides],
+            [u32(n) for n in spec.box_dims], [u32(n) for n in spec.steps],
+            driver.CUtensorMapInterleave(int(spec.interleave)), driver.CUtensorMapSwizzle(int(spec.swizzle)),
+            driver.CUtensorMapL2promotion(int(spec.l2_promotion)), driver.CUtensorMapFloatOOBfill(int(spec.oob_fill)))
 
 
 def _opaque_bytes(tensor_map) -> bytes:

@@ -116,3 +116,26 @@ def test_a_map_made_from_a_tensor_carries_it():
     assert isinstance(mapped, MappedBytes) and mapped.tensor is q
     assert bytes(mapped) == spec.emulated_bytes(q.data_ptr())
     assert layout_offsets()["global_address"] == abi.TENSOR_MAP_ADDRESS_OFFSET
+
+
+def test_the_driver_bindings_take_the_encoding_s_arguments():
+    """cuTensorMapEncodeTiled as cuda.bindings declares it: its arrays take cuuint64_t / cuuint32_t
+    elements (cuda-bindings 12.9 refuses plain ints with a TypeError, which would fail every sm90
+    forward on a GPU). Here, without a GPU driver, the call gets past the argument conversion to
+    the driver's loading; with one, the driver encodes the map."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from fagen.kernels.tensor_map import driver_arguments
+
+    q = torch.zeros(1, 256, 2, 64, dtype=torch.bfloat16)
+    spec = TensorMapSpec.of_tensor(q, (1, 128, 1, 64), swizzle=Swizzle.B128)
+    arguments = driver_arguments(spec, q.data_ptr())
+    assert all(isinstance(n, driver.cuuint64_t) for n in arguments[3] + arguments[4])
+    assert all(isinstance(n, driver.cuuint32_t) for n in arguments[5] + arguments[6])
+    try:
+        result, _ = driver.cuTensorMapEncodeTiled(*arguments)
+    except TypeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - no driver on this machine: past the conversion
+        assert "driver" in str(exc).lower() or "cuda" in str(exc).lower(), exc
+    else:
+        assert result == driver.CUresult.CUDA_SUCCESS
