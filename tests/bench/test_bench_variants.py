@@ -325,7 +325,7 @@ def test_fagen_sm90_runs_each_variant_on_the_sm90_family(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "load", lambda source, device: families.append(source.spec.arch_family)
                         or load(source, device))
     config = VariantsConfig(head_dim=64, heads=2, batch=1, seqlen=64, window=16, documents=3)
-    for name in ("window", "document"):
+    for name in ("document",):   # a captured tensor, the heaviest: its mask_mod on the wgmma map
         case = make_case(name, config, batch=1, seqlen=64, heads=2, device="cpu")
         qkv = [torch.randn(1, 64, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
         result = variant_sanity(FagenVariant(case, "sm90"), case, *qkv)

@@ -212,14 +212,16 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
 
 
 # The steady state of each head dim's key tile (sm90_tiles), plain and causal, with the variants
-# whose scores keep the plain loop's shape.
+# whose scores keep the plain loop's shape; three in the default tier, the rest in the slow one.
 OVERLAP = [Spec(d, dtype="bf16", arch_family="sm90", **fields)
            for d in (64, 128, 192, 256) for fields in (dict(), dict(mask="causal"))] + \
           [Spec(128, softcap=True, arch_family="sm90"), Spec(128, mask="causal", alibi=True, arch_family="sm90"),
            Spec(128, sinks=True, arch_family="sm90"), Spec(256, dropout=True, arch_family="sm90")]
+OVERLAP_DEFAULT = {"fa2_d128_bf16_sm90", "fa2_d256_causal_bf16_sm90", "fa2_d128_softcap_fp16_sm90"}
 
 
-@pytest.mark.parametrize("spec", OVERLAP, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [pytest.param(s, marks=() if s.name in OVERLAP_DEFAULT else pytest.mark.slow)
+                                  for s in OVERLAP], ids=lambda s: s.name)
 def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
     """FlashAttention-3's intra-warpgroup overlap, read from the machine code (fagen.sass.overlap):
     the wait for P_{j-1} V_{j-1} stays after tile j's softmax (Consumer::keep_exp2_above), so

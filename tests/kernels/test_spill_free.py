@@ -47,6 +47,7 @@ def test_a_spilling_custom_mod_gets_tiles_that_do_not_spill_logged_once(caplog):
     assert len(messages) == 1 and HEAVY.name in messages[0] and "forward 56 B" in messages[0]
 
 
+@pytest.mark.slow   # five NVRTC compiles
 def test_an_sm90_forward_that_spills_gets_a_narrower_key_tile(caplog):
     """The sm90 family's warpgroups and rows are fixed: its forward narrows the K/V tile
     (Spec.sm90_block_n) until it does not spill. (The backward is the sm80 family's, narrowed as
