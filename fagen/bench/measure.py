@@ -13,7 +13,7 @@ from typing import Callable
 
 from .flops import tflops
 from .peers import NotAvailable, System, failure_reason, is_out_of_memory
-from .speed.config import FORWARD_ONLY
+from .speed.config import FORWARD_ONLY, timed_passes
 from .timing import Timing
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -99,8 +99,9 @@ def measure_system(system: System, q, k, v, causal: bool, passes: tuple, flops: 
     # Drop the probe's graph: for the math backend it holds N x N matrices,
     # and the forward timing below builds (and frees) its own each call.
     out = None
+    timed = timed_passes(system.name, passes)
     for pass_ in passes:
-        if pass_ != "fwd" and system.name in FORWARD_ONLY:
+        if pass_ not in timed:
             cells[pass_] = {"skipped": FORWARD_ONLY[system.name]}
             continue
         try:

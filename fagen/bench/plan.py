@@ -20,7 +20,7 @@ from .flops import PASSES, attention_flops
 from .memory import MemoryConfig
 from .models.config import ModelsConfig
 from .ring.config import RingConfig
-from .speed.config import FAGEN_SYSTEMS, FORWARD_ONLY, SYSTEMS, SpeedConfig
+from .speed.config import FAGEN_SYSTEMS, SYSTEMS, SpeedConfig, timed_passes
 from .variants.config import VariantsConfig
 
 # Sections in the order they run. Correctness first: a fast wrong kernel is
@@ -101,8 +101,7 @@ class Plan:
     def timed_runs(self) -> int:
         """Measurements in the speed sweep: configs x seqlens x passes x systems (a forward-only
         system's forward alone)."""
-        forward_only = 1 if "fwd" in self.passes else 0
-        per_point = sum(forward_only if s in FORWARD_ONLY else len(self.passes) for s in self.systems)
+        per_point = sum(len(timed_passes(s, self.passes)) for s in self.systems)
         return len(self.configs()) * len(self.seqlens) * per_point
 
     # -- kernels to compile, across sections (the precompile forecast) -------------------------

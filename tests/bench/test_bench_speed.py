@@ -118,6 +118,11 @@ def test_fagen_sm90_is_timed_forward_only_with_its_reason():
         assert "tflops" in cell(section, "fagen_v2", pass_, 64)
     two = dataclasses.replace(TINY, systems=("fagen_v2", "fagen_sm90"))
     assert two.timed_runs() == 3 * (3 + 1)   # 3 lengths x (fagen v2's 3 passes, fagen sm90's forward)
+    # Past the deadline: the time guard counts what would have run, the plan's count.
+    guarded = sweep([Exact("fagen_v2"), Exact("fagen_sm90")], deadline=passed_deadline())
+    assert guarded["not_run"] == len(TINY.seqlens) * (3 + 1)
+    assert cell(guarded, "fagen_sm90", "fwd", 64)["skipped"] == GUARD_REASON
+    assert cell(guarded, "fagen_sm90", "fwd_bwd", 64)["skipped"] == FORWARD_ONLY["fagen_sm90"]
 
 
 def test_fagen_sm90_asks_for_the_hopper_family_around_its_calls_only(monkeypatch):

@@ -133,9 +133,7 @@ def test_the_driver_bindings_take_the_encoding_s_arguments():
     assert all(isinstance(n, driver.cuuint32_t) for n in arguments[5] + arguments[6])
     try:
         result, _ = driver.cuTensorMapEncodeTiled(*arguments)
-    except TypeError:
-        raise
     except Exception as exc:  # noqa: BLE001 - no driver on this machine: past the conversion
-        assert "driver" in str(exc).lower() or "cuda" in str(exc).lower(), exc
+        assert not isinstance(exc, TypeError) and "cuda" in str(exc).lower(), exc
     else:
         assert result == driver.CUresult.CUDA_SUCCESS

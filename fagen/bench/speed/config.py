@@ -21,6 +21,18 @@ SYSTEMS = ("fagen_v2", "fagen_sm90", "fagen_v1", "sdpa_flash", "sdpa_cudnn", "sd
 FAGEN_SYSTEMS = ("fagen_v2", "fagen_sm90", "fagen_v1")
 # Systems timed forward only: fagen_sm90's backward is the sm80 family's, fagen v2's own.
 FORWARD_ONLY = {"fagen_sm90": "forward only: its backward is fagen v2's (the sm80 family's)"}
+
+
+def timed_passes(system: str, passes: tuple) -> tuple:
+    """The passes of `passes` that `system` is timed in: a forward-only system's forward alone."""
+    return tuple(p for p in passes if p == "fwd" or system not in FORWARD_ONLY)
+
+
+def skipped_cells(system: str, passes: tuple, reason: str) -> dict:
+    """{pass: cell} of a system not timed at a point for `reason`; a forward-only system's
+    other passes say why they never run."""
+    timed = timed_passes(system, passes)
+    return {p: {"skipped": reason if p in timed else FORWARD_ONLY[system]} for p in passes}
 SYSTEM_LABELS = {
     "fagen_v2": "fagen v2", "fagen_sm90": "fagen sm90", "fagen_v1": "fagen v1", "sdpa_flash": "SDPA flash",
     "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient", "sdpa_math": "SDPA math",

@@ -27,7 +27,7 @@ from ..measure import (FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, 
 from ..peers import System, failure_reason, math_fits
 from ..sizes import short_seqlen
 from ..timing import Deadline, Timing, time_cuda
-from .config import SYSTEM_SHORT, SpeedConfig
+from .config import SYSTEM_SHORT, SpeedConfig, skipped_cells, timed_passes
 
 # A system whose next point is predicted to need more than this (all passes,
 # warm-ups and repeats) is skipped for the rest of the panel: FlashAttention-1
@@ -138,10 +138,10 @@ def run_speed_sweep(plan, systems: list[System], deadline: Deadline, *, device="
                     if not fits:
                         skip = why
                 if skip is not None:
-                    if skip == GUARD_REASON or skip.startswith(GUARD_REASON):
-                        section["not_run"] += len(plan.passes)
-                    for p in plan.passes:
-                        points[p]["results"][system.name] = {"skipped": skip}
+                    if skip.startswith(GUARD_REASON):
+                        section["not_run"] += len(timed_passes(system.name, plan.passes))
+                    for p, cell in skipped_cells(system.name, plan.passes, skip).items():
+                        points[p]["results"][system.name] = cell
                     continue
                 if inputs is None:
                     inputs = make_inputs(batch, seqlen, heads, config.head_dim, config.dtype, device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..flops import attention_flops
 from ..sizes import random_lengths, short_seqlen
-from ..speed.config import FORWARD_ONLY, SYSTEM_LABELS, SYSTEM_SHORT
+from ..speed.config import SYSTEM_LABELS, SYSTEM_SHORT, timed_passes
 
 # The variants section: fagen with a mod against FlexAttention with the same mod, and
 # against plain causal attention (fagen's own and SDPA's flash backend, measured once).
@@ -90,8 +90,7 @@ class VariantsConfig:
         plus the no-mod peers once."""
         with_mod = [s for s in self.systems if s not in NO_MOD_SYSTEMS]
         no_mod = [s for s in self.systems if s in NO_MOD_SYSTEMS]
-        forward_only = int("fwd" in self.passes)
-        per_case = sum(forward_only if s in FORWARD_ONLY else len(self.passes) for s in with_mod)
+        per_case = sum(len(timed_passes(s, self.passes)) for s in with_mod)
         return len(self.cases) * per_case + (len(self.passes) * len(no_mod) if self.cases else 0)
 
     def fagen_systems(self) -> list[str]:

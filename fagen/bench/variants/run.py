@@ -45,7 +45,7 @@ from typing import Callable
 from ..measure import FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, context_lost, make_inputs, measure_system
 from ..peers import FagenSystem, FlexSystem, NotAvailable, SdpaSystem, System, failure_reason
 from ..sizes import short_seqlen
-from ..speed.config import FORWARD_ONLY
+from ..speed.config import skipped_cells, timed_passes
 from ..speed.markdown import add_ratios
 from ..timing import Deadline, Timing, time_cuda
 from .config import FAGEN_VARIANT_SYSTEMS, NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VariantsConfig
@@ -333,12 +333,9 @@ def run_variant_sweep(plan, deadline: Deadline, *, device="cuda",
         return next((c["skipped"] for c in cells.values() if "skipped" in c and context_lost(c["skipped"])), None)
 
     def skip(name: str, case: str | None, reason: str) -> None:
-        cells = {}
-        for p in config.passes:   # a forward-only system's other passes say so, as when it runs
-            forward_only = p != "fwd" and name in FORWARD_ONLY
-            cells[p] = {"skipped": FORWARD_ONLY[name] if forward_only else reason}
-            section["not_run"] += reason.startswith(GUARD_REASON) and not forward_only
-        record(name, case, cells)
+        if reason.startswith(GUARD_REASON):
+            section["not_run"] += len(timed_passes(name, config.passes))
+        record(name, case, skipped_cells(name, config.passes, reason))
 
     def lost(where: str, reason: str) -> dict:
         section["status"] = "error"
