@@ -7,8 +7,9 @@
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
-         (captured tensors too), dropout, key padding, packed sequences and d_v != d; the backward
-         stays the sm80 family's.
+         (captured tensors too), dropout, key padding, packed sequences, d_v != d, and decoding
+         against a KV cache (contiguous or paged, split-KV, GQA packing); the backward stays the
+         sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -37,12 +38,23 @@ def sm90_refusal(spec) -> str | None:
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
-                   ("kv_cache", spec.kv_cache is not None, f"kv_cache={spec.kv_cache!r}")]
+                   ("kv_cache", spec.kv_cache is not None and spec.varlen,
+                    f"kv_cache={spec.kv_cache!r} with varlen (packed queries over a paged cache)"),
+                   ("v_from_k", spec.v_from_k, "v_from_k=True (absorbed MLA)"),
+                   ("pack_gqa", spec.pack_gqa and not _rows_free(spec),
+                    "pack_gqa with a window, ALiBi or a mod (they read each packed row's own query and head)")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:
         return None
     return (f"arch_family='sm90' has no forward for {', '.join(found)} yet; use arch_family='sm80' (the "
             f"mma.sync kernels, every feature)")
+
+
+def _rows_free(spec) -> bool:
+    """Whether a packed tile's scores need nothing of their rows but causal's diagonal: no
+    variant, or the softcap alone (the sm90 forward maps a packed row back to its query for causal
+    only)."""
+    return not (spec.window or spec.alibi or spec.sinks or spec.score_mod is not None or spec.mask_mod is not None)
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,8 @@ def sm90_tiles(spec) -> Sm90Tiles:
     a relative-bias table, a document mask and both with dropout spilled one step wider)."""
     if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
         return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=spec.sm90_block_n)
+    if spec.kv_cache is not None:   # decoding: tiles that divide the page sizes a serving cache takes
+        return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=_decoding_block_n(spec))
     custom = spec.score_mod is not None or spec.mask_mod is not None
     if spec.head_dim == 128:
         block_n = 80 if custom else 112 if spec.dropout else 128 if spec.window or spec.alibi and spec.softcap else 176
@@ -95,6 +109,12 @@ def sm90_tiles(spec) -> Sm90Tiles:
     else:
         block_n = 96 if custom else 128
     return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n)
+
+
+def _decoding_block_n(spec) -> int:
+    """A decoding spec's key tile: a power of two, so that it divides a paged cache's pages (128 keys
+    to d = 128, 64 past it: Q and two stages in 193 KiB at d = 256)."""
+    return 128 if spec.head_dim <= 128 else 64
 
 
 # The sm90 forward's key tiles a spec may set (Spec.sm90_block_n): whole 16-key k-steps of P V,
@@ -121,6 +141,17 @@ def narrower_sm90_tiles(spec) -> list[int]:
     return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
 
 
+def sm90_page_tile(spec, page_size: int | None) -> int | None:
+    """The sm90 forward's key tile for a decoding `spec` over pages of `page_size` rows: its own
+    (`sm90_tiles`), or the widest multiple of 16 below it that divides the page, so that a tile is
+    one TMA box of one page; None where none of at least 32 keys does (pages of 16 rows: a tile
+    spanning pages would take a box per page, which the sm80 family's copies do instead)."""
+    widest = sm90_tiles(spec).block_n
+    if page_size is None:
+        return widest
+    return next((n for n in range(widest, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP) if page_size % n == 0), None)
+
+
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
 
 
@@ -140,3 +171,15 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
     if wanted == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
         return "sm90"
     return "sm80"
+
+
+def chosen_decoding_spec(spec, page_size: int | None, requested: str, capability: tuple[int, int] | None):
+    """A decoding step's `spec` in the family `chosen_family` picks for it; on sm90 with the key
+    tile that fits the cache's pages (`sm90_page_tile`), else on sm80."""
+    if chosen_family(spec, requested, capability) != "sm90":
+        return spec
+    block_n = sm90_page_tile(spec, page_size)
+    if block_n is None:
+        return spec
+    default = _decoding_block_n(spec)
+    return spec.replace(arch_family="sm90", sm90_block_n=None if block_n == default else block_n)

@@ -73,18 +73,21 @@ def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
 def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     """The sm90 family's forward (templates/hopper_fwd.cu.j2): q, k and v as TMA tensor maps passed
     by value, each box one 64-column box of a tile's rows, (1, rows, 1, 64) of (B, N, H, d); O,
-    and L in natural log."""
+    and L in natural log. Decoding (kv_cache) adds the cache's rows and the split-KV partials, k
+    and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""
     tiles = sm90_tiles(spec)
     maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
-    # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences by the threads (a
-    # box would write past a sequence's end, into the next one's rows).
-    out = ([_tensor("out", ELEM_CTYPE[spec.dtype])] if spec.varlen else
+    # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
+    # threads (a box would write past a sequence's end, into the next one's rows; a split writes
+    # fp32 partials).
+    by_threads = spec.varlen or spec.kv_cache is not None
+    out = ([_tensor("out", ELEM_CTYPE[spec.dtype])] if by_threads else
            [Param("out", "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, 64, 1, BOX_COLUMNS))])
     return tuple(maps + out + [_tensor("lse", "float")] + _sizes(spec)
-                 + (_strides("o") if spec.varlen else []) + [Param("softmax_scale_log2", "float", "float32")]
+                 + (_strides("o") if by_threads else []) + [Param("softmax_scale_log2", "float", "float32")]
                  + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi or spec.score_mod else [])
-                 + _dropout(spec) + _variant(spec))
+                 + _dropout(spec) + _variant(spec) + _kv_cache(spec))
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

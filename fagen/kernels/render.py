@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -123,15 +123,19 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
 
     def entry(role, params, threads, rows, rows_from, smem):
         if spec.kv_cache:   # k and v are a cache, read through cache_views, never a packed sequence
-            params = tuple(Param(p.name + "_cache", p.ctype, p.kind) if p.name in ("k", "v") else p for p in params)
+            params = tuple(replace(p, name=p.name + "_cache") if p.name in ("k", "v") else p for p in params)
         params = tuple(varlen_params(list(params))) if spec.varlen else params
         return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)
 
     if spec.kv_cache:
         # Decoding: the forward (one block per query tile and key split), the split-KV combine and
         # the cache update. Packed queries over a paged cache (varlen) run the forward alone.
-        forward = entry("fwd", forward_params(spec, debug), spec.threads, spec.block_m, "q",
-                        spec.shared_layout.total_bytes)
+        if spec.arch_family == "sm90":
+            tiles = sm90_tiles(spec)
+            forward = entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes)
+        else:
+            forward = entry("fwd", forward_params(spec, debug), spec.threads, spec.block_m, "q",
+                            spec.shared_layout.total_bytes)
         if spec.varlen:
             return Entries(forward, None, None, None, None)
         return Entries(forward, None, None, None, None,

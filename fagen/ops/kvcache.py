@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch_families import ARCH_FAMILY_ENV, chosen_decoding_spec, sm90_tiles
 from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
 from ..kernels import run as attention_kernels
@@ -37,7 +38,7 @@ from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..spec import Spec
-from ..environment import raw_settings, setting_keys
+from ..environment import raw_settings, setting, setting_keys
 from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit,
                      values_checked)
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
@@ -264,8 +265,10 @@ class StepPlan:
         attention_kernels.launch_all(self.attend, tensors)
         if group is not None and seqlen_q == 1 and not self.packs_in_place:
             # Now bound: a later step of this signature (the same strides and alignment) passes q
-            # and out themselves where the views start at their first elements (q not copied).
-            self.packs_in_place = q_kernel.data_ptr() == q.data_ptr()
+            # and out themselves where the views start at their first elements (q not copied). Not
+            # on the sm90 family: its q is a tensor map, encoded at each launch from the tensor
+            # passed, whose shape and strides must then be the view's.
+            self.packs_in_place = q_kernel.data_ptr() == q.data_ptr() and self.source.spec.arch_family != "sm90"
         if group is None or seqlen_q == 1:
             return out, lse
         return _unpack(out_kernel, lse, q.shape)
@@ -307,12 +310,16 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         fields["v_from_k"] = True
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device))
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    spec = chosen_decoding_spec(spec, cache.page_size, setting(ARCH_FAMILY_ENV), capability)
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:
         packed_rows = seqlen_q * (heads // kv_heads) if spec.pack_gqa else seqlen_q
-        row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * -(-packed_rows // spec.block_m)
-        num_splits = choose_splits(row_blocks, -(-cache.capacity // spec.block_n), processor_count(q.device))
+        row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * \
+            -(-packed_rows // source.kernels.forward.rows_per_block)
+        key_tile = sm90_tiles(spec).block_n if spec.arch_family == "sm90" else spec.block_n
+        num_splits = choose_splits(row_blocks, -(-cache.capacity // key_tile), processor_count(q.device))
     given = tuple(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
     return StepPlan(source, cache, given, rotary_interleaved, return_softmax_lse, scale,
                     call.values if call else None, spec.causal or bool(call and call.spec_fields.get("window")),
@@ -370,7 +377,7 @@ def _signature(args) -> tuple | None:
 
 # Read raw in one step on every warm call (environment.raw_settings): FAGEN_CHECK_VALUES, then
 # the emulator build's settings (what `launch.backend_key` reads, with instrumentation.collecting).
-_STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, *launch.BACKEND_SETTINGS)
+_STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
 _UNSET = (None, b"", b"0", "", "0")   # raw values of a FAGEN_CHECK_VALUES that checks nothing
 
 

@@ -87,3 +87,31 @@ def test_sm90_forward_on_packed_sequences_equals_the_sm80_familys(monkeypatch):
         monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
         outs[family] = fagen.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     assert (outs["sm90"].float() - outs["sm80"].float()).abs().max().item() < 2e-2
+
+
+# Decoding on the sm90 family (templates/hopper_kv_cache.j2): the emulator's cases
+# (tests/ops/test_kvcache_sm90.py) against the float64 oracle on the GPU, each step asserted to
+# have run sm90 (FAGEN_ARCH_FAMILY=sm90; what it does not take runs on sm80).
+SM90_DECODE_CASES = {
+    "contiguous, one packed query, split 3": (dict(capacity=160), dict(num_splits=3)),
+    "append + rotary, causal packed queries": (dict(nq=3, new=3, seed=1), dict(causal=True, rotary=(32, False))),
+    "paged 64, append, split 2": (dict(nq=2, new=2, page=64, capacity=256, seed=2), dict(causal=True, num_splits=2)),
+    "batch_idx + leftpad, bf16": (dict(dtype=torch.bfloat16, nq=2, new=2, batch_idx=True, leftpad=True, seed=4),
+                                  dict(causal=True, num_splits=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(SM90_DECODE_CASES))
+def test_sm90_decoding_on_the_gpu_meets_the_oracle(name, monkeypatch):
+    if require_capability(9, 0) != "sm_90":
+        pytest.skip("the sm90 family's cubins are sm_90a: compute capability 9.0 only")
+    from fagen.ops import kvcache
+    from kvcache_cases import Case, check_call
+
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    monkeypatch.setattr(kvcache, "_plans", {})
+    families, real = [], kvcache.source_for
+    monkeypatch.setattr(kvcache, "source_for", lambda spec: families.append(spec.arch_family) or real(spec))
+    case_args, call_args = SM90_DECODE_CASES[name]
+    check_call(Case(**case_args), device="cuda", **call_args)
+    assert families == ["sm90"]

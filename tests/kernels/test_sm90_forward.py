@@ -252,11 +252,9 @@ def test_the_spec_names_the_family_and_round_trips():
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(kv_cache="paged", key_padding=True), "kv_cache='paged'"), (dict(head_dim=96), "head_dim=96"),
-    (dict(version=1), "version=1"),
+    (dict(head_dim=96), "head_dim=96"), (dict(version=1), "version=1"),
     (dict(head_dim=128, head_dim_v=96), "head_dim_v=96"),
-    (dict(kv_cache="contiguous", key_padding=True), "kv_cache='contiguous'"),
-])
+])   # decoding's refusals: tests/ops/test_kvcache_sm90.py
 def test_what_the_family_cannot_do_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for {named}"):
         Spec(**{"head_dim": 128, **fields}, arch_family="sm90")

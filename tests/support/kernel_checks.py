@@ -191,7 +191,8 @@ def variant_check(spec: Spec, source: Source | None = None) -> None:
 @contextlib.contextmanager
 def decode_steps_run(spec: Spec, source: Source | None):
     """Inside: every decoding step `flash_attn_with_kvcache` plans runs `source` (default: the
-    spec's own render), and must build `spec` to get it; no plan of an earlier step is reused."""
+    spec's own render), and must build `spec` to get it (an sm90 spec with FAGEN_ARCH_FAMILY=sm90);
+    no plan of an earlier step is reused."""
     from fagen.ops import kvcache
 
     source = render(spec) if source is None else source
@@ -200,7 +201,9 @@ def decode_steps_run(spec: Spec, source: Source | None):
         assert built == spec, f"the case builds {built.name}, not {spec.name}"
         return source
 
-    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}):
+    family = {"FAGEN_ARCH_FAMILY": spec.arch_family} if spec.arch_family != "sm80" else {}
+    with mock.patch.object(kvcache, "source_for", step_source), mock.patch.object(kvcache, "_plans", {}), \
+            mock.patch.dict(os.environ, family):
         yield
 
 
@@ -219,6 +222,15 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         case, rotary = Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=12, **dims), (32, True)
     with decode_steps_run(spec, source):
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
+
+
+def long_cache_check(spec: Spec, source: Source | None = None) -> None:
+    """A contiguous cache of 512 rows, entries of 450 and 300 keys past their leftpads (and one
+    empty), in three splits (kvcache_cases.check_long_cache): several tiles per split."""
+    from kvcache_cases import check_long_cache
+
+    with decode_steps_run(spec, source):
+        check_long_cache(num_splits=3)
 
 
 def mla_check(spec: Spec, source: Source | None = None) -> None:

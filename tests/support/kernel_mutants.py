@@ -17,6 +17,7 @@ from unittest import mock
 from fagen.kernels import run as ops
 from fagen.kernels.render import Source, include_dir, render
 from fagen.emulate import EmulationError
+from fagen.arch_families import chosen_decoding_spec
 from fagen.spec import Spec
 import barrier_mutations
 import kernel_checks as checks
@@ -301,6 +302,33 @@ MUTANTS.append(KernelMutant("sm90: the score chain (ALiBi with a softcap) skippe
 MUTANTS.append(KernelMutant("sm90: a mask_mod's tiles taken as full", _documents().replace(arch_family="sm90"),
                             (Edit("fagen_variant::kFullTile;\n  }", "fagen_variant::kFullTile && false;\n  }"),),
                             (checks.variant_check,)))
+
+# Decoding on the sm90 family (templates/hopper_kv_cache.j2): where a tile's keys lie in the cache,
+# the splits, and packed rows' diagonal. The paged spec reads 48-key tiles, one per page (two per
+# entry of the case); the contiguous one 128-key tiles over entries of 450 and 300 keys.
+SM90_PAGED = chosen_decoding_spec(DECODE_PAGED, 48, "sm90", None)
+SM90_CACHE = chosen_decoding_spec(DECODE_CACHE.replace(mask="none"), None, "sm90", None)
+MUTANTS += [KernelMutant(f"sm90 decoding: {name}", spec, (Edit(old, new),), (check,))
+            for name, spec, check, old, new in [
+    ("every tile read from the entry's first page", SM90_PAGED, checks.kv_cache_check,
+     "listed = pages[key / page_size];", "listed = pages[0 * page_size];"),
+    ("cache_leftpad ignored", SM90_CACHE, checks.long_cache_check,
+     "key_source = {cache_first, cache_entry};", "key_source = {0, cache_entry};"),
+    ("cache_batch_idx ignored", SM90_CACHE, checks.long_cache_check,
+     "key_source = {cache_first, cache_entry};", "key_source = {cache_first, batch};"),
+    ("a contiguous entry's tiles one key apart", SM90_CACHE, checks.long_cache_check,
+     "make_int2(row0 + j * kBlockN, entry)", "make_int2(row0 + j, entry)"),
+    ("every split from the block's first tile", SM90_PAGED, checks.kv_cache_check,
+     "const int first_tile = span.first + split * split_share;", "const int first_tile = span.first;"),
+    ("a split's unmasked tiles counted from tile 0", SM90_PAGED, checks.kv_cache_check,
+     "max(0, limit / kBlockN - first_tile)", "limit / kBlockN"),
+    ("packed rows' diagonal at the packed row", SM90_PAGED, checks.kv_cache_check,
+     "col > row / group + nk - nq / group", "col > row + nk - nq / group"),
+    ("the keys appended this step not counted", SM90_PAGED, checks.kv_cache_check,
+     "(long long)seqlens_k[batch] + new_tokens", "(long long)seqlens_k[batch]"),
+    ("a split's L in the scores' units, not natural log", SM90_CACHE, checks.long_cache_check,
+     "m[r] * scale_log2 * fagen::kLn2 + logf(l[r]) : -fagen::infinity()", "m[r] + logf(l[r]) : -fagen::infinity()"),
+]]
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",

@@ -1,0 +1,200 @@
+"""Decoding on the sm90 family (issue 29): `flash_attn_with_kvcache` with FAGEN_ARCH_FAMILY=sm90
+runs the Hopper forward (templates/hopper_fwd.cu.j2, hopper_kv_cache.j2) over the cache: a
+contiguous cache through cache_batch_idx / cache_leftpad, a paged one a TMA box per page, split-KV
+partials merged by the sm80 family's combine, GQA packing. Each step is checked as the sm80
+family's are (kvcache_cases.check_call: the cache after the call, each entry against the float64
+oracle under FlashAttention-2's rule), after asserting that the step did run on sm90; what the
+family does not take yet runs on sm80."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fagen.arch_families import chosen_decoding_spec, sm90_page_tile, sm90_refusal, sm90_tiles
+from fagen.errors import InputError
+from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.kernels.render import render
+from fagen.ops import kvcache
+from fagen.spec import Spec
+from kvcache_cases import D, Case, cache_guard_check, check_call, check_long_cache
+
+
+@pytest.fixture
+def families(monkeypatch):
+    """FAGEN_ARCH_FAMILY=sm90, from empty step plans; returns the families of the steps' specs."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    monkeypatch.setattr(kvcache, "_plans", {})
+    seen = []
+    real = kvcache.source_for
+
+    def recorded(spec):
+        seen.append(spec.arch_family)
+        return real(spec)
+
+    monkeypatch.setattr(kvcache, "source_for", recorded)
+    return seen
+
+
+def _mha(case: Case) -> Case:
+    """The case with a K/V head per query head (no GQA packing: the variants that read a row's
+    own query and head run unpacked on sm90)."""
+    case.k_cache, case.v_cache = (c.repeat_interleave(2, dim=2) for c in (case.k_cache, case.v_cache))
+    if case.k is not None:
+        case.k, case.v = (t.repeat_interleave(2, dim=2) for t in (case.k, case.v))
+    return case
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_one_packed_query_over_a_contiguous_cache(families, num_splits):
+    check_call(Case(capacity=160), num_splits=num_splits)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_long_contiguous_cache_over_many_tiles(families, num_splits):
+    """128-key tiles over entries of 450 and 300 keys from their leftpads: splits share several."""
+    check_long_cache(num_splits)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_append_rotary_and_causal_packed_queries(families, num_splits):
+    """Three queries of two heads packed per K/V head: causal reads each packed row's own query."""
+    check_call(Case(nq=3, new=3, seed=1), causal=True, rotary=(32, False), num_splits=num_splits)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("page", [32, 48, 128])
+def test_a_paged_cache_a_box_per_page(families, page):
+    check_call(Case(nq=2, new=2, capacity=96 if page == 48 else 256, page=page, seed=2), causal=True,
+               rotary=(64, True), num_splits=2)
+    assert families == ["sm90"]
+
+
+def test_cache_batch_idx_and_leftpad(families):
+    check_call(Case(nq=2, new=2, batch_idx=True, leftpad=True, seed=4), causal=True, num_splits=3)
+    assert families == ["sm90"]
+
+
+def test_softcap_alone_packed_over_splits(families):
+    check_call(Case(nq=2, new=1, seed=7), causal=True, num_splits=3, softcap=15.0)
+    assert families == ["sm90"]
+
+
+def test_window_and_alibi_unpacked(families):
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    check_call(_mha(Case(nq=2, new=1, seed=5)), causal=True, num_splits=2, window_size=(20, 0), softcap=15.0,
+               alibi_slopes=slopes)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, dtype", [(128, None, torch.bfloat16), (256, None, torch.float16),
+                                                         (192, 128, torch.bfloat16)])
+def test_wider_heads_and_v_s_own_head_dim(families, head_dim, head_dim_v, dtype):
+    check_call(Case(dtype, nq=1, new=1, capacity=192, page=64, head_dim=head_dim, head_dim_v=head_dim_v, seed=8),
+               num_splits=2)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
+def test_every_schedule_is_race_free_and_exact(families, monkeypatch, schedule):
+    """A paged step with an append and splits, under the happens-before racecheck."""
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
+    check_call(Case(nq=2, new=2, capacity=96, page=48, seed=10), causal=True, num_splits=3)
+    assert families == ["sm90"]
+
+
+def _sm90_step_spec(page, causal=True):
+    return chosen_decoding_spec(kvcache.decode_spec(D, torch.float16, causal, page, {"pack_gqa": True}), page,
+                                "sm90", None)
+
+
+@pytest.mark.parametrize("page", [48, None], ids=["paged", "contiguous"])
+def test_a_bad_index_is_refused_and_nothing_around_the_cache_is_written(monkeypatch, page):
+    """The guards: a page outside the cache read as page 0 and flagged; a contiguous entry outside
+    the cache refused before anything is read."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    spec = _sm90_step_spec(page)
+    assert spec.arch_family == "sm90"
+    cache_guard_check(spec)
+
+
+def test_what_sm90_does_not_take_runs_on_sm80(families):
+    """Pages of 16 rows (a tile would span pages), and GQA packing with a window."""
+    check_call(Case(new=1, page=16, seed=3))
+    check_call(Case(nq=2, new=1, seed=5), causal=True, window_size=(20, 0))
+    assert families == ["sm80", "sm80"]
+
+
+def test_the_default_stays_sm80(monkeypatch):
+    """Unset, decoding runs the sm80 family on every device until the sm90 forward has passed the
+    GPU check (arch_families.chosen_family)."""
+    monkeypatch.delenv("FAGEN_ARCH_FAMILY", raising=False)
+    spec = kvcache.decode_spec(D, torch.float16, False, None, {"pack_gqa": True})
+    assert chosen_decoding_spec(spec, None, "", (9, 0)) is spec
+    assert chosen_decoding_spec(spec, None, "sm90", (8, 0)) is spec   # sm_90a cubins run on 9.0 only
+    assert chosen_decoding_spec(spec, None, "sm90", (9, 0)).arch_family == "sm90"
+
+
+def test_the_key_tile_divides_the_pages():
+    spec = _sm90_step_spec(None)
+    wide = chosen_decoding_spec(kvcache.decode_spec(256, torch.float16, False, None, {}), None, "sm90", None)
+    assert sm90_tiles(spec).block_n == 128 and sm90_tiles(wide).block_n == 64
+    assert [sm90_page_tile(spec, page) for page in (None, 256, 128, 64, 48, 32, 16, 80)] == \
+        [128, 128, 128, 64, 48, 32, None, 80]
+    assert _sm90_step_spec(48).sm90_block_n == 48 and _sm90_step_spec(256).sm90_block_n is None
+
+
+def test_a_forced_tile_that_does_not_divide_the_pages_is_refused():
+    spec = _sm90_step_spec(None)   # 128 keys a tile
+    case = Case(page=64, seed=12)
+    with pytest.raises(InputError, match=r"tiles of 128 keys, which do not divide the cache's pages of 64 rows "
+                                         r"\(k_cache.shape\[1\]\)"):
+        kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, case.seqlens,
+                                    seqlen_k=case.capacity, block_table=case.block_table)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(kv_cache="paged", key_padding=False, varlen=True), "kv_cache='paged' with varlen"),
+    (dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True, v_from_k=True), "v_from_k=True"),
+    (dict(kv_cache="contiguous", key_padding=True, pack_gqa=True, window=True), "pack_gqa with a window"),
+])
+def test_what_the_family_cannot_decode_yet_is_refused_by_name(fields, named):
+    with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for .*{named}"):
+        Spec(**{"head_dim": 128, **fields}, arch_family="sm90")
+    assert sm90_refusal(Spec(**{"head_dim": 128, **fields})) is not None
+
+
+DECODE_SPECS = [_sm90_step_spec(None, causal=False), _sm90_step_spec(64),
+                chosen_decoding_spec(kvcache.decode_spec(256, torch.bfloat16, True, 64, {}), 64, "sm90", None),
+                chosen_decoding_spec(kvcache.decode_spec(128, torch.float16, True, None,
+                                                         {"window": True, "softcap": True, "alibi": True}),
+                                     None, "sm90", None),
+                chosen_decoding_spec(kvcache.decode_spec(192, torch.bfloat16, False, None,
+                                                         {"head_dim_v": 128, "pack_gqa": True}), None, "sm90", None)]
+
+
+@pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)
+def test_nvrtc_compiles_the_decoding_forward_for_sm_90a_without_spills(spec):
+    pytest.importorskip("cuda.bindings")
+    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
+
+    assert spec.arch_family == "sm90"
+    source = render(spec)
+    cubin, log = nvrtc_compile(source.code, "sm_90a")
+    assert cubin, log
+    check_wgmma_pipeline(log, spec.name, "sm_90a")
+    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
+    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
+    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= 227 * 1024
+
+
+def test_a_warm_step_reuses_its_plan_on_sm90(families):
+    """One query packed: the sm90 forward's q map is encoded from the view each step (the plan
+    never passes q itself), and the second step of the signature matches the oracle too."""
+    for seed in (40, 41):
+        check_call(Case(new=1, seed=seed), rotary=(32, True), num_splits=2)
+    assert families == ["sm90"]
+    assert not next(iter(kvcache._plans.values())).packs_in_place
