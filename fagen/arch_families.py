@@ -40,21 +40,12 @@ def sm90_refusal(spec) -> str | None:
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
                    ("kv_cache", spec.kv_cache is not None and spec.varlen,
                     f"kv_cache={spec.kv_cache!r} with varlen (packed queries over a paged cache)"),
-                   ("v_from_k", spec.v_from_k, "v_from_k=True (absorbed MLA)"),
-                   ("pack_gqa", spec.pack_gqa and not _rows_free(spec),
-                    "pack_gqa with a window, ALiBi or a mod (they read each packed row's own query and head)")]
+                   ("v_from_k", spec.v_from_k, "v_from_k=True (absorbed MLA)")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:
         return None
     return (f"arch_family='sm90' has no forward for {', '.join(found)} yet; use arch_family='sm80' (the "
             f"mma.sync kernels, every feature)")
-
-
-def _rows_free(spec) -> bool:
-    """Whether a packed tile's scores need nothing of their rows but causal's diagonal: no
-    variant, or the softcap alone (the sm90 forward maps a packed row back to its query for causal
-    only)."""
-    return not (spec.window or spec.alibi or spec.sinks or spec.score_mod is not None or spec.mask_mod is not None)
 
 
 @dataclass(frozen=True)
@@ -72,6 +63,11 @@ class Sm90Tiles:
     @property
     def threads(self) -> int:
         return 128 * (1 + self.consumers)   # the producer warpgroup, then the consumers
+
+    @property
+    def page_box_rows(self) -> int:
+        """A paged cache's box where its pages do not hold whole tiles (`page_box_rows`)."""
+        return PAGE_BOX_ROWS
 
     @property
     def boxes(self) -> int:
@@ -97,7 +93,7 @@ def sm90_tiles(spec) -> Sm90Tiles:
     a relative-bias table, a document mask and both with dropout spilled one step wider)."""
     if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
         return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=spec.sm90_block_n)
-    if spec.kv_cache is not None:   # decoding: tiles that divide the page sizes a serving cache takes
+    if spec.kv_cache is not None:   # decoding: a power of two, a paged cache's box per page where it divides them
         return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=_decoding_block_n(spec))
     custom = spec.score_mod is not None or spec.mask_mod is not None
     if spec.head_dim == 128:
@@ -112,8 +108,9 @@ def sm90_tiles(spec) -> Sm90Tiles:
 
 
 def _decoding_block_n(spec) -> int:
-    """A decoding spec's key tile: a power of two, so that it divides a paged cache's pages (128 keys
-    to d = 128, 64 past it: Q and two stages in 193 KiB at d = 256)."""
+    """A decoding spec's key tile: a power of two, so that it divides the usual pages (a paged
+    cache's tile is then one TMA box; `page_box_rows`): 128 keys to d = 128, 64 past it (Q and two
+    stages in 193 KiB at d = 256)."""
     return 128 if spec.head_dim <= 128 else 64
 
 
@@ -141,15 +138,16 @@ def narrower_sm90_tiles(spec) -> list[int]:
     return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
 
 
-def sm90_page_tile(spec, page_size: int | None) -> int | None:
-    """The sm90 forward's key tile for a decoding `spec` over pages of `page_size` rows: its own
-    (`sm90_tiles`), or the widest multiple of 16 below it that divides the page, so that a tile is
-    one TMA box of one page; None where none of at least 32 keys does (pages of 16 rows: a tile
-    spanning pages would take a box per page, which the sm80 family's copies do instead)."""
-    widest = sm90_tiles(spec).block_n
-    if page_size is None:
-        return widest
-    return next((n for n in range(widest, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP) if page_size % n == 0), None)
+# A paged cache's keys reach the sm90 forward a TMA box per page: a whole tile where the pages
+# hold whole tiles, else boxes of 16 rows (every page size fagen takes is a multiple of 16, and 16
+# rows of 128 bytes keep the 128B swizzle's 1024-byte period): tensor_map.PageBox, KeySource.
+PAGE_BOX_ROWS = 16
+
+
+def page_box_rows(block_n: int, page_size: int) -> int:
+    """The rows of a paged cache's TMA box for key tiles of `block_n` (the host's map and the
+    kernel's loads agree on it)."""
+    return block_n if page_size % block_n == 0 else PAGE_BOX_ROWS
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
@@ -173,13 +171,8 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
     return "sm80"
 
 
-def chosen_decoding_spec(spec, page_size: int | None, requested: str, capability: tuple[int, int] | None):
-    """A decoding step's `spec` in the family `chosen_family` picks for it; on sm90 with the key
-    tile that fits the cache's pages (`sm90_page_tile`), else on sm80."""
+def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | None):
+    """A decoding step's `spec` in the family `chosen_family` picks for it."""
     if chosen_family(spec, requested, capability) != "sm90":
         return spec
-    block_n = sm90_page_tile(spec, page_size)
-    if block_n is None:
-        return spec
-    default = _decoding_block_n(spec)
-    return spec.replace(arch_family="sm90", sm90_block_n=None if block_n == default else block_n)
+    return spec.replace(arch_family="sm90")

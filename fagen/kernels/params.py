@@ -13,6 +13,7 @@ from ..spec import Spec
 from ..variants.compose import mod_expression
 from ..variants.cuda import variant_code
 from ..variants.tiles import summaries
+from .tensor_map import PageBox
 
 ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
@@ -76,8 +77,9 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     and L in natural log. Decoding (kv_cache) adds the cache's rows and the split-KV partials, k
     and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""
     tiles = sm90_tiles(spec)
+    key_rows = PageBox(tiles.block_n) if spec.kv_cache == "paged" else tiles.block_n   # a box per page, or per tile
     maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
-            for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))]
+            for name, rows in (("q", tiles.block_m), ("k", key_rows), ("v", key_rows))]
     # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
     # threads (a box would write past a sequence's end, into the next one's rows; a split writes
     # fp32 partials).

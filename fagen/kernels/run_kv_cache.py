@@ -19,8 +19,6 @@ import math
 
 import torch
 
-from ..arch_families import sm90_tiles
-from ..errors import InputError
 from . import launch, run
 from .render import Source
 
@@ -155,22 +153,12 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
     values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
     if block_table is not None:
         values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
-        _check_pages(source.spec, k_cache.shape[1])
     loaded, entries = launch.load(source, q.device), source.kernels
     blocks = -(-seqlen_q // entries.forward.rows_per_block)
     plan = [loaded.bind(entries.forward, (blocks * num_splits, heads, batch), values, run.PER_CALL_SCALARS)]
     if num_splits > 1:
         plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
     return plan
-
-
-def _check_pages(spec, page_size: int) -> None:
-    """The sm90 forward loads a tile as one TMA box of one page: its key tile must divide the
-    pages (fagen.ops picks one that does, `arch_families.sm90_page_tile`, or the sm80 family)."""
-    if spec.arch_family == "sm90" and page_size % sm90_tiles(spec).block_n:
-        raise InputError(f"{spec.name} reads tiles of {sm90_tiles(spec).block_n} keys, which do not divide the "
-                         f"cache's pages of {page_size} rows (k_cache.shape[1]); use a spec whose sm90_block_n "
-                         f"divides it, or arch_family='sm80'")
 
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,

@@ -24,6 +24,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from ..arch_families import page_box_rows
+
 MAX_RANK = 5
 MAP_BYTES = 128
 MAP_ALIGNMENT = 64        # the driver requires the map itself 64-byte aligned
@@ -124,6 +126,18 @@ class TensorMapError(ValueError):
 
 
 @dataclass(frozen=True)
+class PageBox:
+    """A paged cache's box rows (its dim 1, the page's rows), fixed per call by its page size:
+    `tile` keys where the pages hold whole tiles, else arch_families.PAGE_BOX_ROWS (the sm90
+    forward's KeySource loads a tile as that many boxes)."""
+
+    tile: int
+
+    def rows(self, page_size: int) -> int:
+        return page_box_rows(self.tile, page_size)
+
+
+@dataclass(frozen=True)
 class TensorMapSpec:
     """cuTensorMapEncodeTiled's parameters. Dims innermost first; `global_strides` in bytes for
     dims 1.. (dim 0 is contiguous: TMA has no stride for it); `element_strides` default to 1."""
@@ -139,9 +153,11 @@ class TensorMapSpec:
     oob_fill: OobFill = OobFill.NONE
 
     @staticmethod
-    def of_tensor(tensor, box: tuple[int, ...], **options) -> "TensorMapSpec":
+    def of_tensor(tensor, box: tuple, **options) -> "TensorMapSpec":
         """The map of a torch tensor whose last dim is contiguous, with `box` in the tensor's own
-        dim order (outermost first), e.g. (1, 128, 1, 64) rows of q (B, N, H, d)."""
+        dim order (outermost first), e.g. (1, 128, 1, 64) rows of q (B, N, H, d); an entry may be a
+        `PageBox`, whose rows follow the tensor's size in that dim."""
+        box = tuple(b.rows(tensor.shape[i]) if isinstance(b, PageBox) else b for i, b in enumerate(box))
         if tensor.dim() == 0 or tensor.stride(-1) != 1:
             raise TensorMapError(f"a tensor map needs a contiguous last dim, got strides {tuple(tensor.stride())}")
         if len(box) != tensor.dim():

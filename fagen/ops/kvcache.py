@@ -311,7 +311,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device))
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    spec = chosen_decoding_spec(spec, cache.page_size, setting(ARCH_FAMILY_ENV), capability)
+    spec = chosen_decoding_spec(spec, setting(ARCH_FAMILY_ENV), capability)
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:

@@ -5,7 +5,8 @@ Each packed step is held to two yardsticks: the unpacked kernels on the same pro
 (the API through an MHA cache, where nothing packs; the kernels directly with GQA indexing), and
 the float64 oracle within FlashAttention-2's rule. Covered: windows (one query and several, causal
 or not), causal, ALiBi (per head and per batch entry), softcap, paged caches with splits, the
-append with rotary, and a score_mod and a mask_mod that read the head and the query index.
+append with rotary, and a score_mod and a mask_mod that read the head and the query index. The
+steps and the mods run on both kernel families (the sm90 forward's Consumer::pack maps its rows).
 """
 
 import pytest
@@ -15,6 +16,7 @@ import fagen
 from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
+from fagen.ops import kvcache
 from fagen.ops.kvcache import decode_spec
 from fagen.reference import attention_forward, attention_same_dtype
 from fagen.spec import Spec
@@ -86,10 +88,16 @@ FEATURES = [
 ]
 
 
+FAMILIES = ["sm80", "sm90"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name, nq, causal, page, splits, variant, heads, heads_kv", FEATURES,
                          ids=[f[0] for f in FEATURES])
 def test_packed_steps_equal_the_unpacked_ones_and_the_oracle(name, nq, causal, page, splits, variant, heads,
-                                                              heads_kv):
+                                                              heads_kv, family, monkeypatch):
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
+    monkeypatch.setattr(kvcache, "_plans", {})
     gen = torch.Generator().manual_seed(len(name))
     q = torch.randn(2, nq, heads, D, generator=gen).half()
     k_cache, v_cache, table = _caches(2, heads_kv, 128, page, gen)
@@ -100,6 +108,7 @@ def test_packed_steps_equal_the_unpacked_ones_and_the_oracle(name, nq, causal, p
     group = heads // heads_kv
     unpacked = fagen.flash_attn_with_kvcache(q, _mha(k_cache, group), _mha(v_cache, group), **call)
     assert torch.equal(packed[0], unpacked[0]) and torch.equal(packed[1], unpacked[1])
+    assert {plan.source.spec.arch_family for plan in kvcache._plans.values()} == {family}
     _check_oracle(q, *packed, k_cache, v_cache, table, SEQLENS, causal, **variant)
 
 
@@ -107,7 +116,8 @@ def test_packed_steps_are_race_free(monkeypatch):
     """A packed paged step with every built-in variant and splits, under racecheck (warp-serial)."""
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "warp-serial")
-    test_packed_steps_equal_the_unpacked_ones_and_the_oracle(*FEATURES[-1])
+    for family in FAMILIES:
+        test_packed_steps_equal_the_unpacked_ones_and_the_oracle(*FEATURES[-1], family, monkeypatch)
 
 
 def test_append_with_rotary_under_packing():
@@ -142,8 +152,9 @@ def head_and_query_mask(b, h, q_idx, kv_idx):
     return (kv_idx >= 9 * h + q_idx) & (kv_idx <= 90 - 5 * h + 3 * q_idx)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_score_and_mask_mods_reading_the_head_and_query_under_packing(causal):
+def test_score_and_mask_mods_reading_the_head_and_query_under_packing(causal, family):
     """A per-head score bias and a per-head key band (so the tile ranges differ between the heads
     of one tile): the packed kernel against the unpacked GQA kernel, bit for bit, and the oracle."""
     gen = torch.Generator().manual_seed(5 + causal)
@@ -156,7 +167,8 @@ def test_score_and_mask_mods_reading_the_head_and_query_under_packing(causal):
                         sizes=(batch, nq, heads, 128))
     results = []
     for packed in (False, True):
-        spec = Spec.for_kv_cache(D, "fp16", causal=causal, page_size=None, pack_gqa=packed, **call.spec_fields)
+        spec = Spec.for_kv_cache(D, "fp16", causal=causal, page_size=None, pack_gqa=packed,
+                                 **call.spec_fields).replace(arch_family=family)
         q_kernel = q.view(batch, nq, heads_kv, 4, D).transpose(2, 3).reshape(batch, nq * 4, heads_kv, D) \
             if packed else q
         out, lse = kv_kernels.forward_kv_cache(render(spec), q_kernel, k_cache, v_cache, keys, seqlen_k=128,

@@ -1,6 +1,7 @@
 """Decoding on the sm90 family (issue 29): `flash_attn_with_kvcache` with FAGEN_ARCH_FAMILY=sm90
 runs the Hopper forward (templates/hopper_fwd.cu.j2, hopper_kv_cache.j2) over the cache: a
-contiguous cache through cache_batch_idx / cache_leftpad, a paged one a TMA box per page, split-KV
+contiguous cache through cache_batch_idx / cache_leftpad, a paged one by TMA boxes (a tile per box
+where the pages hold whole tiles, else a box per 16 keys), split-KV
 partials merged by the sm80 family's combine, GQA packing. Each step is checked as the sm80
 family's are (kvcache_cases.check_call: the cache after the call, each entry against the float64
 oracle under FlashAttention-2's rule), after asserting that the step did run on sm90; what the
@@ -11,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fagen.arch_families import chosen_decoding_spec, sm90_page_tile, sm90_refusal, sm90_tiles
-from fagen.errors import InputError
-from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.arch_families import PAGE_BOX_ROWS, chosen_decoding_spec, page_box_rows, sm90_refusal, sm90_tiles
 from fagen.kernels.render import render
+from fagen.kernels.tensor_map import PageBox, TensorMapSpec
 from fagen.ops import kvcache
 from fagen.spec import Spec
 from kvcache_cases import D, Case, cache_guard_check, check_call, check_long_cache
@@ -52,9 +52,11 @@ def test_one_packed_query_over_a_contiguous_cache(families, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_a_long_contiguous_cache_over_many_tiles(families, num_splits):
-    """128-key tiles over entries of 450 and 300 keys from their leftpads: splits share several."""
-    check_long_cache(num_splits)
+@pytest.mark.parametrize("page", [None, 48], ids=["contiguous", "paged48"])
+def test_long_entries_over_many_tiles(families, num_splits, page):
+    """128-key tiles over entries of 450 and 300 keys (from their leftpads, or in pages of 48 rows
+    with two causal queries per head): splits share several tiles."""
+    check_long_cache(num_splits, page=page, nq=1 if page is None else 2, causal=page is not None)
     assert families == ["sm90"]
 
 
@@ -65,8 +67,11 @@ def test_append_rotary_and_causal_packed_queries(families, num_splits):
     assert families == ["sm90"]
 
 
-@pytest.mark.parametrize("page", [32, 48, 128])
-def test_a_paged_cache_a_box_per_page(families, page):
+@pytest.mark.parametrize("page", [16, 48, 128, 256])
+def test_a_paged_cache_by_boxes_of_a_page_or_of_16_keys(families, page):
+    """128-key tiles: pages of 128 and 256 rows hold whole tiles (a box per tile); pages of 16 and 48
+    take a box per 16 keys, 8 per tile, from 8 or 3 pages (the last tile's boxes past the block
+    table read page 0, masked)."""
     check_call(Case(nq=2, new=2, capacity=96 if page == 48 else 256, page=page, seed=2), causal=True,
                rotary=(64, True), num_splits=2)
     assert families == ["sm90"]
@@ -79,6 +84,15 @@ def test_cache_batch_idx_and_leftpad(families):
 
 def test_softcap_alone_packed_over_splits(families):
     check_call(Case(nq=2, new=1, seed=7), causal=True, num_splits=3, softcap=15.0)
+    assert families == ["sm90"]
+
+
+def test_window_softcap_and_alibi_packed(families):
+    """Each packed row's own (query, head): the window's diagonal and ALiBi's slope (in the score
+    chain's natural-log units)."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    check_call(Case(nq=3, new=1, seed=6), causal=True, num_splits=2, window_size=(20, 0), softcap=15.0,
+               alibi_slopes=slopes)
     assert families == ["sm90"]
 
 
@@ -107,8 +121,7 @@ def test_every_schedule_is_race_free_and_exact(families, monkeypatch, schedule):
 
 
 def _sm90_step_spec(page, causal=True):
-    return chosen_decoding_spec(kvcache.decode_spec(D, torch.float16, causal, page, {"pack_gqa": True}), page,
-                                "sm90", None)
+    return chosen_decoding_spec(kvcache.decode_spec(D, torch.float16, causal, page, {"pack_gqa": True}), "sm90", None)
 
 
 @pytest.mark.parametrize("page", [48, None], ids=["paged", "contiguous"])
@@ -122,10 +135,9 @@ def test_a_bad_index_is_refused_and_nothing_around_the_cache_is_written(monkeypa
 
 
 def test_what_sm90_does_not_take_runs_on_sm80(families):
-    """Pages of 16 rows (a tile would span pages), and GQA packing with a window."""
-    check_call(Case(new=1, page=16, seed=3))
-    check_call(Case(nq=2, new=1, seed=5), causal=True, window_size=(20, 0))
-    assert families == ["sm80", "sm80"]
+    """A head dim the family has no forward for (arch_families.SM90_HEAD_DIMS)."""
+    check_call(Case(nq=2, new=1, head_dim=96, seed=5), causal=True, window_size=(20, 0))
+    assert families == ["sm80"]
 
 
 def test_the_default_stays_sm80(monkeypatch):
@@ -133,33 +145,27 @@ def test_the_default_stays_sm80(monkeypatch):
     GPU check (arch_families.chosen_family)."""
     monkeypatch.delenv("FAGEN_ARCH_FAMILY", raising=False)
     spec = kvcache.decode_spec(D, torch.float16, False, None, {"pack_gqa": True})
-    assert chosen_decoding_spec(spec, None, "", (9, 0)) is spec
-    assert chosen_decoding_spec(spec, None, "sm90", (8, 0)) is spec   # sm_90a cubins run on 9.0 only
-    assert chosen_decoding_spec(spec, None, "sm90", (9, 0)).arch_family == "sm90"
+    assert chosen_decoding_spec(spec, "", (9, 0)) is spec
+    assert chosen_decoding_spec(spec, "sm90", (8, 0)) is spec   # sm_90a cubins run on 9.0 only
+    assert chosen_decoding_spec(spec, "sm90", (9, 0)).arch_family == "sm90"
 
 
-def test_the_key_tile_divides_the_pages():
-    spec = _sm90_step_spec(None)
-    wide = chosen_decoding_spec(kvcache.decode_spec(256, torch.float16, False, None, {}), None, "sm90", None)
-    assert sm90_tiles(spec).block_n == 128 and sm90_tiles(wide).block_n == 64
-    assert [sm90_page_tile(spec, page) for page in (None, 256, 128, 64, 48, 32, 16, 80)] == \
-        [128, 128, 128, 64, 48, 32, None, 80]
-    assert _sm90_step_spec(48).sm90_block_n == 48 and _sm90_step_spec(256).sm90_block_n is None
-
-
-def test_a_forced_tile_that_does_not_divide_the_pages_is_refused():
-    spec = _sm90_step_spec(None)   # 128 keys a tile
-    case = Case(page=64, seed=12)
-    with pytest.raises(InputError, match=r"tiles of 128 keys, which do not divide the cache's pages of 64 rows "
-                                         r"\(k_cache.shape\[1\]\)"):
-        kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, case.seqlens,
-                                    seqlen_k=case.capacity, block_table=case.block_table)
+def test_a_paged_map_s_box_follows_the_page_size():
+    """The host's maps and the kernel's loads share the rule (arch_families.page_box_rows)."""
+    spec = _sm90_step_spec(64)
+    assert sm90_tiles(spec).block_n == 128
+    wide = chosen_decoding_spec(kvcache.decode_spec(256, torch.float16, False, None, {}), "sm90", None)
+    assert sm90_tiles(wide).block_n == 64
+    assert [page_box_rows(128, page) for page in (128, 256, 16, 48, 64)] == [128, 128, 16, 16, 16]
+    assert PAGE_BOX_ROWS == 16
+    for page, rows in ((256, 128), (48, 16)):
+        cache = torch.zeros(5, page, 2, 128, dtype=torch.float16)
+        assert TensorMapSpec.of_tensor(cache, (1, PageBox(128), 1, 64)).box_dims == (64, 1, rows, 1)
 
 
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=False, varlen=True), "kv_cache='paged' with varlen"),
     (dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True, v_from_k=True), "v_from_k=True"),
-    (dict(kv_cache="contiguous", key_padding=True, pack_gqa=True, window=True), "pack_gqa with a window"),
 ])
 def test_what_the_family_cannot_decode_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for .*{named}"):
@@ -168,12 +174,15 @@ def test_what_the_family_cannot_decode_yet_is_refused_by_name(fields, named):
 
 
 DECODE_SPECS = [_sm90_step_spec(None, causal=False), _sm90_step_spec(64),
-                chosen_decoding_spec(kvcache.decode_spec(256, torch.bfloat16, True, 64, {}), 64, "sm90", None),
+                chosen_decoding_spec(kvcache.decode_spec(256, torch.bfloat16, True, 64, {}), "sm90", None),
                 chosen_decoding_spec(kvcache.decode_spec(128, torch.float16, True, None,
                                                          {"window": True, "softcap": True, "alibi": True}),
-                                     None, "sm90", None),
+                                     "sm90", None),
+                chosen_decoding_spec(kvcache.decode_spec(128, torch.bfloat16, True, 16,
+                                                         {"window": True, "softcap": True, "alibi": True,
+                                                          "pack_gqa": True}), "sm90", None),
                 chosen_decoding_spec(kvcache.decode_spec(192, torch.bfloat16, False, None,
-                                                         {"head_dim_v": 128, "pack_gqa": True}), None, "sm90", None)]
+                                                         {"head_dim_v": 128, "pack_gqa": True}), "sm90", None)]
 
 
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)

@@ -225,12 +225,16 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
 
 
 def long_cache_check(spec: Spec, source: Source | None = None) -> None:
-    """A contiguous cache of 512 rows, entries of 450 and 300 keys past their leftpads (and one
-    empty), in three splits (kvcache_cases.check_long_cache): several tiles per split."""
+    """Long entries in three splits (kvcache_cases.check_long_cache: several tiles per split): a
+    contiguous spec through cache_batch_idx and leftpad, a paged one in pages of 48 rows with two
+    causal queries per head."""
     from kvcache_cases import check_long_cache
 
     with decode_steps_run(spec, source):
-        check_long_cache(num_splits=3)
+        if spec.kv_cache == "paged":
+            check_long_cache(3, page=48, nq=2, causal=True)
+        else:
+            check_long_cache(3)
 
 
 def mla_check(spec: Spec, source: Source | None = None) -> None:

@@ -304,10 +304,10 @@ MUTANTS.append(KernelMutant("sm90: a mask_mod's tiles taken as full", _documents
                             (checks.variant_check,)))
 
 # Decoding on the sm90 family (templates/hopper_kv_cache.j2): where a tile's keys lie in the cache,
-# the splits, and packed rows' diagonal. The paged spec reads 48-key tiles, one per page (two per
-# entry of the case); the contiguous one 128-key tiles over entries of 450 and 300 keys.
-SM90_PAGED = chosen_decoding_spec(DECODE_PAGED, 48, "sm90", None)
-SM90_CACHE = chosen_decoding_spec(DECODE_CACHE.replace(mask="none"), None, "sm90", None)
+# the splits, and packed rows' diagonal: 128-key tiles, from pages of 48 rows (a box per 16 keys),
+# over entries of up to 94 keys (kv_cache_check) or of 450 and 300 (long_cache_check).
+SM90_PAGED = chosen_decoding_spec(DECODE_PAGED, "sm90", None)
+SM90_CACHE = chosen_decoding_spec(DECODE_CACHE.replace(mask="none"), "sm90", None)
 MUTANTS += [KernelMutant(f"sm90 decoding: {name}", spec, (Edit(old, new),), (check,))
             for name, spec, check, old, new in [
     ("every tile read from the entry's first page", SM90_PAGED, checks.kv_cache_check,
@@ -316,16 +316,20 @@ MUTANTS += [KernelMutant(f"sm90 decoding: {name}", spec, (Edit(old, new),), (che
      "key_source = {cache_first, cache_entry};", "key_source = {0, cache_entry};"),
     ("cache_batch_idx ignored", SM90_CACHE, checks.long_cache_check,
      "key_source = {cache_first, cache_entry};", "key_source = {cache_first, batch};"),
-    ("a contiguous entry's tiles one key apart", SM90_CACHE, checks.long_cache_check,
-     "make_int2(row0 + j * kBlockN, entry)", "make_int2(row0 + j, entry)"),
-    ("every split from the block's first tile", SM90_PAGED, checks.kv_cache_check,
+    ("an entry's tiles one key apart", SM90_CACHE, checks.long_cache_check,
+     "key_source.at(j * kBlockN + row)", "key_source.at(j + row)"),
+    ("a page's boxes all at the tile's first rows", SM90_PAGED, checks.kv_cache_check,
+     "load_tile<kBoxes>(stage + row * 128,", "load_tile<kBoxes>(stage,"),
+    ("every split from the block's first tile", SM90_PAGED, checks.long_cache_check,
      "const int first_tile = span.first + split * split_share;", "const int first_tile = span.first;"),
-    ("a split's unmasked tiles counted from tile 0", SM90_PAGED, checks.kv_cache_check,
+    ("a split's unmasked tiles counted from tile 0", SM90_PAGED, checks.long_cache_check,
      "max(0, limit / kBlockN - first_tile)", "limit / kBlockN"),
     ("packed rows' diagonal at the packed row", SM90_PAGED, checks.kv_cache_check,
      "col > row / group + nk - nq / group", "col > row + nk - nq / group"),
     ("the keys appended this step not counted", SM90_PAGED, checks.kv_cache_check,
      "(long long)seqlens_k[batch] + new_tokens", "(long long)seqlens_k[batch]"),
+    ("a packed row's window at the packed row", chosen_decoding_spec(DECODE_WINDOW, "sm90", None),
+     checks.packed_window_check, "query[r] = row / group,", "query[r] = row,"),
     ("a split's L in the scores' units, not natural log", SM90_CACHE, checks.long_cache_check,
      "m[r] * scale_log2 * fagen::kLn2 + logf(l[r]) : -fagen::infinity()", "m[r] + logf(l[r]) : -fagen::infinity()"),
 ]]

@@ -163,21 +163,25 @@ def check_call(case: Case, causal=False, rotary=None, num_splits=0, device="cpu"
     return out, lse
 
 
-def check_long_cache(num_splits: int):
-    """A contiguous cache of 512 rows through cache_batch_idx and cache_leftpad: entries of 450, 0
-    and 300 keys from rows 5, 0 and 17 (many tiles, so that splits share several); each entry's
-    output and L against the oracle on its keys, the empty one at O = 0, L = +inf."""
-    case = Case(capacity=512, batch_idx=True, leftpad=True, seed=9)
+def check_long_cache(num_splits: int, page: int | None = None, nq: int = 1, causal: bool = False):
+    """Long entries (many tiles, so that splits share several): 450, 0 and 300 keys, in a contiguous
+    cache of 512 rows from rows 5, 0 and 17 (cache_batch_idx and cache_leftpad), or in pages of
+    `page` rows (480 per entry); each entry's output and L against the oracle on its keys, the
+    empty one at O = 0, L = +inf."""
+    contiguous = page is None
+    case = Case(nq=nq, capacity=512 if contiguous else 480, page=page, batch_idx=contiguous, leftpad=contiguous,
+                seed=9)
     seqlens = torch.tensor([455, 0, 317], dtype=torch.int32)
     out, lse = fagen.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=seqlens,
                                              cache_batch_idx=case.batch_idx, cache_leftpad=case.leftpad,
-                                             num_splits=num_splits, return_softmax_lse=True)
+                                             block_table=case.block_table, causal=causal, num_splits=num_splits,
+                                             return_softmax_lse=True)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(torch.isinf(lse[1]).all())
     worst_kernel = worst_torch = 0.0
     for b in (0, 2):
-        first, end = int(case.leftpad[b]), int(seqlens[b])
+        first, end = (int(case.leftpad[b]) if contiguous else 0), int(seqlens[b])
         keys_k, keys_v = (case.rows(cache, b)[first:end][None] for cache in (case.k_cache, case.v_cache))
-        kernel, torch_error = entry_errors(b, case.q[b:b + 1], out[b:b + 1], lse[b:b + 1], keys_k, keys_v, False, {})
+        kernel, torch_error = entry_errors(b, case.q[b:b + 1], out[b:b + 1], lse[b:b + 1], keys_k, keys_v, causal, {})
         worst_kernel, worst_torch = max(worst_kernel, kernel), max(worst_torch, torch_error)
     assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
 
