@@ -4,10 +4,12 @@ A variant is one translation unit holding its forward kernel and all its
 backward kernels, so "cold" is what a user waits for the first call of a new
 spec on one arch.
 
-    python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20] [--arch-family sm90]
+    python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20] [--arch-family sm90] [--decoding]
 
 With --arch-family sm90 the same variants' forward is the sm90 family's (wgmma, TMA; beside the
-sm80 backward in the one translation unit), compiled for sm_90a.
+sm80 backward in the one translation unit), compiled for sm_90a. With --decoding the variants are
+decoding steps' instead (flash_attn_with_kvcache's specs: the forward over the cache, the split-KV
+combine and the append).
 
 Cold: a fresh cache directory, so every variant is compiled by NVRTC. Warm:
 the same variants again from the disk cache (memory cache cleared) and from
@@ -30,13 +32,15 @@ def main() -> None:
     parser.add_argument("--arch", default=None, help="default: sm_90, or sm_90a for --arch-family sm90")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--arch-family", choices=("sm80", "sm90"), default="sm80")
+    parser.add_argument("--decoding", action="store_true", help="decoding steps' specs (kv_cache)")
     args = parser.parse_args()
     args.arch = args.arch or ("sm_90a" if args.arch_family == "sm90" else "sm_90")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FAGEN_CACHE_DIR"] = cache
         compiler.clear_memory_cache()
         cold, disk, memory = [], [], []
-        for spec in (s.replace(arch_family=args.arch_family) for s in default_specs()):
+        specs = decoding_specs() if args.decoding else default_specs()
+        for spec in (s.replace(arch_family=args.arch_family) for s in specs):
             start = time.perf_counter()
             source = render(spec)
             render_s = time.perf_counter() - start
@@ -53,10 +57,25 @@ def main() -> None:
                 memory.append(time.perf_counter() - start)
             print(f"{spec.name:<28} render {render_s * 1e3:6.1f} ms  cold NVRTC {kernel.compile_seconds:5.2f} s "
                   f"({len(kernel.resources)} kernels)")
-    print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} variants (forward + backward each)")
+    what = "a decoding step's kernels each" if args.decoding else "forward + backward each"
+    print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} variants ({what})")
     print(f"cold compile per variant: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s")
     print(f"warm disk-cache hit:     median {statistics.median(disk) * 1e3:.2f} ms")
     print(f"warm memory-cache hit:   median {statistics.median(memory) * 1e3:.3f} ms")
+
+
+def decoding_specs() -> list:
+    """The specs flash_attn_with_kvcache builds for one query per head over 8 query heads and 2 K/V
+    heads (packed): contiguous and paged (pages of 256), plain and with a causal window, the softcap
+    and ALiBi, at d 64, 128 and 256."""
+    import torch
+
+    from fagen.ops.kvcache import step_spec
+
+    variants = ({}, {"window": True, "softcap": True, "alibi": True})
+    return [step_spec(d, torch.bfloat16, seqlen_q=1, heads=8, kv_heads=2, causal=bool(fields), page_size=page,
+                      fields=fields)
+            for d in (64, 128, 256) for page in (None, 256) for fields in variants]
 
 
 if __name__ == "__main__":

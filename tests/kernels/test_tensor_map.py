@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fagen.emulate
-from fagen.kernels.tensor_map import (LAYOUT, MAGIC, MAP_BYTES, DataType, Interleave, Swizzle, TensorMapError,
-                                      TensorMapSpec, decode_emulated, layout_offsets)
+from fagen.kernels.tensor_map import (LAYOUT, MAGIC, MAP_BYTES, DataType, Interleave, PageBox, Swizzle,
+                                      TensorMapError, TensorMapSpec, decode_emulated, layout_offsets)
 from tensor_map_cases import Q_MAP, REFUSED
 
 def test_a_flash_attention_q_map_is_accepted_and_sized():
@@ -137,3 +137,32 @@ def test_the_driver_bindings_take_the_encoding_s_arguments():
         assert not isinstance(exc, TypeError) and "cuda" in str(exc).lower(), exc
     else:
         assert result == driver.CUresult.CUDA_SUCCESS
+
+
+def test_the_launcher_encodes_a_driver_map_once_per_address_and_layout(monkeypatch):
+    """launch._driver_map: a warm call's maps come from the cache (a map holds only an address and a
+    layout), and any change of address, shape, strides, dtype or box encodes a new one."""
+    from fagen.kernels import launch, tensor_map
+
+    encoded = []
+
+    def encode(spec, address):
+        encoded.append((spec, address))
+        return 0, bytes([len(encoded)]) * MAP_BYTES
+
+    monkeypatch.setattr(tensor_map, "driver_encode", encode)
+    monkeypatch.setattr(launch, "_driver_maps", {})
+    q = torch.zeros(2, 256, 4, 128, dtype=torch.float16)
+    box = (1, 128, 1, 64)
+    first = launch._driver_map(box, q)
+    assert bytes(launch._driver_map(box, q).tobytes()) == bytes(first.tobytes()) and len(encoded) == 1
+    others = [(box, q[1:]), (box, q[:, :128]), (box, q.transpose(1, 2)), (box, q.view(torch.bfloat16)),
+              ((1, 64, 1, 64), q), ((1, PageBox(128), 1, 64), q)]
+    for other_box, tensor in others:
+        launch._driver_map(other_box, tensor)
+    assert len(encoded) == 1 + len(others)
+    assert [spec.box_dims for spec, _ in encoded][-2:] == [(64, 1, 64, 1), (64, 1, 128, 1)]
+    assert encoded[1][1] == q[1:].data_ptr() != encoded[0][1]
+    monkeypatch.setattr(launch, "MAX_DRIVER_MAPS", 2)
+    launch._driver_map(box, q.clone())   # a full cache starts over, and stays bounded
+    assert len(launch._driver_maps) == 1
