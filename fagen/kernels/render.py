@@ -122,7 +122,7 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     name = spec.name
 
     def entry(role, params, threads, rows, rows_from, smem):
-        if spec.kv_cache:   # k and v are a cache, read through cache_views, never a packed sequence
+        if spec.kv_cache:   # k and v are a cache (sm80: cache_views; sm90: KeySource), never a packed sequence
             params = tuple(replace(p, name=p.name + "_cache") if p.name in ("k", "v") else p for p in params)
         params = tuple(varlen_params(list(params))) if spec.varlen else params
         return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)

@@ -376,7 +376,8 @@ def _signature(args) -> tuple | None:
 
 
 # Read raw in one step on every warm call (environment.raw_settings): FAGEN_CHECK_VALUES, then
-# the emulator build's settings (what `launch.backend_key` reads, with instrumentation.collecting).
+# FAGEN_ARCH_FAMILY (the step's kernel family) and the emulator build's settings (what
+# `launch.backend_key` reads, with instrumentation.collecting).
 _STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
 _UNSET = (None, b"", b"0", "", "0")   # raw values of a FAGEN_CHECK_VALUES that checks nothing
 
