@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tile_shapes import default_tiles
+
 ARCH_FAMILIES = ("sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 192, 256)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
@@ -172,7 +174,10 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
 
 
 def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | None):
-    """A decoding step's `spec` in the family `chosen_family` picks for it."""
+    """A decoding step's `spec` in the family `chosen_family` picks for it. On sm90 the sm80
+    family's tiles (Spec.for_kv_cache fits them to the page size and the GPU's shared memory)
+    mean nothing to the forward, nor to the combine and the append: they go back to the defaults,
+    so that one spec, and one name, serves every page size."""
     if chosen_family(spec, requested, capability) != "sm90":
         return spec
-    return spec.replace(arch_family="sm90")
+    return spec.replace(arch_family="sm90", **default_tiles(spec.head_dim, spec.version))
