@@ -154,7 +154,8 @@ def test_a_paged_map_s_box_follows_the_page_size():
     """The host's maps and the kernel's loads share the rule (arch_families.page_box_rows)."""
     spec = _sm90_step_spec(64)
     # The sm80 tiles a page size picks go back to the defaults: one spec serves every page size.
-    assert spec == _sm90_step_spec(16) == _sm90_step_spec(256) and spec.name == "fa2_d64_causal_fp16_pad_paged_packgqa_sm90"
+    assert spec == _sm90_step_spec(16) == _sm90_step_spec(256)
+    assert spec.name == "fa2_d64_causal_fp16_pad_paged_packgqa_sm90"
     assert sm90_tiles(spec).block_n == 128
     wide = chosen_decoding_spec(kvcache.decode_spec(256, torch.float16, False, None, {}), "sm90", None)
     assert sm90_tiles(wide).block_n == 64
