@@ -95,7 +95,9 @@ def test_sm90_forward_on_packed_sequences_equals_the_sm80_familys(monkeypatch):
 SM90_DECODE_CASES = {
     "contiguous, one packed query, split 3": (dict(capacity=160), dict(num_splits=3)),
     "append + rotary, causal packed queries": (dict(nq=3, new=3, seed=1), dict(causal=True, rotary=(32, False))),
-    "paged 64, append, split 2": (dict(nq=2, new=2, page=64, capacity=256, seed=2), dict(causal=True, num_splits=2)),
+    "paged 64 (a box per 16 keys), append, split 2": (dict(nq=2, new=2, page=64, capacity=256, seed=2),
+                                                      dict(causal=True, num_splits=2)),
+    "paged 256 (a box per tile)": (dict(nq=1, new=1, page=256, capacity=512, seed=3), dict(num_splits=1)),
     "batch_idx + leftpad, bf16": (dict(dtype=torch.bfloat16, nq=2, new=2, batch_idx=True, leftpad=True, seed=4),
                                   dict(causal=True, num_splits=3)),
 }
