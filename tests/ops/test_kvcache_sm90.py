@@ -96,6 +96,14 @@ def test_window_softcap_and_alibi_packed(families):
     assert families == ["sm90"]
 
 
+@pytest.mark.parametrize("variant", [{}, {"window_size": (30, 0)}], ids=["causal", "causal_window"])
+def test_packed_queries_over_two_row_blocks(families, variant):
+    """70 queries of two heads: 140 packed rows, two 128-row blocks whose rows map back to queries
+    across the block boundary (the causal tile span, the tile classes, the diagonal)."""
+    check_call(Case(nq=70, new=3, capacity=256, page=32, seed=22), causal=True, num_splits=3, **variant)
+    assert families == ["sm90"]
+
+
 def test_window_and_alibi_unpacked(families):
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     check_call(_mha(Case(nq=2, new=1, seed=5)), causal=True, num_splits=2, window_size=(20, 0), softcap=15.0,
