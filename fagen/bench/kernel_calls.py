@@ -88,7 +88,7 @@ def _decode_calls(plan) -> list:
 
     config, factories = plan.decode, default_factories()
     calls = [(f"decode {name}", functools.partial(_decode_step, config, factories[name]()))
-             for name in config.decode_systems if name in ("fagen", "fagen_paged")]
+             for name in config.decode_systems if name.startswith("fagen")]
     calls += [(f"decode {name}", functools.partial(_varlen_forward, config, factories[name]()))
               for name in config.varlen_systems if name in ("fagen_varlen", "fagen_padded")]
     if config.graph_shape:

@@ -28,11 +28,12 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert "decode" in OPTIONAL_SECTIONS
     assert (d.batch, d.cache_len, d.q_heads, d.kv_heads, d.head_dim, d.dtype, d.page_size) == (
         64, 8192, 32, 8, 128, "bf16", 256)
-    assert d.decode_systems == ("fagen", "fagen_paged", "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
+    assert d.decode_systems == ("fagen", "fagen_paged", "fagen_sm90", "fagen_sm90_paged", "sdpa_math", "sdpa_efficient",
+                                "sdpa_flash", "flex")
     assert d.varlen_systems == ("fagen_varlen", "fagen_padded", "sdpa_padded")
     assert (d.varlen_tokens, d.varlen_heads, d.varlen_passes) == (16384, 16, ("fwd", "fwd_bwd"))
     # + the graph's two, + absorbed MLA's three systems at B = 64 and B = 1
-    assert d.timed_runs() == 6 + 2 * 3 + 2 + 3 * 2 and d.pages_per_entry == 32 and d.group == 4
+    assert d.timed_runs() == 8 + 2 * 3 + 2 + 3 * 2 and d.pages_per_entry == 32 and d.group == 4
     assert (d.mla_systems, d.mla_batches, d.mla_cache_len, d.mla_heads) == (("fagen_mla", "sdpa", "flex"), (64, 1),
                                                                              8192, 128)
     # The section's cap is in the forecast, and --quick keeps it (without Flex's compile, smaller).
@@ -42,9 +43,10 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert 0 < replay(quick, sanitizers=True)["decode"] < estimate["decode"]
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     assert DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=(), mla_systems=()).estimate_seconds() == 0.0
-    # fagen's kernels: decode step, paged, varlen; the padded batch's is the sweep's causal kernel.
-    assert plan.decode_kernels() == 4   # + the MLA step's
-    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 5
+    # fagen's kernels: decode step, paged, both on the sm90 family, varlen; the padded batch's is the
+    # sweep's causal kernel.
+    assert plan.decode_kernels() == 6   # + the MLA step's
+    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 7
     text = describe(plan)
     assert "\n  decode: cap 30 s" in text and "decode 30" in text.split("estimated seconds:")[1]
     # Documents: seeded, between about 1/4 and 7/4 of the mean, covering the 16k tokens exactly.
@@ -357,8 +359,13 @@ def test_the_decode_section_keeps_to_its_deadline():
     from fagen.bench.decode.run import FLEX_GUARD_REASON
 
     section = decode_section(deadline=passed_deadline())
-    assert section["status"] == "partial" and section["not_run"] == _Tiny.config.timed_runs()
-    assert all(cell["skipped"].startswith(GUARD_REASON) for p in section["points"] for cell in p["results"].values())
+    # The sm90 family's systems are not available here (no compute capability 9.0 GPU): not counted as
+    # not run for time.
+    unavailable = [name for name, system in section["systems"].items() if not system["available"]]
+    assert sorted(unavailable) == ["fagen_sm90", "fagen_sm90_paged"]
+    assert section["status"] == "partial" and section["not_run"] == _Tiny.config.timed_runs() - len(unavailable)
+    assert all(cell["skipped"].startswith(GUARD_REASON if name not in unavailable else "not available")
+               for p in section["points"] for name, cell in p["results"].items())
     assert section["sanity"] == {} and "sanity not run" in section["note"]
     assert section["graph"] == {"label": _Tiny.config.graph_label, "skipped": GUARD_REASON}
     # 10 s left on a frozen clock: everything runs but Flex, whose compile needs 20.

@@ -175,15 +175,22 @@ def _variants(plan: Plan) -> None:
 
 
 def _decode(plan: Plan) -> None:
-    from fagen.bench.decode.run import run_decode_section
+    from fagen.bench.decode.run import default_factories, run_decode_section
 
+    factories = default_factories()
+    for name in ("fagen_sm90", "fagen_sm90_paged"):
+        def available(make=factories[name]):   # as on an H200, where the sm90 family's systems run (here: no GPU)
+            system = make()
+            system.unavailable_reason = lambda: None
+            return system
+        factories[name] = available
     d = plan.decode
     small = dataclasses.replace(d, batch=1, cache_len=d.page_size, sanity_shape=(1, d.page_size), varlen_tokens=192,
                                 documents=3, graph_shape=(1, d.page_size) if d.graph_shape else (),
                                 decode_systems=tuple(s for s in d.decode_systems if s.startswith("fagen")),
                                 varlen_systems=tuple(s for s in d.varlen_systems if s.startswith("fagen")))
     run_decode_section(dataclasses.replace(plan, decode=small), _open_deadline(), device="cpu", timer=_one_call,
-                       log=lambda line: None, copy_tb_per_s=1.0)
+                       log=lambda line: None, copy_tb_per_s=1.0, factories=factories)
 
 
 def _models(plan: Plan) -> None:

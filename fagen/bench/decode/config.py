@@ -12,13 +12,15 @@ from ..sizes import random_lengths, short_seqlen
 
 # The decode section: one decoding step against a KV cache (memory-bound, so judged by its
 # bandwidth), and causal training over packed documents of mixed lengths (varlen).
-DECODE_SYSTEMS = ("fagen", "fagen_paged", "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
+DECODE_SYSTEMS = ("fagen", "fagen_paged", "fagen_sm90", "fagen_sm90_paged", "sdpa_math", "sdpa_efficient",
+                  "sdpa_flash", "flex")
 VARLEN_SYSTEMS = ("fagen_varlen", "fagen_padded", "sdpa_padded")
 MLA_SYSTEMS = ("fagen_mla", "sdpa", "flex")   # mla.py
 MLA_DIM, MLA_DIM_V = 576, 512   # absorbed MLA's cache row (512 latent + 64 rotary) and V's share of it
 DECODE_LABELS = {
     "fagen_mla": "fagen MLA (paged 64)", "sdpa": "SDPA (enable_gqa)",
-    "fagen": "fagen", "fagen_paged": "fagen paged", "sdpa_math": "SDPA math",
+    "fagen": "fagen", "fagen_paged": "fagen paged", "fagen_sm90": "fagen sm90", "fagen_sm90_paged": "sm90 paged",
+    "sdpa_math": "SDPA math",
     "sdpa_efficient": "SDPA efficient", "sdpa_flash": "SDPA flash", "flex": "FlexAttention",
     "fagen_varlen": "fagen varlen", "fagen_padded": "fagen padded", "sdpa_padded": "SDPA padded",
 }

@@ -5,6 +5,9 @@ bf16, one query per entry, non-causal, every cache full):
 
   fagen           flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)
   fagen_paged     the same keys in pages of 256 (a seeded random block table), block_table=...
+  fagen_sm90, fagen_sm90_paged
+                  the same two on the Hopper family (FAGEN_ARCH_FAMILY=sm90; compute capability
+                  9.0 only)
   sdpa_math, sdpa_efficient, sdpa_flash
                   scaled_dot_product_attention pinned to one backend, on (B, H, N, d) caches
                   (the layout a PyTorch model keeps), enable_gqa=True where the backend takes
@@ -73,6 +76,8 @@ def default_factories() -> dict[str, Callable[[], object]]:
     """Per system name, a function making the system (varlen ones get their Documents later)."""
     factories: dict[str, Callable[[], object]] = {
         "fagen": lambda: FagenDecode(paged=False), "fagen_paged": lambda: FagenDecode(paged=True),
+        "fagen_sm90": lambda: FagenDecode(paged=False, family="sm90"),
+        "fagen_sm90_paged": lambda: FagenDecode(paged=True, family="sm90"),
         "flex": FlexDecode, "fagen_varlen": FagenVarlen, "fagen_padded": FagenPadded, "sdpa_padded": SdpaPadded}
     for name in ("sdpa_math", "sdpa_efficient", "sdpa_flash"):
         factories[name] = lambda name=name: SdpaDecode(name)

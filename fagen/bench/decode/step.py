@@ -5,8 +5,10 @@ check against fp32 torch. See run.py for the section as a whole.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
+from unittest import mock
 
 from ..measure import context_lost, torch_attention, torch_dtype
 from ..peers import SDPA_BACKENDS, FlexSystem, NotAvailable, failure_reason, is_out_of_memory
@@ -85,26 +87,42 @@ class DecodeSystem:
 
 
 class FagenDecode(DecodeSystem):
-    def __init__(self, paged: bool):
-        self.paged = paged
-        self.name = "fagen_paged" if paged else "fagen"
+    """flash_attn_with_kvcache on the contiguous cache or the paged one; with `family` "sm90", on
+    the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each step; compute capability 9.0 only)."""
+
+    def __init__(self, paged: bool, family: str = ""):
+        self.paged, self.family = paged, family
+        self.name = "_".join(["fagen", *([family] if family else []), *(["paged"] if paged else [])])
 
     def unavailable_reason(self) -> str | None:
         try:
             fagen_decode_functions()
         except Exception as exc:  # noqa: BLE001 - report any import failure
             return f"cannot import fagen's decode functions: {type(exc).__name__}: {exc}"
+        if self.family == "sm90":
+            import torch
+
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            if capability != (9, 0):
+                return f"the sm90 family runs on compute capability 9.0 only (sm_90a), this GPU is {capability}"
         return None
 
     def prepare(self, inputs, config):
         decode = fagen_decode_functions()[0]
         if self.paged:
-            def step():
+            def call():
                 return decode(inputs.q, inputs.k_pages, inputs.v_pages, cache_seqlens=inputs.cache_seqlens,
                               block_table=inputs.block_table)
         else:
-            def step():
+            def call():
                 return decode(inputs.q, inputs.k_cache, inputs.v_cache, cache_seqlens=inputs.cache_seqlens)
+        step = call
+        if self.family:
+            from fagen.arch_families import ARCH_FAMILY_ENV
+
+            def step():
+                with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: self.family}):   # fagen reads it on every step
+                    return call()
         return step, {"kv_heads_read": config.kv_heads, "gqa": "native"}
 
 
