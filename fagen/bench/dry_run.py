@@ -81,7 +81,9 @@ def _required_checks(check: _Checks, plan: Plan) -> None:
     for title, prefix in (("the speed sweep's", "speed "), ("the speed sweep's sm90 family (sm_90a)", "speed fagen_sm90"),
                           ("the variants section's", "variants "),
                           ("the variants section's sm90 family (sm_90a)", "variants fagen_sm90"),
-                          ("the decode section's", "decode "), ("the models section's", "models "),
+                          ("the decode section's", "decode "),
+                          ("the decode section's sm90 family (sm_90a)", "decode fagen_sm90"),
+                          ("the models section's", "models "),
                           ("the ring section's", "ring")):
         check(f"{title} fagen kernels compile for {DRY_RUN_ARCH}", True, lambda p=prefix: _compile_last(recorded, p))
     check("fagen.distributed and the ring section's chunk pairs (step_blocks)", True, lambda: _ring_pieces(plan))
