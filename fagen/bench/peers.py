@@ -77,13 +77,7 @@ class FagenSystem(System):
             import cupy  # noqa: F401 - fagen launches through CuPy on a GPU
         except Exception as exc:  # noqa: BLE001
             return f"cupy does not import: {type(exc).__name__}: {exc}"
-        if self.family == "sm90":
-            import torch
-
-            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-            if capability != (9, 0):
-                return f"the sm90 family runs on compute capability 9.0 only (sm_90a), this GPU is {capability}"
-        return None
+        return sm90_unavailable() if self.family == "sm90" else None
 
     def forward(self, q, k, v, causal: bool):
         return self.call(q, k, v, causal=causal, version=self.version)
@@ -92,12 +86,29 @@ class FagenSystem(System):
         """fagen's flash_attn_func in this system's kernel family."""
         if self._func is None:
             self._func = fagen_attention_func()
-        if not self.family:
-            return self._func(*args, **kwargs)
-        from fagen.arch_families import ARCH_FAMILY_ENV
+        return in_family(self.family, self._func, *args, **kwargs)
 
-        with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: self.family}):   # fagen reads it on every call
-            return self._func(*args, **kwargs)
+
+def sm90_unavailable() -> str | None:
+    """Why fagen's sm90 family cannot run here (its cubins are sm_90a: compute capability 9.0
+    only), or None."""
+    import torch
+
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability != (9, 0):
+        return f"the sm90 family runs on compute capability 9.0 only (sm_90a), this GPU is {capability}"
+    return None
+
+
+def in_family(family: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with fagen's kernels in `family` (FAGEN_ARCH_FAMILY, which fagen reads on
+    every call); as it is for "" (the default)."""
+    if not family:
+        return fn(*args, **kwargs)
+    from fagen.arch_families import ARCH_FAMILY_ENV
+
+    with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: family}):
+        return fn(*args, **kwargs)
 
 
 # -- PyTorch scaled_dot_product_attention, one backend at a time --------------

@@ -5,13 +5,12 @@ check against fp32 torch. See run.py for the section as a whole.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
-from unittest import mock
 
 from ..measure import context_lost, torch_attention, torch_dtype
-from ..peers import SDPA_BACKENDS, FlexSystem, NotAvailable, failure_reason, is_out_of_memory
+from ..peers import (SDPA_BACKENDS, FlexSystem, NotAvailable, failure_reason, in_family, is_out_of_memory,
+                     sm90_unavailable)
 from ..timing import Timing
 from .config import DECODE_LABELS, DecodeConfig
 
@@ -99,30 +98,18 @@ class FagenDecode(DecodeSystem):
             fagen_decode_functions()
         except Exception as exc:  # noqa: BLE001 - report any import failure
             return f"cannot import fagen's decode functions: {type(exc).__name__}: {exc}"
-        if self.family == "sm90":
-            import torch
-
-            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-            if capability != (9, 0):
-                return f"the sm90 family runs on compute capability 9.0 only (sm_90a), this GPU is {capability}"
-        return None
+        return sm90_unavailable() if self.family == "sm90" else None
 
     def prepare(self, inputs, config):
         decode = fagen_decode_functions()[0]
         if self.paged:
-            def call():
-                return decode(inputs.q, inputs.k_pages, inputs.v_pages, cache_seqlens=inputs.cache_seqlens,
-                              block_table=inputs.block_table)
-        else:
-            def call():
-                return decode(inputs.q, inputs.k_cache, inputs.v_cache, cache_seqlens=inputs.cache_seqlens)
-        step = call
-        if self.family:
-            from fagen.arch_families import ARCH_FAMILY_ENV
-
             def step():
-                with mock.patch.dict(os.environ, {ARCH_FAMILY_ENV: self.family}):   # fagen reads it on every step
-                    return call()
+                return in_family(self.family, decode, inputs.q, inputs.k_pages, inputs.v_pages,
+                                 cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table)
+        else:
+            def step():
+                return in_family(self.family, decode, inputs.q, inputs.k_cache, inputs.v_cache,
+                                 cache_seqlens=inputs.cache_seqlens)
         return step, {"kv_heads_read": config.kv_heads, "gqa": "native"}
 
 
