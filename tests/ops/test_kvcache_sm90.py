@@ -1,8 +1,8 @@
 """Decoding on the sm90 family (issue 29): `flash_attn_with_kvcache` with FAGEN_ARCH_FAMILY=sm90
 runs the Hopper forward (templates/hopper_fwd.cu.j2, hopper_kv_cache.j2) over the cache: a
 contiguous cache through cache_batch_idx / cache_leftpad, a paged one by TMA boxes (a tile per box
-where the pages hold whole tiles, else a box per 16 keys), split-KV
-partials merged by the sm80 family's combine, GQA packing. Each step is checked as the sm80
+where the pages hold whole tiles, else a box per 16 keys), split-KV partials merged by the sm80
+family's combine, GQA packing. Each step is checked as the sm80
 family's are (kvcache_cases.check_call: the cache after the call, each entry against the float64
 oracle under FlashAttention-2's rule), after asserting that the step did run on sm90; what the
 family does not take yet runs on sm80."""
@@ -37,8 +37,8 @@ def families(monkeypatch):
 
 
 def _mha(case: Case) -> Case:
-    """The case with a K/V head per query head (no GQA packing: the variants that read a row's
-    own query and head run unpacked on sm90)."""
+    """The case with a K/V head per query head: nothing packs (the variants on rows of one head each,
+    beside the packed test above)."""
     case.k_cache, case.v_cache = (c.repeat_interleave(2, dim=2) for c in (case.k_cache, case.v_cache))
     if case.k is not None:
         case.k, case.v = (t.repeat_interleave(2, dim=2) for t in (case.k, case.v))
