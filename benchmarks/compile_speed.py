@@ -4,12 +4,13 @@ A variant is one translation unit holding its forward kernel and all its
 backward kernels, so "cold" is what a user waits for the first call of a new
 spec on one arch.
 
-    python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20] [--arch-family sm90] [--decoding]
+    python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20] [--arch-family sm90] [--decoding] [--wide]
 
 With --arch-family sm90 the same variants' forward is the sm90 family's (wgmma, TMA; beside the
 sm80 backward in the one translation unit), compiled for sm_90a. With --decoding the variants are
 decoding steps' instead (flash_attn_with_kvcache's specs: the forward over the cache, the split-KV
-combine and the append).
+combine and the append). With --wide the head dims are those past 256: d 320, 384, 448 and 512,
+plain and causal (decoding: d 512, and absorbed MLA's d = 576 with V from K).
 
 Cold: a fresh cache directory, so every variant is compiled by NVRTC. Warm:
 the same variants again from the disk cache (memory cache cleared) and from
@@ -33,14 +34,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--arch-family", choices=("sm80", "sm90"), default="sm80")
     parser.add_argument("--decoding", action="store_true", help="decoding steps' specs (kv_cache)")
+    parser.add_argument("--wide", action="store_true", help="head dims past 256")
     args = parser.parse_args()
     args.arch = args.arch or ("sm_90a" if args.arch_family == "sm90" else "sm_90")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FAGEN_CACHE_DIR"] = cache
         compiler.clear_memory_cache()
         cold, disk, memory = [], [], []
-        specs = decoding_specs() if args.decoding else default_specs()
-        for spec in (s.replace(arch_family=args.arch_family) for s in specs):
+        specs = (decoding_specs if args.decoding else training_specs)(args.wide)
+        for spec in (in_family(s, args.arch_family) for s in specs):
             start = time.perf_counter()
             source = render(spec)
             render_s = time.perf_counter() - start
@@ -64,14 +66,38 @@ def main() -> None:
     print(f"warm memory-cache hit:   median {statistics.median(memory) * 1e3:.3f} ms")
 
 
-def decoding_specs() -> list:
+def in_family(spec, family: str):
+    """`spec` as a call on that family builds it (a decoding step's on sm90: arch_families.chosen_decoding_spec)."""
+    from fagen.arch_families import chosen_decoding_spec
+
+    if spec.kv_cache is not None:
+        return chosen_decoding_spec(spec, family, None)
+    return spec.replace(arch_family=family)
+
+
+def training_specs(wide: bool) -> list:
+    """`fagen build`'s default specs, or past d = 256 bf16 plain and causal ones."""
+    from fagen.spec import Spec
+
+    if not wide:
+        return default_specs()
+    return [Spec(d, dtype="bf16", mask=mask) for d in (320, 384, 448, 512) for mask in ("none", "causal")]
+
+
+def decoding_specs(wide: bool) -> list:
     """The specs flash_attn_with_kvcache builds for one query per head over 8 query heads and 2 K/V
     heads (packed): contiguous and paged (pages of 256), plain and with a causal window, the softcap
-    and ALiBi, at d 64, 128 and 256."""
+    and ALiBi, at d 64, 128 and 256; `wide`: d 512 contiguous and paged, and absorbed MLA (d 576,
+    V from K, 16 query heads on one K/V head, pages of 64)."""
     import torch
 
     from fagen.ops.kvcache import step_spec
 
+    if wide:
+        return [step_spec(512, torch.bfloat16, seqlen_q=1, heads=8, kv_heads=2, causal=False, page_size=page,
+                          fields={}) for page in (None, 256)] + \
+               [step_spec(576, torch.bfloat16, seqlen_q=1, heads=16, kv_heads=1, causal=False, page_size=64,
+                          fields={"head_dim_v": 512, "v_from_k": True})]
     variants = ({}, {"window": True, "softcap": True, "alibi": True})
     return [step_spec(d, torch.bfloat16, seqlen_q=1, heads=8, kv_heads=2, causal=bool(fields), page_size=page,
                       fields=fields)

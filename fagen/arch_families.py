@@ -7,9 +7,10 @@
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
-         (captured tensors too), dropout, key padding, packed sequences, d_v != d, and decoding
-         against a KV cache (contiguous or paged, split-KV, GQA packing); the backward stays the
-         sm80 family's.
+         (captured tensors too), dropout, key padding, packed sequences, d_v != d, head dims up to
+         512 (past d_v = 256 a block per column slice of O), and decoding against a KV cache
+         (contiguous or paged, split-KV, GQA packing, absorbed MLA); the backward stays the sm80
+         family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -25,8 +26,14 @@ from dataclasses import dataclass
 from .tile_shapes import default_tiles
 
 ARCH_FAMILIES = ("sm80", "sm90")
-SM90_HEAD_DIMS = (64, 128, 192, 256)
+SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
+SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
+SM90_SHARED_BYTES = 227 * 1024   # an sm_90 block's shared memory, dynamic and static together
+SM90_STATIC_BYTES = 256          # the forward's static shared memory (its mbarriers) and then some
+# A consumer warpgroup's O is 64 rows of its columns in fp32: d_v / 2 registers a thread. Past 256
+# columns it would not fit the 240 setmaxnreg gives, so wider O is computed a column slice per block.
+SM90_SLICE_COLUMNS = 256
 
 # The 128-byte swizzle row is 64 two-byte elements: a tile is stored as d / 64 boxes of 64 columns.
 BOX_COLUMNS = 64
@@ -36,18 +43,24 @@ SWIZZLE_PERIOD = 1024   # bytes after which the 128B swizzle repeats: the tiles'
 def sm90_refusal(spec) -> str | None:
     """Why the sm90 family cannot render `spec`'s forward yet, naming the field; None if it can."""
     unsupported = [("version", spec.version != 2, "version=1 (FlashAttention-1 stays on the sm80 family)"),
-                   ("head_dim", spec.head_dim not in SM90_HEAD_DIMS,
-                    f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))})"),
+                   ("head_dim", spec.head_dim not in SM90_HEAD_DIMS and not _mla(spec),
+                    f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))}, and "
+                    f"{SM90_MLA_HEAD_DIM} with v_from_k)"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
                    ("kv_cache", spec.kv_cache is not None and spec.varlen,
-                    f"kv_cache={spec.kv_cache!r} with varlen (packed queries over a paged cache)"),
-                   ("v_from_k", spec.v_from_k, "v_from_k=True (absorbed MLA)")]
+                    f"kv_cache={spec.kv_cache!r} with varlen (packed queries over a paged cache)")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:
         return None
     return (f"arch_family='sm90' has no forward for {', '.join(found)} yet; use arch_family='sm80' (the "
             f"mma.sync kernels, every feature)")
+
+
+def _mla(spec) -> bool:
+    """Absorbed MLA decoding: d = 576, V being K's first d_v columns in the same shared-memory tile
+    (Q and two stages of K fit in 217 KiB; with a V tile of its own they would not)."""
+    return spec.head_dim == SM90_MLA_HEAD_DIM and spec.v_from_k
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,22 @@ class Sm90Tiles:
     block_n: int = 128
     stages: int = 2
     consumers: int = 2
+    v_from_k: bool = False   # V's tile is K's first d_v columns (Spec.v_from_k): a stage holds K alone
+
+    @property
+    def slices(self) -> int:
+        """O's column slices: blocks that share their query rows, each recomputing S and the softmax
+        and accumulating O's columns of its own slice (one past d_v = 256; FlashAttention-3 stops
+        there). The slices of a row block are neighbours in the grid, so that they read each K/V
+        tile at about the same time, the second from L2."""
+        return -(-self.head_dim_v // SM90_SLICE_COLUMNS)
+
+    @property
+    def slice_columns(self) -> int:
+        """O's (and V's tile's) columns per slice: whole 64-column boxes, the last slice's columns
+        past d_v zeros (TMA fills them) that are not stored."""
+        boxes_v = self.head_dim_v // BOX_COLUMNS
+        return BOX_COLUMNS * -(-boxes_v // self.slices)
 
     @property
     def threads(self) -> int:
@@ -78,9 +107,9 @@ class Sm90Tiles:
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: Q, then each stage's K and V (d and d_v wide), and the slack that
-        aligns them to the swizzle's period."""
-        stage = self.block_n * (self.head_dim + self.head_dim_v) * 2
+        """Dynamic shared memory: Q, then each stage's K and V (d and a slice of d_v wide; K alone
+        where V is K's), and the slack that aligns them to the swizzle's period."""
+        stage = self.block_n * (self.head_dim + (0 if self.v_from_k else self.slice_columns)) * 2
         return SWIZZLE_PERIOD + self.block_m * self.head_dim * 2 + self.stages * stage
 
 
@@ -94,10 +123,12 @@ def sm90_tiles(spec) -> Sm90Tiles:
     captured tensors' pointers take registers too (96, 80, 64 and 48 keys at d = 64, 128, 192, 256:
     a relative-bias table, a document mask and both with dropout spilled one step wider)."""
     if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
-        return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=spec.sm90_block_n)
+        return _tiles(spec, spec.sm90_block_n)
     if spec.kv_cache is not None:   # decoding: a power of two, a paged cache's box per page where it divides them
-        return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=_decoding_block_n(spec))
+        return _tiles(spec, _decoding_block_n(spec))
     custom = spec.score_mod is not None or spec.mask_mod is not None
+    if spec.head_dim > 256:   # 32 keys for dropout's Philox words and a mod's state (wider spilled)
+        return _widest_fitting(spec, (32,) if custom or spec.dropout else (64, 48, 32))
     if spec.head_dim == 128:
         block_n = 80 if custom else 112 if spec.dropout else 128 if spec.window or spec.alibi and spec.softcap else 176
     elif spec.head_dim == 192:
@@ -106,14 +137,32 @@ def sm90_tiles(spec) -> Sm90Tiles:
         block_n = 48 if custom or spec.dropout else 80
     else:
         block_n = 96 if custom else 128
-    return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n)
+    return _tiles(spec, block_n)
+
+
+def _tiles(spec, block_n: int) -> Sm90Tiles:
+    return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n, v_from_k=spec.v_from_k)
 
 
 def _decoding_block_n(spec) -> int:
     """A decoding spec's key tile: a power of two, so that it divides the usual pages (a paged
-    cache's tile is then one TMA box; `page_box_rows`): 128 keys to d = 128, 64 past it (Q and two
-    stages in 193 KiB at d = 256)."""
+    cache's tile is then one TMA box; `page_box_rows`): 128 keys to d = 128, 64 to d = 256 (Q and
+    two stages in 193 KiB), past it the widest that fits."""
+    if spec.head_dim > 256:
+        return _widest_fitting(spec, (64, 32)).block_n
     return 128 if spec.head_dim <= 128 else 64
+
+
+def _widest_fitting(spec, widths) -> Sm90Tiles:
+    """Past d = 256 Q alone takes 80-128 KiB (128 rows): the widest key tile of `widths` whose Q
+    and two stages fit an sm_90 block's shared memory (64 keys at d = 320, 48 at 384, 32 at 448
+    and 512, and at 576 with V from K). Its registers are never the limit: O is at most a
+    256-column slice, as at d = 256, and S is narrower."""
+    for block_n in widths:
+        tiles = _tiles(spec, block_n)
+        if tiles.shared_bytes + SM90_STATIC_BYTES <= SM90_SHARED_BYTES:
+            return tiles
+    raise ValueError(f"head_dim={spec.head_dim}: no key tile of {widths} fits the sm90 forward's shared memory")
 
 
 # The sm90 forward's key tiles a spec may set (Spec.sm90_block_n): whole 16-key k-steps of P V,

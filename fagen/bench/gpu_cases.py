@@ -54,6 +54,17 @@ DECODE_SHAPE = {"batch": 3, "heads": 4, "kv_heads": 2, "head_dim": 64, "capacity
 # The decoding step captured in a CUDA graph: one new token, pages of 16, two splits.
 DECODE_GRAPH_CASE = (dict(new=1, page=16, seed=5), dict(num_splits=2))
 
+# -- tests/gpu/test_gpu_sm90_wide.py: the sm90 family past d = 256 ----------------------------------
+
+# The forward's Specs (with arch_family="sm90"): O in two 256-column slices at 32-key tiles, and
+# d_v = 320 in two 192-column slices at 64-key tiles.
+SM90_WIDE_SPECS = [dict(head_dim=512, dtype="bf16", mask="causal"), dict(head_dim=320, dtype="fp16", key_padding=True)]
+# A d = 512 decoding step (DECODE_CASES' form, the cache d wide) and absorbed MLA's layouts
+# (tests/support/kvcache_cases.check_mla's arguments: one fp16 cache of 576-wide rows, V its first 512).
+SM90_WIDE_DECODE = (dict(nq=1, new=1, capacity=256, head_dim=512, seed=5), dict(num_splits=2))
+SM90_MLA_LAYOUTS = {"paged64_split2": dict(page=64, num_splits=2),
+                    "128_heads": dict(batch=1, heads=128, page=64, capacity=192)}
+
 # -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 
 RING_LAYOUTS = ("zigzag", "contiguous")

@@ -93,16 +93,16 @@ def _decode_calls(plan) -> list:
               for name in config.varlen_systems if name in ("fagen_varlen", "fagen_padded")]
     if config.graph_shape:
         calls.append(("decode graph", functools.partial(_graph_step, config)))
-    if "fagen_mla" in config.mla_systems:
-        calls.append(("decode fagen_mla", functools.partial(_mla_step, config)))
+    calls += [(f"decode {name}", functools.partial(_mla_step, config, name))
+              for name in config.mla_systems if name.startswith("fagen")]
     return calls
 
 
-def _mla_step(config) -> None:
+def _mla_step(config, name: str) -> None:
     """The absorbed-MLA rows' step (one 576-wide cache, V its first 512 columns) on one page."""
     from .decode.mla import PAGE, make_mla_inputs, mla_step
 
-    mla_step("fagen_mla", make_mla_inputs(config, 1, PAGE, "cpu"))()
+    mla_step(name, make_mla_inputs(config, 1, PAGE, "cpu"))()
 
 
 def _graph_step(config) -> None:
@@ -203,9 +203,9 @@ def sanitizer_workload(device: str) -> list[str]:
 # -- the gpu tests ----------------------------------------------------------------------------
 
 def gpu_test_calls() -> list[tuple[str, object]]:
-    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py and
-    test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
-    return _kernel_test_calls() + _decode_test_calls() + _ring_test_calls()
+    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_wide.py
+    and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
+    return _kernel_test_calls() + _decode_test_calls() + _sm90_wide_test_calls() + _ring_test_calls()
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -260,7 +260,7 @@ def _decode_case(case: dict, call: dict) -> None:
 
     from .measure import torch_dtype
 
-    s = cases.DECODE_SHAPE
+    s = {**cases.DECODE_SHAPE, **{key: case[key] for key in ("head_dim", "capacity") if key in case}}
     b, h, hk, d, cap = s["batch"], s["heads"], s["kv_heads"], s["head_dim"], s["capacity"]
     dtype, page = torch_dtype(case.get("dtype", "fp16")), case.get("page")
     nq, new = case.get("nq", 1), case.get("new", 0)
@@ -284,6 +284,34 @@ def _decode_case(case: dict, call: dict) -> None:
 def _decode_test_calls() -> list:
     named = {**cases.DECODE_CASES, "captured in a CUDA graph": cases.DECODE_GRAPH_CASE}
     return [(f"decode {name}", functools.partial(_decode_case, *args)) for name, args in named.items()]
+
+
+def _sm90_wide_test_calls() -> list:
+    """The sm90 family past d = 256: the forward's Specs (rendered by the test), a d = 512 decoding
+    step and an absorbed-MLA step under FAGEN_ARCH_FAMILY=sm90 (one spec for every layout)."""
+    from fagen.spec import Spec
+
+    from .peers import in_family
+
+    calls = [(f"sm90 wide {fields}", Spec(**fields, arch_family="sm90")) for fields in cases.SM90_WIDE_SPECS]
+    calls.append(("sm90 wide decode", functools.partial(in_family, "sm90", _decode_case, *cases.SM90_WIDE_DECODE)))
+    layout = next(iter(cases.SM90_MLA_LAYOUTS.values()))
+    calls.append(("sm90 absorbed MLA", functools.partial(in_family, "sm90", _mla_case, **layout)))
+    return calls
+
+
+def _mla_case(page: int, num_splits: int = 0, batch: int = 2, heads: int = 16, capacity: int = 128) -> None:
+    """flash_attn_with_kvcache as tests/support/kvcache_cases.check_mla makes it: one fp16 cache of
+    576-wide rows in pages, V its first 512 columns, a row appended through k."""
+    import torch
+
+    import fagen
+
+    kv = torch.randn(batch * capacity // page + 1, page, 1, 576, dtype=torch.float16)
+    table = torch.arange(batch * capacity // page, dtype=torch.int32).view(batch, -1)
+    q, k_new = (torch.randn(batch, rows, heads_, 576, dtype=torch.float16) for rows, heads_ in ((1, heads), (1, 1)))
+    fagen.flash_attn_with_kvcache(q, kv, kv[..., :512], k_new, k_new[..., :512], block_table=table, causal=True,
+                                  cache_seqlens=torch.full((batch,), 5, dtype=torch.int32), num_splits=num_splits)
 
 
 def _ring_test_calls() -> list:

@@ -54,7 +54,8 @@ def manifest(source: Source, compiled: dict[str, CompiledKernel]) -> dict:
         "fagen_version": __version__,
         "nvrtc_version": nvrtc_version(),
         "kernels": [{"name": e.name, "threads": e.threads, "rows_per_block": e.rows_per_block,
-                     "rows_from": e.rows_from, "dynamic_shared_bytes": e.shared_bytes}
+                     "rows_from": e.rows_from, "dynamic_shared_bytes": e.shared_bytes,
+                     **({"slices": e.slices} if e.slices > 1 else {})}
                     for e in source.entries],
         "resources": {arch: {name: asdict(report) for name, report in sorted(k.resources.items())}
                       for arch, k in compiled.items()},

@@ -48,13 +48,14 @@ class Entry:
     rows_per_block: int | None  # rows of `rows_from` one block covers, or None: one block per batch*head
     rows_from: str             # "q" (query rows) or "k" (key rows)
     shared_bytes: int          # dynamic shared memory per block
+    slices: int = 1            # blocks per row block (the sm90 forward's column slices of O: Sm90Tiles.slices)
 
     def grid(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int = 0) -> tuple[int, int, int]:
-        """(row blocks, heads, batch). Heads or a batch past gridDim.y / .z's 65535 are
+        """(row blocks x slices, heads, batch). Heads or a batch past gridDim.y / .z's 65535 are
         launched in chunks (`launch.grid_chunks`, the kernels' `GRID_OFFSETS`)."""
         rows = seqlen_q if self.rows_from == "q" else seqlen_k
         blocks = 1 if self.rows_per_block is None else math.ceil(rows / self.rows_per_block)
-        return (blocks, heads, batch)
+        return (blocks * self.slices, heads, batch)
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -121,18 +122,22 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
     params = backward_params(spec, debug)
     name = spec.name
 
-    def entry(role, params, threads, rows, rows_from, smem):
+    def entry(role, params, threads, rows, rows_from, smem, slices=1):
         if spec.kv_cache:   # k and v are a cache (sm80: cache_views; sm90: KeySource), never a packed sequence
             params = tuple(replace(p, name=p.name + "_cache") if p.name in ("k", "v") else p for p in params)
         params = tuple(varlen_params(list(params))) if spec.varlen else params
-        return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem)
+        return Entry(f"{name}_{role}", params + GRID_OFFSETS, threads, rows, rows_from, smem, slices)
+
+    def sm90_forward():   # FlashAttention-3's design: one producer, two consumer warpgroups
+        tiles = sm90_tiles(spec)
+        return entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes,
+                     tiles.slices)
 
     if spec.kv_cache:
         # Decoding: the forward (one block per query tile and key split), the split-KV combine and
         # the cache update. Packed queries over a paged cache (varlen) run the forward alone.
         if spec.arch_family == "sm90":
-            tiles = sm90_tiles(spec)
-            forward = entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes)
+            forward = sm90_forward()
         else:
             forward = entry("fwd", forward_params(spec, debug), spec.threads, spec.block_m, "q",
                             spec.shared_layout.total_bytes)
@@ -142,9 +147,8 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
                        combine=entry("combine", combine_params(spec), 32 * COMBINE_WARPS, COMBINE_WARPS, "q", 0),
                        cache_update=Entry(f"{name}_cache_update", cache_update_params(spec) + GRID_OFFSETS,
                                           CACHE_UPDATE_THREADS, 1, "q", 0))
-    if spec.arch_family == "sm90":   # FlashAttention-3's design: one producer, two consumer warpgroups
-        tiles = sm90_tiles(spec)
-        forward = entry("fwd", sm90_forward_params(spec), tiles.threads, tiles.block_m, "q", tiles.shared_bytes)
+    if spec.arch_family == "sm90":
+        forward = sm90_forward()
     else:
         forward = entry("fwd", forward_params(spec, debug), spec.threads,
                         spec.block_m if spec.version == 2 else None, "q", spec.shared_layout.total_bytes)

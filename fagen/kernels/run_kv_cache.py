@@ -155,7 +155,8 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
         values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
     loaded, entries = launch.load(source, q.device), source.kernels
     blocks = -(-seqlen_q // entries.forward.rows_per_block)
-    plan = [loaded.bind(entries.forward, (blocks * num_splits, heads, batch), values, run.PER_CALL_SCALARS)]
+    plan = [loaded.bind(entries.forward, (blocks * num_splits * entries.forward.slices, heads, batch), values,
+                        run.PER_CALL_SCALARS)]
     if num_splits > 1:
         plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
     return plan

@@ -316,8 +316,9 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     _load_before_writing(source, q.device)
     if num_splits == 0:
         packed_rows = seqlen_q * (heads // kv_heads) if spec.pack_gqa else seqlen_q
-        row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * \
-            -(-packed_rows // source.kernels.forward.rows_per_block)
+        forward = source.kernels.forward
+        row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * forward.slices * \
+            -(-packed_rows // forward.rows_per_block)
         key_tile = sm90_tiles(spec).block_n if spec.arch_family == "sm90" else spec.block_n
         num_splits = choose_splits(row_blocks, -(-cache.capacity // key_tile), processor_count(q.device))
     given = tuple(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad))

@@ -32,23 +32,23 @@ def test_the_plan_has_a_decode_section_after_the_variants():
                                 "sdpa_flash", "flex")
     assert d.varlen_systems == ("fagen_varlen", "fagen_padded", "sdpa_padded")
     assert (d.varlen_tokens, d.varlen_heads, d.varlen_passes) == (16384, 16, ("fwd", "fwd_bwd"))
-    # + the graph's two, + absorbed MLA's three systems at B = 64 and B = 1
-    assert d.timed_runs() == 8 + 2 * 3 + 2 + 3 * 2 and d.pages_per_entry == 32 and d.group == 4
-    assert (d.mla_systems, d.mla_batches, d.mla_cache_len, d.mla_heads) == (("fagen_mla", "sdpa", "flex"), (64, 1),
-                                                                             8192, 128)
+    # + the graph's two, + absorbed MLA's four systems at B = 64 and B = 1
+    assert d.timed_runs() == 8 + 2 * 3 + 2 + 4 * 2 and d.pages_per_entry == 32 and d.group == 4
+    assert (d.mla_systems, d.mla_batches, d.mla_cache_len, d.mla_heads) == (
+        ("fagen_mla", "fagen_sm90_mla", "sdpa", "flex"), (64, 1), 8192, 128)
     # The section's cap is in the forecast, and --quick keeps it (without Flex's compile, smaller).
     estimate = replay(plan, sanitizers=True)
-    assert 0 < estimate["decode"] <= d.cap_s == 30.0 and estimate["decode"] == d.estimate_seconds()
+    assert 0 < estimate["decode"] <= d.cap_s == 31.0 and estimate["decode"] == d.estimate_seconds()
     assert "flex" not in quick.decode.decode_systems and quick.decode.cap_s < d.cap_s
     assert 0 < replay(quick, sanitizers=True)["decode"] < estimate["decode"]
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     assert DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=(), mla_systems=()).estimate_seconds() == 0.0
     # fagen's kernels: decode step, paged, both on the sm90 family, varlen; the padded batch's is the
     # sweep's causal kernel.
-    assert plan.decode_kernels() == 6   # + the MLA step's
-    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 7
+    assert plan.decode_kernels() == 7   # + the MLA steps' (the sm80 and the sm90 family's)
+    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 8
     text = describe(plan)
-    assert "\n  decode: cap 30 s" in text and "decode 30" in text.split("estimated seconds:")[1]
+    assert "\n  decode: cap 31 s" in text and "decode 31" in text.split("estimated seconds:")[1]
     # Documents: seeded, between about 1/4 and 7/4 of the mean, covering the 16k tokens exactly.
     lengths = d.document_lengths()
     mean = 16384 / len(lengths)
@@ -100,7 +100,7 @@ def test_decode_bytes_count_k_and_v_read_and_q_and_out():
 def test_the_decode_section_is_reserved_time_by_the_sections_before_it(tmp_path):
     plan = full_plan()
     run = reserving_run(plan, tmp_path)
-    assert run.needs()["decode"] == plan.decode.cap_s == 30.0
+    assert run.needs()["decode"] == plan.decode.cap_s == 31.0
     assert_reserved(plan, tmp_path, "decode", "variants", plan.decode.cap_s + plan.models.cap_s + plan.ring.cap_s
                     + plan.memory_cap_s + plan.report_reserve_s)
     skipped = reserving_run(plan, tmp_path, {"decode"})

@@ -28,7 +28,7 @@ def test_the_plan_has_a_ring_section_after_models():
     # The plain op, per layout the ring and its pairs (3 + 1), one full pair per world: 10 measurements.
     assert r.timed_runs() == 1 + (1 + 3) + (1 + 1) + 3
     estimate = replay(plan, sanitizers=True)
-    assert estimate["ring"] == r.estimate_seconds() == 5.0 and r.cap_s == 10.0
+    assert estimate["ring"] == r.estimate_seconds() == 5.0 and r.cap_s == 9.0
     # The whole check still fits with the sweep at its minimum, and --quick inside its budget.
     assert sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
@@ -38,7 +38,7 @@ def test_the_plan_has_a_ring_section_after_models():
 
 def test_the_ring_section_is_reserved_time_by_the_sections_before_it(tmp_path):
     plan = full_plan()
-    assert reserving_run(plan, tmp_path).needs()["ring"] == plan.ring.cap_s == 10.0
+    assert reserving_run(plan, tmp_path).needs()["ring"] == plan.ring.cap_s == 9.0
     assert_reserved(plan, tmp_path, "ring", "models", plan.ring.cap_s + plan.memory_cap_s + plan.report_reserve_s)
     skipped = reserving_run(plan, tmp_path, {"ring"})
     assert skipped.section("ring", lambda: pytest.fail("a skipped section ran")) is None

@@ -17,7 +17,7 @@ from fagen.kernels.render import render
 from fagen.kernels.tensor_map import PageBox, TensorMapSpec
 from fagen.ops import kvcache
 from fagen.spec import Spec
-from kvcache_cases import D, Case, cache_guard_check, check_call, check_long_cache
+from kvcache_cases import D, Case, cache_guard_check, check_call, check_long_cache, check_mla
 
 
 @pytest.fixture
@@ -119,6 +119,33 @@ def test_wider_heads_and_v_s_own_head_dim(families, head_dim, head_dim_v, dtype)
     assert families == ["sm90"]
 
 
+# Past d = 256 (tests/kernels/test_sm90_wide_head_dims.py): narrower key tiles, and past d_v = 256 a
+# block per column slice of O, each writing its columns of a split's partials (the slice 0 block L).
+@pytest.mark.parametrize("head_dim, head_dim_v, page, num_splits", [(512, None, None, 2), (320, None, 16, 1),
+                                                                    (448, 256, 64, 3), (384, None, 32, 2)])
+def test_head_dims_past_256(families, head_dim, head_dim_v, page, num_splits):
+    check_call(Case(nq=2, new=1, capacity=128, page=page, head_dim=head_dim, head_dim_v=head_dim_v, seed=11),
+               causal=True, num_splits=num_splits)
+    assert families == ["sm90"]
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(page=64, num_splits=2), dict(batch=1, heads=128, page=64, capacity=192)],
+                         ids=["contiguous", "paged64_split2", "128_heads_one_block"])
+def test_absorbed_mla(families, layout):
+    """One cache of 576-wide rows, v_cache its first 512 columns (Spec.v_from_k): V's slices are
+    K's tile from column 0 and 256 on, nothing loaded twice; 128 query heads pack into one block."""
+    check_mla(**layout)
+    assert set(families) == {"sm90"}
+
+
+@pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
+def test_mla_is_race_free_under_every_schedule(families, monkeypatch, schedule):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
+    check_mla(page=64, num_splits=2)
+    assert set(families) == {"sm90"}
+
+
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
 def test_every_schedule_is_race_free_and_exact(families, monkeypatch, schedule):
     """A paged step with an append and splits, under the happens-before racecheck."""
@@ -176,7 +203,7 @@ def test_a_paged_map_s_box_follows_the_page_size():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(kv_cache="paged", key_padding=False, varlen=True), "kv_cache='paged' with varlen"),
-    (dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True, v_from_k=True), "v_from_k=True"),
+    (dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True), "head_dim=576"),   # V from K only
 ])
 def test_what_the_family_cannot_decode_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for .*{named}"):

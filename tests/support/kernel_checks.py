@@ -224,6 +224,13 @@ def kv_cache_check(spec: Spec, source: Source | None = None) -> None:
         check_call(case, causal=spec.causal, rotary=rotary, num_splits=3)
 
 
+def checked_kv_cache_check(spec: Spec, source: Source | None = None) -> None:
+    """kv_cache_check in the emulator's checked build (AddressSanitizer): a write past a tensor's
+    end stops the step at that access, before it corrupts the host process's memory."""
+    with mock.patch.dict(os.environ, {"FAGEN_EMULATE_CHECKED": "1"}):
+        kv_cache_check(spec, source)
+
+
 def long_cache_check(spec: Spec, source: Source | None = None) -> None:
     """Long entries in three splits (kvcache_cases.check_long_cache: several tiles per split): a
     contiguous spec through cache_batch_idx and leftpad, a paged one in pages of 48 rows with two

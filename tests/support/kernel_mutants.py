@@ -333,6 +333,26 @@ MUTANTS += [KernelMutant(f"sm90 decoding: {name}", spec, (Edit(old, new),), (che
     ("a split's L in the scores' units, not natural log", SM90_CACHE, checks.long_cache_check,
      "m[r] * scale_log2 * fagen::kLn2 + logf(l[r]) : -fagen::infinity()", "m[r] + logf(l[r]) : -fagen::infinity()"),
 ]]
+# Past d = 256 on the sm90 family: a block per column slice of O (Sm90Tiles.slices) and V as K's
+# columns (absorbed MLA). d_v = 320: two 192-column slices, the second's last 64 columns past d_v.
+SM90_WIDE = Spec(320, dtype="fp16", arch_family="sm90")
+SM90_WIDE_CACHE = chosen_decoding_spec(Spec.for_kv_cache(320, "fp16", causal=True, page_size=None, pack_gqa=True),
+                                       "sm90", None)
+SM90_MLA = chosen_decoding_spec(DECODE_MLA, "sm90", None)
+MUTANTS += [KernelMutant(f"sm90 wide: {name}", spec, (Edit(old, new),), (check,))
+            for name, spec, check, old, new in [
+    ("V's slice loaded from column 0", SM90_WIDE, checks.sm90_pipeline_check,
+     "{column0 + 64 * box, h, row, b}", "{64 * box, h, row, b}"),
+    ("O's slice stored at column 0", SM90_WIDE, checks.sm90_pipeline_check,
+     "{column0 + 64 * box, head, first_row, batch}", "{64 * box, head, first_row, batch}"),
+    ("no slice writes L", SM90_WIDE, checks.sm90_pipeline_check, "row < nq && column0 == 0)", "row < nq && column0 < 0)"),
+    ("the last slice's columns past d_v written", SM90_WIDE_CACHE, checks.checked_kv_cache_check,
+     "      if (column0 + 8 * j >= kOutColumns) break;   // the last slice's columns past d_v\n", ""),
+    ("a split's partial O of every slice at column 0", SM90_WIDE_CACHE, checks.kv_cache_check,
+     "slot * kOutColumns + column0", "slot * kOutColumns"),
+    ("MLA: every slice of V read from K's first columns", SM90_MLA, checks.mla_check,
+     "  c.read_v_from(slice_column0());\n", ""),
+]]
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",

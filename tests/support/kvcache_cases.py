@@ -301,10 +301,11 @@ def packed_guard_check(spec, source=None) -> None:
 MLA_D, MLA_DV = 576, 512
 
 
-def check_mla(batch=2, heads=16, page=None, num_splits=0, new=1, capacity=128, seed=0):
+def check_mla(batch=2, heads=16, page=None, num_splits=0, new=1, capacity=128, seed=0, device="cpu"):
     """A decoding step over one cache (B, N, 1, 576) with v_cache = its first 512 columns and the
-    new rows appended through k only: the cache after the call (the new rows once, nothing else
-    touched), and each entry's output (B, 1, H, 512) against the float64 oracle on its rows."""
+    new rows appended through k only, run on `device`: the cache after the call (the new rows
+    once, nothing else touched), and each entry's output (B, 1, H, 512) against the float64
+    oracle on its rows, on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     if page:
         pages = batch * capacity // page + 1
@@ -317,8 +318,11 @@ def check_mla(batch=2, heads=16, page=None, num_splits=0, new=1, capacity=128, s
     k_new = (torch.randn(batch, new, 1, MLA_D, generator=gen) * 0.5).half()
     seqlens = torch.tensor([37, 90, 5][:batch], dtype=torch.int32)
     scale = MLA_D ** -0.5
-    out = fagen.flash_attn_with_kvcache(q, kv, kv[..., :MLA_DV], k_new, k_new[..., :MLA_DV], cache_seqlens=seqlens,
-                                        block_table=table, causal=True, num_splits=num_splits, softmax_scale=scale)
+    on = [t.to(device) if t is not None else None for t in (q, kv, k_new, seqlens, table)]
+    out = fagen.flash_attn_with_kvcache(on[0], on[1], on[1][..., :MLA_DV], on[2], on[2][..., :MLA_DV],
+                                        cache_seqlens=on[3], block_table=on[4], causal=True, num_splits=num_splits,
+                                        softmax_scale=scale).cpu()
+    kv = on[1].cpu()
     assert out.shape == (batch, 1, heads, MLA_DV)
     worst_kernel = worst_torch = 0.0
     for b in range(batch):

@@ -15,10 +15,10 @@ from ..sizes import random_lengths, short_seqlen
 DECODE_SYSTEMS = ("fagen", "fagen_paged", "fagen_sm90", "fagen_sm90_paged", "sdpa_math", "sdpa_efficient",
                   "sdpa_flash", "flex")
 VARLEN_SYSTEMS = ("fagen_varlen", "fagen_padded", "sdpa_padded")
-MLA_SYSTEMS = ("fagen_mla", "sdpa", "flex")   # mla.py
+MLA_SYSTEMS = ("fagen_mla", "fagen_sm90_mla", "sdpa", "flex")   # mla.py
 MLA_DIM, MLA_DIM_V = 576, 512   # absorbed MLA's cache row (512 latent + 64 rotary) and V's share of it
 DECODE_LABELS = {
-    "fagen_mla": "fagen MLA (paged 64)", "sdpa": "SDPA (enable_gqa)",
+    "fagen_mla": "fagen MLA (paged 64)", "fagen_sm90_mla": "sm90 MLA (paged 64)", "sdpa": "SDPA (enable_gqa)",
     "fagen": "fagen", "fagen_paged": "fagen paged", "fagen_sm90": "fagen sm90", "fagen_sm90_paged": "sm90 paged",
     "sdpa_math": "SDPA math",
     "sdpa_efficient": "SDPA efficient", "sdpa_flash": "SDPA flash", "flex": "FlexAttention",
@@ -67,7 +67,7 @@ class DecodeConfig:
     graph_splits: int = 4
     # The section's cap; FlexAttention (a torch.compile of its decoding kernel, tens of
     # seconds) runs last and only starts with at least `flex_start_s` of it left.
-    cap_s: float = 30.0
+    cap_s: float = 31.0
     flex_start_s: float = 20.0
     # Absorbed MLA (mla.py): one 576-wide cache of `mla_cache_len` rows per entry, V its first
     # 512 columns, one K/V head under `mla_heads` query heads, at each batch of `mla_batches`.
@@ -169,5 +169,5 @@ class DecodeConfig:
         # The graph's step is the contiguous step's kernel (one query drops causal; the append,
         # the rotary and the combine are kernels of the same source).
         graph = 1 if self.graph_shape and "fagen" not in self.decode_systems else 0
-        mla = 1 if "fagen_mla" in self.mla_systems else 0
+        mla = sum(name.startswith("fagen") for name in self.mla_systems)
         return len(fagen) + graph + mla - (1 if sweep_compiles_causal and "fagen_padded" in fagen else 0)

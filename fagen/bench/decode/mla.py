@@ -4,6 +4,9 @@ head under 128 query heads, bf16, Nq = 1, every cache full, at B = 64 and B = 1.
 
   fagen_mla   flash_attn_with_kvcache(q, kv, kv[..., :512], ...) on 64-row pages (FlashMLA's):
               fagen reads each cache row once (Spec.v_from_k)
+  fagen_sm90_mla
+              the same on the sm90 family (FAGEN_ARCH_FAMILY=sm90; compute capability 9.0): two
+              blocks per row block, each O's 256-column slice of V read from K's tile
   sdpa        scaled_dot_product_attention(q, k, k[..., :512], enable_gqa=True), torch's choice
               of backend, on the (B, 1, N, 576) cache
   flex        torch.compile(flex_attention), enable_gqa, the same views
@@ -19,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..measure import torch_attention, torch_dtype
-from ..peers import FlexSystem, NotAvailable, failure_reason, is_out_of_memory
+from ..peers import FlexSystem, NotAvailable, failure_reason, in_family, is_out_of_memory, sm90_unavailable
 from .config import MLA_DIM, MLA_DIM_V, DecodeConfig
 
 PAGE = 64   # FlashMLA's page size
+FAGEN_FAMILIES = {"fagen_mla": "", "fagen_sm90_mla": "sm90"}   # fagen's systems, and their kernel family
 
 
 @dataclass
@@ -52,12 +56,12 @@ def make_mla_inputs(config: DecodeConfig, batch: int, cache_len: int, device) ->
 def mla_step(name: str, inputs: MlaInputs, flex: FlexSystem | None = None):
     """The timed call of system `name`, returning (B, 1, H, 512)."""
     scale = MLA_DIM ** -0.5
-    if name == "fagen_mla":
+    if name in FAGEN_FAMILIES:
         from fagen import flash_attn_with_kvcache
 
-        return lambda: flash_attn_with_kvcache(inputs.q, inputs.pages, inputs.pages[..., :MLA_DIM_V],
-                                               cache_seqlens=inputs.seqlens, block_table=inputs.block_table,
-                                               softmax_scale=scale)
+        return lambda: in_family(FAGEN_FAMILIES[name], flash_attn_with_kvcache, inputs.q, inputs.pages,
+                                 inputs.pages[..., :MLA_DIM_V], cache_seqlens=inputs.seqlens,
+                                 block_table=inputs.block_table, softmax_scale=scale)
     q = inputs.q.transpose(1, 2)
     k, v = inputs.rows, inputs.rows[..., :MLA_DIM_V]
     if name == "sdpa":
@@ -70,7 +74,14 @@ def mla_step(name: str, inputs: MlaInputs, flex: FlexSystem | None = None):
     raise NotAvailable(f"no MLA system {name!r}")
 
 
+def unavailable(name: str) -> str | None:
+    """Why system `name` cannot run on this device, or None."""
+    return sm90_unavailable() if FAGEN_FAMILIES.get(name) == "sm90" else None
+
+
 def measure_mla(name: str, inputs: MlaInputs, config: DecodeConfig, timer, timer_kwargs, *, batch: int) -> dict:
+    if unavailable(name):
+        return {"skipped": unavailable(name), "oom": False}
     try:
         step = mla_step(name, inputs)
         step()   # compiles or loads the kernels: kept out of the timer
@@ -79,18 +90,21 @@ def measure_mla(name: str, inputs: MlaInputs, config: DecodeConfig, timer, timer
         return {"skipped": failure_reason(exc), "oom": is_out_of_memory(exc)}
     cell = timing.to_dict()
     cell.update(bytes=config.mla_bytes(batch), kv_heads_read=1, expanded=False,
-                gqa="native" if name == "fagen_mla" else "enable_gqa",
+                gqa="native" if name in FAGEN_FAMILIES else "enable_gqa",
                 host_bound=timing.host_ms >= 0.9 * timing.median_ms)
     return cell
 
 
-def mla_sanity(config: DecodeConfig, device) -> dict:
-    """fagen's MLA step on a small cache against fp32 torch, next to bf16 torch (2x rule)."""
+def mla_sanity(config: DecodeConfig, device, name: str = "fagen_mla") -> dict:
+    """fagen's MLA step (system `name`) on a small cache against fp32 torch, next to bf16 torch
+    (2x rule)."""
     import torch
 
+    if unavailable(name):
+        return {"ok": False, "error": unavailable(name)}
     inputs = make_mla_inputs(config, 2, 4 * PAGE, device)
     try:
-        out = mla_step("fagen_mla", inputs)()
+        out = mla_step(name, inputs)()
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "error": failure_reason(exc)}
     k = inputs.rows.transpose(1, 2).expand(-1, -1, config.mla_heads, -1)

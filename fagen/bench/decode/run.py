@@ -36,8 +36,9 @@ a lower rate; ratios are fagen varlen / each.
 
 Absorbed MLA (mla.py): DeepSeek-V3's decoding step over one 576-wide cache whose first 512
 columns are V, 128 query heads on one K/V head, 8k rows per entry, at B = 64 and B = 1: fagen on
-64-row pages, SDPA and FlexAttention (last, with the other Flex run) on views of one cache; each
-credited with reading every cache row once.
+64-row pages (the sm80 family's kernel, and the sm90 family's on compute capability 9.0), SDPA
+and FlexAttention (last, with the other Flex run) on views of one cache; each credited with
+reading every cache row once.
 
 The CUDA-graph row (graph.py): a serving step (append one token with rotary, split-KV, combine)
 captured in a CUDA graph, replayed with new cache_seqlens, equal to the same step run eagerly,
@@ -60,7 +61,7 @@ from ..timing import Deadline, Timing, measure_copy_bandwidth, time_cuda
 from .config import DecodeConfig
 from .graph import cuda_graph_capture, measure_graph
 from .markdown import add_bandwidth, add_varlen_ratios, graph_text, section_note
-from .mla import make_mla_inputs, measure_mla, mla_sanity
+from .mla import FAGEN_FAMILIES, make_mla_inputs, measure_mla, mla_sanity
 from .step import FagenDecode, FlexDecode, SdpaDecode, decode_sanity, make_decode_inputs, measure_decode
 from .varlen import FagenPadded, FagenVarlen, SdpaPadded, make_documents, varlen_sanity
 
@@ -184,10 +185,12 @@ def _mla_part(run: _Section, device, timer, timer_kwargs, names) -> dict | None:
     """Absorbed MLA's step (mla.py) for `names` at each batch: fagen's sanity first; a lost
     context's section, else None."""
     config = run.config
-    if "fagen_mla" in names and not run.deadline.expired(2.0):
-        sanity = run.data["sanity"]["fagen_mla"] = mla_sanity(config, device)
+    for name in [n for n in names if n in FAGEN_FAMILIES]:
+        if run.deadline.expired(2.0):
+            break
+        sanity = run.data["sanity"][name] = mla_sanity(config, device, name)
         if context_lost(sanity.get("error", "")):
-            return run.lost("fagen MLA's sanity check", sanity["error"])
+            return run.lost(f"{name}'s sanity check", sanity["error"])
     for batch, point in run.mla_points.items():
         inputs = None
         for name in names:

@@ -1,0 +1,160 @@
+"""The sm90 family's forward past d = 256 (issue 29's "and beyond"): d = 320, 384, 448 and 512 for
+training, and absorbed MLA decoding (d = 576, V as K's first 512 columns). Q takes 80-144 KiB of
+shared memory, so key tiles narrow to fit (arch_families._widest_fitting); past d_v = 256 a
+consumer's O would not fit its registers, so each block computes one column slice of O
+(Sm90Tiles.slices), S and the softmax alike. Checked as test_sm90_forward.py checks d <= 256:
+against the float64 oracle (the sm80 backward after it), under the schedules with the racecheck,
+and compiled by NVRTC for sm_90a without spills; decoding's cases are tests/ops/test_kvcache_sm90.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fagen.arch_families import SM90_SHARED_BYTES, sm90_refusal, sm90_tiles
+from fagen.kernels import run as ops
+from fagen.kernels.render import render
+from fagen.ops import kvcache
+from fagen.arch_families import chosen_decoding_spec
+from fagen.spec import Spec
+from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
+import kernel_checks as checks
+from variant_cases import run_variant_case
+from kernel_cases import Shape, poisoned_empty, run_and_check
+
+# d_v = 320 takes two 192-column slices, the second's last 64 columns past d_v (TMA's zeros, not
+# stored); (448, 256) one slice at 32-key tiles; (512, 384) two slices of 192.
+WIDE = [Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
+        Spec(320, dtype="fp16", key_padding=True, arch_family="sm90"),
+        Spec(448, head_dim_v=256, dtype="fp16", arch_family="sm90"),
+        Spec(512, head_dim_v=384, dtype="bf16", arch_family="sm90"),
+        Spec(384, dtype="bf16", mask="causal", dropout=True, arch_family="sm90")]
+SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+
+
+def test_the_geometry_fits_an_sm90_block():
+    """Key tiles, O's slices and shared memory per head dim (Q, two stages, the swizzle's slack)."""
+    table = {(s.head_dim, s.head_dim_v): (t.block_n, t.slices, t.slice_columns, t.shared_bytes)
+             for s in WIDE for t in [sm90_tiles(s)]}
+    assert table == {(512, 512): (32, 2, 256, 230400), (320, 320): (64, 2, 192, 214016),
+                     (448, 256): (32, 1, 256, 205824), (512, 384): (32, 2, 192, 222208),
+                     (384, 384): (32, 2, 192, 173056)}   # dropout: 32 keys (48 spilled its Philox words)
+    mla = sm90_tiles(_mla_spec())
+    assert (mla.block_n, mla.slices, mla.slice_columns, mla.shared_bytes) == (32, 2, 256, 222208)
+    assert all(t.shared_bytes + 256 <= SM90_SHARED_BYTES for t in map(sm90_tiles, WIDE + [_mla_spec()]))
+    assert sm90_tiles(Spec(384, dtype="bf16", arch_family="sm90")).block_n == 48   # the widest that fits
+    assert render(WIDE[0]).kernels.forward.grid(2, 4, 150) == (4, 4, 2)   # two row blocks, two slices each
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
+def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
+    run_and_check(spec, shape)
+
+
+@pytest.mark.parametrize("variant", [{"softcap": 30.0, "window_size": (40, 10)},
+                                     {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]),
+                                      "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}],
+                         ids=["softcap_window", "alibi_sinks"])
+def test_variants_meet_the_oracle(variant):
+    run_variant_case(Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
+                     Shape(2, 150, 200, heads=4, kv_heads=2), variant)
+
+
+# Custom mods over captured tensors (the sm80 backward's capture gradients after them), at 32-key
+# tiles (arch_families.sm90_tiles: wider spilled a mod's state at d = 320).
+BIAS = (torch.randn(4, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
+DOCUMENTS = torch.sort(torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
+                       dim=1).values
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h, q_idx - kv_idx + 199]
+
+
+def _same_document(b, h, q_idx, kv_idx):
+    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
+
+
+@pytest.mark.parametrize("base, variant, captures", [
+    (Spec(512, dtype="bf16", mask="causal", arch_family="sm90"), {"score_mod": _relative_bias}, (BIAS,)),
+    (Spec(320, dtype="fp16", dropout=True, arch_family="sm90"),
+     {"score_mod": _relative_bias, "mask_mod": _same_document}, (BIAS,))], ids=["relative_bias_d512",
+                                                                                 "bias_documents_dropout_d320"])
+def test_mods_meet_the_oracle(base, variant, captures):
+    run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant, captures=captures)
+
+
+def _traced(score=None, mask=None) -> dict:
+    return {"score_mod": score and custom_mod(trace_score_mod(score)), "mask_mod": mask and custom_mod(trace_mask_mod(mask))}
+
+
+STATIC_MODS = [Spec(512, mask="causal", **_traced(_relative_bias), arch_family="sm90"),
+               Spec(448, mask="causal", dropout=True, **_traced(_relative_bias), arch_family="sm90"),
+               Spec(320, **_traced(_relative_bias, _same_document), arch_family="sm90"),
+               Spec(512, window=True, softcap=True, alibi=True, arch_family="sm90")]
+
+
+def test_packed_sequences_meet_the_oracle():
+    checks.packed_forward_check(Spec(384, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"))
+
+
+@pytest.mark.parametrize("spec", [WIDE[1], WIDE[3]], ids=lambda s: s.name)
+def test_every_schedule_is_race_free_and_exact(spec):
+    """Four key tiles through two stages under the producer-first, consumer-first and random
+    schedules, with the happens-before racecheck (kernel_checks.sm90_pipeline_check)."""
+    checks.sm90_pipeline_check(spec)
+
+
+def _mla_spec() -> Spec:
+    return chosen_decoding_spec(kvcache.decode_spec(576, torch.bfloat16, False, 64,
+                                                    {"head_dim_v": 512, "v_from_k": True, "pack_gqa": True}),
+                                "sm90", None)
+
+
+def _decoding(head_dim: int, head_dim_v: int | None = None, page: int | None = None) -> Spec:
+    fields = {"pack_gqa": True, **({"head_dim_v": head_dim_v} if head_dim_v else {})}
+    return chosen_decoding_spec(kvcache.decode_spec(head_dim, torch.float16, True, page, fields), "sm90", None)
+
+
+@pytest.mark.parametrize("spec", WIDE + STATIC_MODS + [_mla_spec(), _decoding(512), _decoding(320, page=16),
+                                                       _decoding(448, 256, page=64)], ids=lambda s: s.name)
+def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
+    pytest.importorskip("cuda.bindings")
+    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
+
+    assert spec.arch_family == "sm90"
+    source = render(spec)
+    cubin, log = nvrtc_compile(source.code, "sm_90a")
+    assert cubin, log
+    check_wgmma_pipeline(log, spec.name, "sm_90a")
+    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
+    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
+    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= SM90_SHARED_BYTES - 256
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [WIDE[0], WIDE[1], WIDE[2]], ids=lambda s: s.name)
+def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
+    """FlashAttention-3's overlap holds at the narrow tiles too (fagen.sass.overlap)."""
+    pytest.importorskip("cuda.bindings")
+    from fagen.sass.listing import find_cuobjdump
+    from fagen.sass.report import report_for_spec
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    overlap = report_for_spec(spec, "sm_90a")[render(spec).kernels.forward.name].overlap
+    assert overlap.exp2 > 0 and overlap.exp2_in_flight == overlap.exp2, overlap
+
+
+def test_what_the_wide_forward_does_not_take_is_refused_by_name():
+    """d = 576 is MLA's, with V from K: with a V tile of its own, Q and two stages would not fit."""
+    fields = dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True)
+    with pytest.raises(ValueError, match="arch_family='sm90' has no forward for head_dim=576 .*576 with v_from_k"):
+        Spec(**fields, arch_family="sm90")
+    assert sm90_refusal(Spec(**fields)) is not None and sm90_refusal(Spec(**fields, v_from_k=True)) is None
