@@ -9,8 +9,8 @@
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
          (captured tensors too), dropout, key padding, packed sequences, d_v != d, head dims up to
          512 (past d_v = 256 a block per column slice of O), and decoding against a KV cache
-         (contiguous or paged, split-KV, GQA packing, absorbed MLA); the backward stays the sm80
-         family's.
+         (contiguous or paged, split-KV, GQA packing, absorbed MLA, packed queries over a paged
+         cache); the backward stays the sm80 family's.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -47,9 +47,7 @@ def sm90_refusal(spec) -> str | None:
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))}, and "
                     f"{SM90_MLA_HEAD_DIM} with v_from_k)"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
-                    f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
-                   ("kv_cache", spec.kv_cache is not None and spec.varlen,
-                    f"kv_cache={spec.kv_cache!r} with varlen (packed queries over a paged cache)")]
+                    f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})")]
     found = [what for _, refused, what in unsupported if refused]
     if not found:
         return None

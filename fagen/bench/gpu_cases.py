@@ -54,7 +54,7 @@ DECODE_SHAPE = {"batch": 3, "heads": 4, "kv_heads": 2, "head_dim": 64, "capacity
 # The decoding step captured in a CUDA graph: one new token, pages of 16, two splits.
 DECODE_GRAPH_CASE = (dict(new=1, page=16, seed=5), dict(num_splits=2))
 
-# -- tests/gpu/test_gpu_sm90_wide.py: the sm90 family past d = 256 ----------------------------------
+# -- tests/gpu/test_gpu_sm90_features.py: the sm90 family past d = 256, and paged varlen -------------
 
 # The forward's Specs (with arch_family="sm90"): O in two 256-column slices at 32-key tiles, and
 # d_v = 320 in two 192-column slices at 64-key tiles.
@@ -64,6 +64,11 @@ SM90_WIDE_SPECS = [dict(head_dim=512, dtype="bf16", mask="causal"), dict(head_di
 SM90_WIDE_DECODE = (dict(nq=1, new=1, capacity=256, head_dim=512, seed=5), dict(num_splits=2))
 SM90_MLA_LAYOUTS = {"paged64_split2": dict(page=64, num_splits=2),
                     "128_heads": dict(batch=1, heads=128, page=64, capacity=192)}
+# Packed queries over a paged cache (tests/support/varlen_paged_cases: fp16, d = 64, H = 4 over
+# HK = 2), causal, in pages of this many rows, with these variants.
+SM90_VARLEN_PAGED_PAGE = 16
+SM90_VARLEN_PAGED_VARIANT = {"window_size": (9, 0), "softcap": 20.0}
+SM90_VARLEN_PAGED_SLOPES = [0.5, 0.25, 0.1, 0.05]
 
 # -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 

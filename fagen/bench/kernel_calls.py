@@ -203,7 +203,7 @@ def sanitizer_workload(device: str) -> list[str]:
 # -- the gpu tests ----------------------------------------------------------------------------
 
 def gpu_test_calls() -> list[tuple[str, object]]:
-    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_wide.py
+    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py
     and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
     return _kernel_test_calls() + _decode_test_calls() + _sm90_wide_test_calls() + _ring_test_calls()
 
@@ -288,7 +288,8 @@ def _decode_test_calls() -> list:
 
 def _sm90_wide_test_calls() -> list:
     """The sm90 family past d = 256: the forward's Specs (rendered by the test), a d = 512 decoding
-    step and an absorbed-MLA step under FAGEN_ARCH_FAMILY=sm90 (one spec for every layout)."""
+    step and an absorbed-MLA step under FAGEN_ARCH_FAMILY=sm90 (one spec for every layout); and
+    packed queries over a paged cache."""
     from fagen.spec import Spec
 
     from .peers import in_family
@@ -297,7 +298,25 @@ def _sm90_wide_test_calls() -> list:
     calls.append(("sm90 wide decode", functools.partial(in_family, "sm90", _decode_case, *cases.SM90_WIDE_DECODE)))
     layout = next(iter(cases.SM90_MLA_LAYOUTS.values()))
     calls.append(("sm90 absorbed MLA", functools.partial(in_family, "sm90", _mla_case, **layout)))
+    calls.append(("sm90 paged varlen", functools.partial(in_family, "sm90", _varlen_paged_case)))
     return calls
+
+
+def _varlen_paged_case() -> None:
+    """flash_attn_varlen_func over a paged cache as tests/support/varlen_paged_cases makes it: fp16,
+    d = 64, 4 query heads over 2 K/V heads, causal, gpu_cases' page and variants."""
+    import torch
+
+    import fagen
+
+    page, lengths = cases.SM90_VARLEN_PAGED_PAGE, [5, 40]
+    cu = torch.tensor([0, 5, 45], dtype=torch.int32)
+    k, v = (torch.randn(6, page, 2, 64, dtype=torch.float16) for _ in range(2))
+    q = torch.randn(sum(lengths), 4, 64, dtype=torch.float16)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    fagen.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, block_table=table,
+                                 alibi_slopes=torch.tensor(cases.SM90_VARLEN_PAGED_SLOPES),
+                                 **cases.SM90_VARLEN_PAGED_VARIANT)
 
 
 def _mla_case(page: int, num_splits: int = 0, batch: int = 2, heads: int = 16, capacity: int = 128) -> None:

@@ -202,9 +202,8 @@ def test_a_paged_map_s_box_follows_the_page_size():
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(kv_cache="paged", key_padding=False, varlen=True), "kv_cache='paged' with varlen"),
     (dict(head_dim=576, head_dim_v=512, kv_cache="paged", key_padding=True), "head_dim=576"),   # V from K only
-])
+])   # packed queries over a paged cache: tests/ops/test_varlen_paged.py runs them on both families
 def test_what_the_family_cannot_decode_yet_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=f"arch_family='sm90' has no forward for .*{named}"):
         Spec(**{"head_dim": 128, **fields}, arch_family="sm90")

@@ -3,39 +3,30 @@ varlen + kv_cache="paged") on the emulator: forward only, as in flash-attn. Each
 output and L against the float64 oracle on that sequence's keys gathered from its pages
 (FlashAttention-2's rule), with ragged and empty sequences, pages of 16 and 48 rows in a
 shuffled table, causal bottom-right per sequence, GQA, window / softcap / ALiBi, score_mod /
-mask_mod, and the bad inputs."""
+mask_mod, and the bad inputs. The oracle tests run on both kernel families (FAGEN_ARCH_FAMILY: the
+sm90 forward reads a page's keys by TMA boxes, templates/hopper_kv_cache.j2)."""
 
 import pytest
 import torch
 
 import fagen
+from fagen.ops import varlen as varlen_ops
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
-from fagen.reference import attention_forward, attention_same_dtype
 from fagen.spec import Spec
-from kernel_cases import ABS_FLOOR, OUTPUT_FACTOR, lse_tolerance, max_error
-
-LENGTHS_Q, LENGTHS_K = [5, 0, 40, 17, 3], [30, 12, 70, 17, 0]   # prefill chunks, an empty query, no keys
-H, HK, D = 4, 2, 64
+from kernel_cases import max_error
+from varlen_paged_cases import H, HK, D, LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, gathered, paged
 
 
-def cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-
-
-def paged(page, dtype=torch.float16, seed=0, d=D):
-    gen = torch.Generator().manual_seed(seed)
-    per_sequence = -(-max(LENGTHS_K) // page)
-    pages = len(LENGTHS_K) * per_sequence + 3
-    table = torch.randperm(pages, generator=gen)[:len(LENGTHS_K) * per_sequence].view(len(LENGTHS_K), -1)
-    k = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
-    v = torch.randn(pages, page, HK, d, generator=gen).to(dtype)
-    q = torch.randn(sum(LENGTHS_Q), H, d, generator=gen).to(dtype)
-    return q, k, v, table.to(torch.int32)
-
-
-def gathered(cache, table, b):
-    return torch.cat([cache[int(p)] for p in table[b]])[:LENGTHS_K[b]][None]
+@pytest.fixture(params=["sm80", "sm90"])
+def family(request, monkeypatch):
+    """FAGEN_ARCH_FAMILY for the test's calls; afterwards, that every call built that family's spec."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", request.param)
+    built = []
+    real = varlen_ops.source_for
+    monkeypatch.setattr(varlen_ops, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    yield request.param
+    assert built and set(built) == {request.param}, built
 
 
 @pytest.mark.parametrize("page, causal, variant", [
@@ -47,7 +38,7 @@ def gathered(cache, table, b):
     (16, True, {"alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}),
     (48, False, {"softcap": 5.0}),
 ])
-def test_each_sequence_against_the_oracle(page, causal, variant):
+def test_each_sequence_against_the_oracle(page, causal, variant, family):
     q, k, v, table = paged(page, seed=page)
     out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
                                             causal=causal, block_table=table, return_lse=True, **variant)
@@ -65,7 +56,7 @@ def head_mask(b, h, q_idx, kv_idx):
     return kv_idx >= 3 * h + q_idx % 4
 
 
-def test_score_and_mask_mods_over_pages():
+def test_score_and_mask_mods_over_pages(family):
     """A score_mod and a mask_mod that read the head and the sequence's own query index, over a
     paged cache (the decoding kernels take mods as the training ones do)."""
     q, k, v, table = paged(16, seed=5)
@@ -75,7 +66,7 @@ def test_score_and_mask_mods_over_pages():
     check_against_the_oracle(out, lse, q, k, v, table, True, variant)
 
 
-def test_head_dim_not_a_multiple_of_8_reads_a_padded_copy():
+def test_head_dim_not_a_multiple_of_8_reads_a_padded_copy(family):
     """flash-attn pads d = 59 (and its default scale keeps the true d); the caller's cache is read,
     never written."""
     q, k, v, table = paged(16, seed=11, d=59)
@@ -86,30 +77,7 @@ def test_head_dim_not_a_multiple_of_8_reads_a_padded_copy():
     assert torch.equal(k, before_k) and torch.equal(v, before_v)
 
 
-def check_against_the_oracle(out, lse, q, k, v, table, causal, variant):
-    assert out.shape == q.shape and lse.shape == (H, q.shape[0])
-    cu_q = cu(LENGTHS_Q)
-    worst_kernel = worst_torch = 0.0
-    for b, (lq, lk) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
-        rows = slice(cu_q[b], cu_q[b + 1])
-        if lq == 0:
-            continue
-        if lk == 0:   # no key: O = 0, L = +inf
-            assert torch.equal(out[rows], torch.zeros_like(out[rows])) and bool(torch.isinf(lse[:, rows]).all())
-            continue
-        one = (q[rows][None], gathered(k, table, b), gathered(v, table, b))
-        ref_out, ref_lse = attention_forward(*one, causal=causal, **variant)
-        same = attention_same_dtype(*one, torch.zeros_like(one[0]), causal=causal, **variant)[0]
-        seen = ~torch.isinf(ref_lse[0])
-        assert torch.equal(torch.isinf(lse[:, rows]), ~seen), f"sequence {b}: rows without keys"
-        assert max_error(lse[:, rows][seen], ref_lse[0][seen]) < lse_tolerance(variant.get("softcap", 0.0)), \
-            f"sequence {b}: L"
-        worst_kernel = max(worst_kernel, max_error(out[rows][None], ref_out))
-        worst_torch = max(worst_torch, max_error(same, ref_out))
-    assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR, f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
-
-
-def test_paged_equals_packed_keys():
+def test_paged_equals_packed_keys(family):
     """The same keys packed (the training path) and paged give the same attention."""
     q, k, v, table = paged(16, seed=7)
     packed_k = torch.cat([gathered(k, table, b)[0] for b in range(len(LENGTHS_K))])
@@ -143,7 +111,7 @@ def test_bad_paged_inputs(change, error, message, monkeypatch):
         fagen.flash_attn_varlen_func(**{**_args(), **change})
 
 
-def test_a_page_outside_the_cache_is_refused_by_the_kernel_by_default():
+def test_a_page_outside_the_cache_is_refused_by_the_kernel_by_default(family):
     """Not read on the host: the forward's guard reads page 0 in its place and the call raises."""
     with pytest.raises(ValueError, match="out of range in cu_seqlens_q, cu_seqlens_k or block_table"):
         fagen.flash_attn_varlen_func(**{**_args(), "block_table": torch.full((5, 5), 99, dtype=torch.int32)})
@@ -164,9 +132,12 @@ def test_paged_runs_the_forward_on_inputs_that_require_grad_and_refuses_a_backwa
     assert args["q"].grad is None
 
 
-def test_paged_varlen_kernel_is_race_free(monkeypatch):
+# producer-first and random order the sm90 family's warp roles (its producer and consumers).
+@pytest.mark.parametrize("family, schedule", [("sm80", "warp-serial"), ("sm90", "warp-serial-reverse"),
+                                              ("sm90", "producer-first"), ("sm90", "random")], indirect=["family"])
+def test_paged_varlen_kernel_is_race_free(monkeypatch, family, schedule):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
-    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", "warp-serial")
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
     q, k, v, table = paged(48, seed=5)
     fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K), causal=True,
                                  block_table=table)
@@ -180,3 +151,17 @@ def test_paged_varlen_kernels_compile_without_spills(head_dim, arch):
     assert spec.name.endswith("varlen_paged_m64n16w4s2") and spec.block_n == 16   # tiles never straddle a page
     for name, report in compile_source(render(spec), arch).resources.items():
         assert report.spill_bytes == 0 and report.stack_bytes == 0, f"{name} on {arch}: {report}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_the_sm90_forward_compiles_for_sm_90a_without_spills(head_dim):
+    """The sm90 family's spec (arch_families.chosen_decoding_spec: its own key tiles, a TMA box per
+    16 keys of pages of 16), every variant it takes here."""
+    pytest.importorskip("cuda.bindings")
+    from fagen.arch_families import chosen_decoding_spec
+
+    spec = chosen_decoding_spec(Spec.for_kv_cache(head_dim, "bf16", causal=True, page_size=16, varlen=True,
+                                                  window=True, softcap=True, alibi=True), "sm90", None)
+    assert spec.arch_family == "sm90" and spec.name.endswith("varlen_paged_sm90")
+    for name, report in compile_source(render(spec), "sm_90a").resources.items():
+        assert report.spill_bytes == 0 and report.stack_bytes == 0, f"{name}: {report}"

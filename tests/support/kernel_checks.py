@@ -253,6 +253,30 @@ def mla_check(spec: Spec, source: Source | None = None) -> None:
         check_mla(page=64 if spec.kv_cache == "paged" else None, num_splits=2)
 
 
+def paged_varlen_check(spec: Spec, source: Source | None = None) -> None:
+    """Packed queries over a paged cache (flash_attn_varlen_func with a block_table, whose spec is
+    `spec` and kernels `source`): ragged and empty sequences in pages of 16, a window, the softcap
+    and ALiBi, causal, each sequence against the oracle (tests/support/varlen_paged_cases.py)."""
+    import fagen
+    from fagen.ops import varlen as varlen_ops
+    from varlen_paged_cases import LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, paged
+
+    source = render(spec) if source is None else source
+
+    def step_source(built: Spec) -> Source:
+        assert built == spec, f"the case builds {built.name}, not {spec.name}"
+        return source
+
+    variant = {"window_size": (9, 0), "softcap": 20.0, "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}
+    q, k, v, table = paged(16, seed=16)
+    with mock.patch.object(varlen_ops, "source_for", step_source), \
+            mock.patch.dict(os.environ, {"FAGEN_ARCH_FAMILY": spec.arch_family}):
+        out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q),
+                                                max(LENGTHS_K), causal=True, block_table=table, return_lse=True,
+                                                **variant)
+    check_against_the_oracle(out, lse, q, k, v, table, True, variant)
+
+
 def packed_window_check(spec: Spec, source: Source | None = None) -> None:
     """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
     head of an entry sees the same last six keys, whatever row of the tile it was packed into."""

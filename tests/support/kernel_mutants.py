@@ -353,6 +353,18 @@ MUTANTS += [KernelMutant(f"sm90 wide: {name}", spec, (Edit(old, new),), (check,)
     ("MLA: every slice of V read from K's first columns", SM90_MLA, checks.mla_check,
      "  c.read_v_from(slice_column0());\n", ""),
 ]]
+# Packed queries over a paged cache on the sm90 family: each sequence's keys from its own row of
+# the block table, as many as cu_seqlens_k gives it.
+SM90_VARLEN_PAGED = chosen_decoding_spec(Spec.for_kv_cache(64, "fp16", causal=True, page_size=16, varlen=True,
+                                                           window=True, softcap=True, alibi=True), "sm90", None)
+MUTANTS += [KernelMutant(f"sm90 paged varlen: {name}", SM90_VARLEN_PAGED, (Edit(old, new),),
+                         (checks.paged_varlen_check,))
+            for name, old, new in [
+    ("every sequence's keys from the first row of the block table",
+     "{block_table + (long long)batch * block_table_stride, page_size", "{block_table, page_size"),
+    ("a sequence's keys counted as its queries", "  const int keys = seqlen_k;\n  const KeySource",
+     "  const int keys = seqlen_q;\n  const KeySource"),
+]]
 
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",

@@ -1,7 +1,8 @@
-"""The sm90 family past d = 256 on a compute capability 9.0 GPU (tests/kernels/test_sm90_wide_head_dims.py
-on the emulator): the forward at d = 512 and 320 (O in two column slices, 32- and 64-key tiles), a
-d = 512 decoding step, and absorbed MLA (V's slices read from K's tile), against the float64
-oracle by FlashAttention-2's rule. Marked `gpu` but not `twins`: the pipeline they build on is
+"""The sm90 family's later features on a compute capability 9.0 GPU: past d = 256
+(tests/kernels/test_sm90_wide_head_dims.py on the emulator: the forward at d = 512 and 320, O in
+two column slices, a d = 512 decoding step, and absorbed MLA, V's slices read from K's tile), and
+packed queries over a paged cache (tests/ops/test_varlen_paged.py), against the float64 oracle by
+FlashAttention-2's rule. Marked `gpu` but not `twins`: the pipeline they build on is
 test_gpu_sm90_forward.py's. FAGEN_GPU_TESTS_DEVICE=cpu runs them through the emulator, and a
 record run (fagen.bench.record_plugin) as far as their first call, so that precompile builds
 their kernels."""
@@ -60,3 +61,24 @@ def test_absorbed_mla_meets_the_oracle(layout, monkeypatch):
     kvcache = _sm90_steps(monkeypatch)
     check_mla(device=DEVICE, **cases.SM90_MLA_LAYOUTS[layout])
     assert {plan.source.spec.arch_family for plan in kvcache._plans.values()} == {"sm90"}
+
+
+def test_packed_queries_over_a_paged_cache_meet_the_oracle(monkeypatch):
+    """flash_attn_varlen_func with a block_table: ragged and empty sequences, pages of 16 (a TMA box
+    each), a window, the softcap and ALiBi, causal."""
+    import fagen
+    from fagen.ops import varlen as varlen_ops
+    from varlen_paged_cases import LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, paged
+
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    built = []
+    real = varlen_ops.source_for
+    monkeypatch.setattr(varlen_ops, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    variant = dict(cases.SM90_VARLEN_PAGED_VARIANT, alibi_slopes=torch.tensor(cases.SM90_VARLEN_PAGED_SLOPES))
+    q, k, v, table = paged(cases.SM90_VARLEN_PAGED_PAGE, seed=16)
+    on = [t.to(DEVICE) for t in (q, k, v, table, cu(LENGTHS_Q), cu(LENGTHS_K))]
+    out, lse = fagen.flash_attn_varlen_func(*on[:3], on[4], on[5], max(LENGTHS_Q), max(LENGTHS_K), causal=True,
+                                            block_table=on[3], return_lse=True,
+                                            **{**variant, "alibi_slopes": variant["alibi_slopes"].to(DEVICE)})
+    assert set(built) == {"sm90"}
+    check_against_the_oracle(out.cpu(), lse.cpu(), q, k, v, table, True, variant)
