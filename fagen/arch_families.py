@@ -178,6 +178,10 @@ def sm90_block_n_problem(spec) -> str | None:
             or not SM90_MIN_BLOCK_N <= block_n <= 256:
         return (f"sm90_block_n must be a multiple of {SM90_BLOCK_N_STEP} from {SM90_MIN_BLOCK_N} to 256, "
                 f"got {block_n!r}")
+    needed = _tiles(spec, block_n).shared_bytes + SM90_STATIC_BYTES
+    if needed > SM90_SHARED_BYTES:
+        return (f"sm90_block_n={block_n} at head_dim={spec.head_dim}: Q and two K/V stages need {needed} bytes of "
+                f"shared memory, more than an sm_90 block's {SM90_SHARED_BYTES}")
     return None
 
 

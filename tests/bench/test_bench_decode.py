@@ -168,7 +168,8 @@ class _Tiny:
     config = DecodeConfig(batch=2, cache_len=64, q_heads=4, kv_heads=2, head_dim=16, page_size=16,
                           sanity_shape=(2, 32), varlen_tokens=96, varlen_heads=2, documents=3,
                           varlen_sanity_shape=(3, 48, 2), graph_shape=(2, 64), graph_splits=2,
-                          mla_systems=("fagen_mla", "sdpa"), mla_batches=(2,), mla_cache_len=128, mla_heads=4)
+                          mla_systems=("fagen_mla", "fagen_sm90_mla", "sdpa"), mla_batches=(2,), mla_cache_len=128,
+                          mla_heads=4)
     plan = Plan(decode=config)
     graph_only = Plan(decode=dataclasses.replace(config, decode_systems=(), varlen_systems=(), mla_systems=()))
 
@@ -241,6 +242,8 @@ def test_the_decode_section_end_to_end_on_the_emulator(tmp_path, monkeypatch):
         cell = mla["results"][name]
         assert cell["bytes"] == config.mla_bytes(2) == (2 * 128 * 576 + 2 * 4 * (576 + 512)) * 2, (name, cell)
         assert cell["copy_fraction"] == pytest.approx(cell["tb_per_s"] / 0.02)
+    # The sm90 family's row says why it does not run off compute capability 9.0, and takes no sanity check.
+    assert "compute capability 9.0 only" in mla["results"]["fagen_sm90_mla"]["skipped"]
     native = config.decode_bytes()
     for name in ("fagen", "fagen_paged", "sdpa_math", "sdpa_flash", "flex"):
         cell = decode["results"][name]

@@ -158,3 +158,5 @@ def test_what_the_wide_forward_does_not_take_is_refused_by_name():
     with pytest.raises(ValueError, match="arch_family='sm90' has no forward for head_dim=576 .*576 with v_from_k"):
         Spec(**fields, arch_family="sm90")
     assert sm90_refusal(Spec(**fields)) is not None and sm90_refusal(Spec(**fields, v_from_k=True)) is None
+    with pytest.raises(ValueError, match="sm90_block_n=64 at head_dim=512: Q and two K/V stages need 328960 bytes"):
+        Spec(512, arch_family="sm90", sm90_block_n=64)

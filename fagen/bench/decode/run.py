@@ -61,7 +61,7 @@ from ..timing import Deadline, Timing, measure_copy_bandwidth, time_cuda
 from .config import DecodeConfig
 from .graph import cuda_graph_capture, measure_graph
 from .markdown import add_bandwidth, add_varlen_ratios, graph_text, section_note
-from .mla import FAGEN_FAMILIES, make_mla_inputs, measure_mla, mla_sanity
+from .mla import FAGEN_FAMILIES, make_mla_inputs, measure_mla, mla_sanity, unavailable
 from .step import FagenDecode, FlexDecode, SdpaDecode, decode_sanity, make_decode_inputs, measure_decode
 from .varlen import FagenPadded, FagenVarlen, SdpaPadded, make_documents, varlen_sanity
 
@@ -185,7 +185,7 @@ def _mla_part(run: _Section, device, timer, timer_kwargs, names) -> dict | None:
     """Absorbed MLA's step (mla.py) for `names` at each batch: fagen's sanity first; a lost
     context's section, else None."""
     config = run.config
-    for name in [n for n in names if n in FAGEN_FAMILIES]:
+    for name in [n for n in names if n in FAGEN_FAMILIES and not unavailable(n)]:   # its rows say why not
         if run.deadline.expired(2.0):
             break
         sanity = run.data["sanity"][name] = mla_sanity(config, device, name)
