@@ -11,10 +11,9 @@ import torch
 
 from fagen.arch_families import sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
-from fagen.kernels.render import render
 from fagen.spec import Spec
-from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
 import kernel_checks as checks
+from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
 from variant_cases import run_variant_case
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
@@ -124,19 +123,6 @@ def test_alibi_meets_the_oracle(base, variant):
 # family's, on the wgmma accumulator's (row, col) map), with captured tensors and their gradients
 # (the sm80 backward's); a document mask's tile classes; the narrower key tiles mods take
 # (arch_families.sm90_tiles: 96, 80, 64 and 48 keys).
-BIAS = (torch.randn(4, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
-DOCUMENTS = torch.sort(torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
-                       dim=1).values
-
-
-def _relative_bias(score, b, h, q_idx, kv_idx):
-    return score + BIAS[h, q_idx - kv_idx + 199]
-
-
-def _same_document(b, h, q_idx, kv_idx):
-    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
-
-
 def _gated(score, b, h, q_idx, kv_idx):
     return score * torch.sigmoid(score)
 
@@ -144,13 +130,13 @@ def _gated(score, b, h, q_idx, kv_idx):
 MODS = {"alibi_softcap_d64": (Spec(64, dtype="bf16", mask="causal", arch_family="sm90"),
                               {"alibi_slopes": torch.tensor(SLOPES), "softcap": 5.0}, ()),
         "relative_bias_d64": (Spec(64, dtype="fp16", mask="causal", arch_family="sm90"),
-                              {"score_mod": _relative_bias}, (BIAS,)),
-        "documents_d128": (Spec(128, dtype="bf16", arch_family="sm90"), {"mask_mod": _same_document}, ()),
+                              {"score_mod": relative_bias}, (BIAS,)),
+        "documents_d128": (Spec(128, dtype="bf16", arch_family="sm90"), {"mask_mod": same_document}, ()),
         "gated_documents_sinks_d256": (Spec(256, dtype="fp16", arch_family="sm90"),
-                                       {"score_mod": _gated, "mask_mod": _same_document,
+                                       {"score_mod": _gated, "mask_mod": same_document,
                                         "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}, ()),
         "relative_bias_dropout_d192": (Spec(192, dtype="bf16", mask="causal", dropout=True,
-                                            arch_family="sm90"), {"score_mod": _relative_bias}, (BIAS,))}
+                                            arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,))}
 
 
 @pytest.mark.parametrize("case", MODS.values(), ids=MODS)
@@ -173,16 +159,12 @@ def test_every_schedule_is_race_free_and_exact(monkeypatch, schedule):
     run_and_check(SPECS[0], Shape(1, 150, 200, heads=2, kv_heads=1), backward=False)
 
 
-def _traced(score=None, mask=None) -> dict:
-    return {"score_mod": score and custom_mod(trace_score_mod(score)), "mask_mod": mask and custom_mod(trace_mask_mod(mask))}
-
-
 # The score chains and mods at every head dim, on their key tiles (arch_families.sm90_tiles).
-STATIC_MODS = [Spec(64, mask="causal", **_traced(_relative_bias), arch_family="sm90"),
-               Spec(128, mask="causal", dropout=True, **_traced(_relative_bias), arch_family="sm90"),
+STATIC_MODS = [Spec(64, mask="causal", **traced(relative_bias), arch_family="sm90"),
+               Spec(128, mask="causal", dropout=True, **traced(relative_bias), arch_family="sm90"),
                Spec(128, mask="causal", softcap=True, alibi=True, arch_family="sm90"),
-               Spec(192, **_traced(mask=_same_document), arch_family="sm90"),
-               Spec(256, **_traced(_gated, _same_document), arch_family="sm90")]
+               Spec(192, **traced(mask=same_document), arch_family="sm90"),
+               Spec(256, **traced(_gated, same_document), arch_family="sm90")]
 
 
 # Packed sequences (the oracle tests are tests/ops/test_varlen.py's): their guards and views too.
@@ -196,19 +178,7 @@ def test_packed_sequences_meet_the_oracle():
 
 @pytest.mark.parametrize("spec", SPECS + DROPOUT + STATIC_MODS + PACKED, ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
-    pytest.importorskip("cuda.bindings")
-    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
-
-    source = render(spec)
-    cubin, log = nvrtc_compile(source.code, "sm_90a")
-    assert cubin, log
-    check_wgmma_pipeline(log, spec.name, "sm_90a")   # raises on C7510-C7520: wgmma serialised
-    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
-    assert usage.spill_store_bytes == usage.spill_load_bytes == 0, usage
-    # 384 threads, one block per SM: ptxas allocates at most 65536 / 384 = 168 registers a thread,
-    # within the consumers' setmaxnreg budget of 240.
-    assert usage.registers <= 168, usage
-    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= 227 * 1024
+    check_sm90_forward_compiles(spec)
 
 
 # The steady state of each head dim's key tile (sm90_tiles), plain and causal, with the variants
@@ -226,14 +196,7 @@ def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
     """FlashAttention-3's intra-warpgroup overlap, read from the machine code (fagen.sass.overlap):
     the wait for P_{j-1} V_{j-1} stays after tile j's softmax (Consumer::keep_exp2_above), so
     ptxas does not hoist it above the exp2."""
-    pytest.importorskip("cuda.bindings")
-    from fagen.sass.listing import find_cuobjdump
-    from fagen.sass.report import report_for_spec
-
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
-    overlap = report_for_spec(spec, "sm_90a")[render(spec).kernels.forward.name].overlap
-    assert overlap.exp2 > 0 and overlap.exp2_in_flight == overlap.exp2, overlap
+    check_every_exp2_in_flight(spec)
 
 
 def test_the_spec_names_the_family_and_round_trips():

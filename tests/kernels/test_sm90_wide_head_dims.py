@@ -17,8 +17,8 @@ from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.arch_families import chosen_decoding_spec
 from fagen.spec import Spec
-from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
 import kernel_checks as checks
+from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
 from variant_cases import run_variant_case
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
@@ -68,35 +68,18 @@ def test_variants_meet_the_oracle(variant):
 
 # Custom mods over captured tensors (the sm80 backward's capture gradients after them), at 32-key
 # tiles (arch_families.sm90_tiles: wider spilled a mod's state at d = 320).
-BIAS = (torch.randn(4, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
-DOCUMENTS = torch.sort(torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
-                       dim=1).values
-
-
-def _relative_bias(score, b, h, q_idx, kv_idx):
-    return score + BIAS[h, q_idx - kv_idx + 199]
-
-
-def _same_document(b, h, q_idx, kv_idx):
-    return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
-
-
 @pytest.mark.parametrize("base, variant, captures", [
-    (Spec(512, dtype="bf16", mask="causal", arch_family="sm90"), {"score_mod": _relative_bias}, (BIAS,)),
+    (Spec(512, dtype="bf16", mask="causal", arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,)),
     (Spec(320, dtype="fp16", dropout=True, arch_family="sm90"),
-     {"score_mod": _relative_bias, "mask_mod": _same_document}, (BIAS,))], ids=["relative_bias_d512",
+     {"score_mod": relative_bias, "mask_mod": same_document}, (BIAS,))], ids=["relative_bias_d512",
                                                                                  "bias_documents_dropout_d320"])
 def test_mods_meet_the_oracle(base, variant, captures):
     run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant, captures=captures)
 
 
-def _traced(score=None, mask=None) -> dict:
-    return {"score_mod": score and custom_mod(trace_score_mod(score)), "mask_mod": mask and custom_mod(trace_mask_mod(mask))}
-
-
-STATIC_MODS = [Spec(512, mask="causal", **_traced(_relative_bias), arch_family="sm90"),
-               Spec(448, mask="causal", dropout=True, **_traced(_relative_bias), arch_family="sm90"),
-               Spec(320, **_traced(_relative_bias, _same_document), arch_family="sm90"),
+STATIC_MODS = [Spec(512, mask="causal", **traced(relative_bias), arch_family="sm90"),
+               Spec(448, mask="causal", dropout=True, **traced(relative_bias), arch_family="sm90"),
+               Spec(320, **traced(relative_bias, same_document), arch_family="sm90"),
                Spec(512, window=True, softcap=True, alibi=True, arch_family="sm90")]
 
 
@@ -125,31 +108,14 @@ def _decoding(head_dim: int, head_dim_v: int | None = None, page: int | None = N
 @pytest.mark.parametrize("spec", WIDE + STATIC_MODS + [_mla_spec(), _decoding(512), _decoding(320, page=16),
                                                        _decoding(448, 256, page=64)], ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
-    pytest.importorskip("cuda.bindings")
-    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
-
-    assert spec.arch_family == "sm90"
-    source = render(spec)
-    cubin, log = nvrtc_compile(source.code, "sm_90a")
-    assert cubin, log
-    check_wgmma_pipeline(log, spec.name, "sm_90a")
-    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
-    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
-    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= SM90_SHARED_BYTES - 256
+    check_sm90_forward_compiles(spec)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [WIDE[0], WIDE[1], WIDE[2]], ids=lambda s: s.name)
 def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
     """FlashAttention-3's overlap holds at the narrow tiles too (fagen.sass.overlap)."""
-    pytest.importorskip("cuda.bindings")
-    from fagen.sass.listing import find_cuobjdump
-    from fagen.sass.report import report_for_spec
-
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
-    overlap = report_for_spec(spec, "sm_90a")[render(spec).kernels.forward.name].overlap
-    assert overlap.exp2 > 0 and overlap.exp2_in_flight == overlap.exp2, overlap
+    check_every_exp2_in_flight(spec)
 
 
 def test_what_the_wide_forward_does_not_take_is_refused_by_name():

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fagen.arch_families import PAGE_BOX_ROWS, chosen_decoding_spec, page_box_rows, sm90_refusal, sm90_tiles
-from fagen.kernels.render import render
 from fagen.kernels.tensor_map import PageBox, TensorMapSpec
 from fagen.ops import kvcache
 from fagen.spec import Spec
 from kvcache_cases import D, Case, cache_guard_check, check_call, check_long_cache, check_mla
+from sm90_cases import check_sm90_forward_compiles
 
 
 @pytest.fixture
@@ -224,17 +224,7 @@ DECODE_SPECS = [_sm90_step_spec(None, causal=False), _sm90_step_spec(64),
 
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)
 def test_nvrtc_compiles_the_decoding_forward_for_sm_90a_without_spills(spec):
-    pytest.importorskip("cuda.bindings")
-    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
-
-    assert spec.arch_family == "sm90"
-    source = render(spec)
-    cubin, log = nvrtc_compile(source.code, "sm_90a")
-    assert cubin, log
-    check_wgmma_pipeline(log, spec.name, "sm_90a")
-    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
-    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
-    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes <= 227 * 1024
+    check_sm90_forward_compiles(spec)
 
 
 def test_a_warm_step_reuses_its_plan_on_sm90(families):
