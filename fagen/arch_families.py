@@ -30,7 +30,9 @@ SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
 SM90_SHARED_BYTES = 227 * 1024   # an sm_90 block's shared memory, dynamic and static together
-SM90_STATIC_BYTES = 256          # the forward's static shared memory (its mbarriers) and then some
+# The forward's static shared memory: its mbarriers, which ptxas reports as up to 1024 bytes (the
+# dynamic tiles after them start on the 128B swizzle's 1024-byte period).
+SM90_STATIC_BYTES = 1024
 # A consumer warpgroup's O is 64 rows of its columns in fp32: d_v / 2 registers a thread. Past 256
 # columns it would not fit the 240 setmaxnreg gives, so wider O is computed a column slice per block.
 SM90_SLICE_COLUMNS = 256
