@@ -30,6 +30,16 @@ WIDE = [Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
         Spec(512, head_dim_v=384, dtype="bf16", arch_family="sm90"),
         Spec(384, dtype="bf16", mask="causal", dropout=True, arch_family="sm90")]
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
+# Each spec the emulator builds costs CI about 10 s on two cores: the default tier runs one of each
+# kind (d 512 in two slices, d 320's zero-filled last slice under the racecheck, MLA in
+# test_kvcache_sm90.py), the slow tier the rest.
+slow = pytest.mark.slow
+
+
+def _default_first(items, count=1):
+    """`items` as pytest params, the first `count` in the default tier and the rest slow."""
+    values = [item if isinstance(item, tuple) else (item,) for item in items]
+    return [pytest.param(*value, marks=() if i < count else slow) for i, value in enumerate(values)]
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +61,8 @@ def test_the_geometry_fits_an_sm90_block():
     assert render(WIDE[0]).kernels.forward.grid(2, 4, 150) == (4, 4, 2)   # two row blocks, two slices each
 
 
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
-@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec, shape", _default_first([(spec, shape) for spec in WIDE for shape in SHAPES.values()]),
+                         ids=[f"{spec.name}-{name}" for spec in WIDE for name in SHAPES])
 def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
     run_and_check(spec, shape)
 
@@ -61,6 +71,7 @@ def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
                                      {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]),
                                       "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}],
                          ids=["softcap_window", "alibi_sinks"])
+@slow
 def test_variants_meet_the_oracle(variant):
     run_variant_case(Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
                      Shape(2, 150, 200, heads=4, kv_heads=2), variant)
@@ -73,6 +84,7 @@ def test_variants_meet_the_oracle(variant):
     (Spec(320, dtype="fp16", dropout=True, arch_family="sm90"),
      {"score_mod": relative_bias, "mask_mod": same_document}, (BIAS,))], ids=["relative_bias_d512",
                                                                                  "bias_documents_dropout_d320"])
+@slow
 def test_mods_meet_the_oracle(base, variant, captures):
     run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant, captures=captures)
 
@@ -83,11 +95,12 @@ STATIC_MODS = [Spec(512, mask="causal", **traced(relative_bias), arch_family="sm
                Spec(512, window=True, softcap=True, alibi=True, arch_family="sm90")]
 
 
+@slow
 def test_packed_sequences_meet_the_oracle():
     checks.packed_forward_check(Spec(384, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"))
 
 
-@pytest.mark.parametrize("spec", [WIDE[1], WIDE[3]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", _default_first([WIDE[1], WIDE[3]]), ids=lambda s: s.name)
 def test_every_schedule_is_race_free_and_exact(spec):
     """Four key tiles through two stages under the producer-first, consumer-first and random
     schedules, with the happens-before racecheck (kernel_checks.sm90_pipeline_check)."""
@@ -105,13 +118,14 @@ def _decoding(head_dim: int, head_dim_v: int | None = None, page: int | None = N
     return chosen_decoding_spec(kvcache.decode_spec(head_dim, torch.float16, True, page, fields), "sm90", None)
 
 
-@pytest.mark.parametrize("spec", WIDE + STATIC_MODS + [_mla_spec(), _decoding(512), _decoding(320, page=16),
-                                                       _decoding(448, 256, page=64)], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", _default_first([WIDE[0], _mla_spec(), STATIC_MODS[0]] + WIDE[1:] + STATIC_MODS[1:]
+                                                + [_decoding(512), _decoding(320, page=16),
+                                                   _decoding(448, 256, page=64)], count=3), ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
     check_sm90_forward_compiles(spec)
 
 
-@pytest.mark.slow
+@slow
 @pytest.mark.parametrize("spec", [WIDE[0], WIDE[1], WIDE[2]], ids=lambda s: s.name)
 def test_every_exp2_of_the_consumer_loop_issues_while_p_v_is_in_flight(spec):
     """FlashAttention-3's overlap holds at the narrow tiles too (fagen.sass.overlap)."""

@@ -121,15 +121,21 @@ def test_wider_heads_and_v_s_own_head_dim(families, head_dim, head_dim_v, dtype)
 
 # Past d = 256 (tests/kernels/test_sm90_wide_head_dims.py): narrower key tiles, and past d_v = 256 a
 # block per column slice of O, each writing its columns of a split's partials (the slice 0 block L).
-@pytest.mark.parametrize("head_dim, head_dim_v, page, num_splits", [(512, None, None, 2), (320, None, 16, 1),
-                                                                    (448, 256, 64, 3), (384, None, 32, 2)])
+# Each spec the emulator builds costs CI about 10 s: one of a kind in the default tier, the rest slow.
+slow = pytest.mark.slow
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, page, num_splits", [
+    (512, None, None, 2), pytest.param(320, None, 16, 1, marks=slow), pytest.param(448, 256, 64, 3, marks=slow),
+    pytest.param(384, None, 32, 2, marks=slow)])
 def test_head_dims_past_256(families, head_dim, head_dim_v, page, num_splits):
     check_call(Case(nq=2, new=1, capacity=128, page=page, head_dim=head_dim, head_dim_v=head_dim_v, seed=11),
                causal=True, num_splits=num_splits)
     assert families == ["sm90"]
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(page=64, num_splits=2), dict(batch=1, heads=128, page=64, capacity=192)],
+@pytest.mark.parametrize("layout", [pytest.param(dict(), marks=slow), dict(page=64, num_splits=2),
+                                    pytest.param(dict(batch=1, heads=128, page=64, capacity=192), marks=slow)],
                          ids=["contiguous", "paged64_split2", "128_heads_one_block"])
 def test_absorbed_mla(families, layout):
     """One cache of 576-wide rows, v_cache its first 512 columns (Spec.v_from_k): V's slices are
@@ -138,6 +144,7 @@ def test_absorbed_mla(families, layout):
     assert set(families) == {"sm90"}
 
 
+@slow
 @pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
 def test_mla_is_race_free_under_every_schedule(families, monkeypatch, schedule):
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)

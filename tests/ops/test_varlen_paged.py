@@ -18,7 +18,12 @@ from kernel_cases import max_error
 from varlen_paged_cases import H, HK, D, LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, gathered, paged
 
 
-@pytest.fixture(params=["sm80", "sm90"])
+# The sm90 family's cases, but for the variants' case and the racecheck's, are in the slow tier: each
+# spec the emulator builds costs CI about 10 s on two cores.
+SM90_SLOW = pytest.param("sm90", marks=pytest.mark.slow)
+
+
+@pytest.fixture(params=["sm80", SM90_SLOW])
 def family(request, monkeypatch):
     """FAGEN_ARCH_FAMILY for the test's calls; afterwards, that every call built that family's spec."""
     monkeypatch.setenv("FAGEN_ARCH_FAMILY", request.param)
@@ -43,6 +48,13 @@ def test_each_sequence_against_the_oracle(page, causal, variant, family):
     out, lse = fagen.flash_attn_varlen_func(q, k, v, cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K),
                                             causal=causal, block_table=table, return_lse=True, **variant)
     check_against_the_oracle(out, lse, q, k, v, table, causal, variant)
+
+
+@pytest.mark.parametrize("family", ["sm90"], indirect=True)
+def test_the_sm90_family_with_a_window_softcap_and_alibi(family):
+    """The default tier's sm90 case: pages of 48 (three TMA boxes of 16 keys each), causal."""
+    test_each_sequence_against_the_oracle(48, True, {"window_size": (9, 0), "softcap": 20.0,
+                                                     "alibi_slopes": torch.tensor([0.5, 0.25, 0.1, 0.05])}, family)
 
 
 HEAD_BIAS = torch.tensor([0.4, -0.3, 0.2, 0.1])
@@ -133,8 +145,10 @@ def test_paged_runs_the_forward_on_inputs_that_require_grad_and_refuses_a_backwa
 
 
 # producer-first and random order the sm90 family's warp roles (its producer and consumers).
-@pytest.mark.parametrize("family, schedule", [("sm80", "warp-serial"), ("sm90", "warp-serial-reverse"),
-                                              ("sm90", "producer-first"), ("sm90", "random")], indirect=["family"])
+@pytest.mark.parametrize("family, schedule", [("sm80", "warp-serial"), ("sm90", "producer-first"),
+                                              pytest.param("sm90", "warp-serial-reverse", marks=pytest.mark.slow),
+                                              pytest.param("sm90", "random", marks=pytest.mark.slow)],
+                         indirect=["family"])
 def test_paged_varlen_kernel_is_race_free(monkeypatch, family, schedule):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
