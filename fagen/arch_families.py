@@ -112,6 +112,11 @@ class Sm90Tiles:
         stage = self.block_n * (self.head_dim + (0 if self.v_from_k else self.slice_columns)) * 2
         return SWIZZLE_PERIOD + self.block_m * self.head_dim * 2 + self.stages * stage
 
+    @property
+    def fits(self) -> bool:
+        """Whether the tiles and the static shared memory fit an sm_90 block."""
+        return self.shared_bytes + SM90_STATIC_BYTES <= SM90_SHARED_BYTES
+
 
 def sm90_tiles(spec) -> Sm90Tiles:
     """The key tiles FlashAttention-3 takes: 176 keys at d = 128 (the per-row work of a tile, its
@@ -160,7 +165,7 @@ def _widest_fitting(spec, widths) -> Sm90Tiles:
     256-column slice, as at d = 256, and S is narrower."""
     for block_n in widths:
         tiles = _tiles(spec, block_n)
-        if tiles.shared_bytes + SM90_STATIC_BYTES <= SM90_SHARED_BYTES:
+        if tiles.fits:
             return tiles
     raise ValueError(f"head_dim={spec.head_dim}: no key tile of {widths} fits the sm90 forward's shared memory")
 
@@ -180,10 +185,11 @@ def sm90_block_n_problem(spec) -> str | None:
             or not SM90_MIN_BLOCK_N <= block_n <= 256:
         return (f"sm90_block_n must be a multiple of {SM90_BLOCK_N_STEP} from {SM90_MIN_BLOCK_N} to 256, "
                 f"got {block_n!r}")
-    needed = _tiles(spec, block_n).shared_bytes + SM90_STATIC_BYTES
-    if needed > SM90_SHARED_BYTES:
-        return (f"sm90_block_n={block_n} at head_dim={spec.head_dim}: Q and two K/V stages need {needed} bytes of "
-                f"shared memory, more than an sm_90 block's {SM90_SHARED_BYTES}")
+    tiles = _tiles(spec, block_n)
+    if not tiles.fits:
+        return (f"sm90_block_n={block_n} at head_dim={spec.head_dim}: Q and two K/V stages need "
+                f"{tiles.shared_bytes + SM90_STATIC_BYTES} bytes of shared memory, more than an sm_90 block's "
+                f"{SM90_SHARED_BYTES}")
     return None
 
 

@@ -205,7 +205,7 @@ def sanitizer_workload(device: str) -> list[str]:
 def gpu_test_calls() -> list[tuple[str, object]]:
     """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py
     and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
-    return _kernel_test_calls() + _decode_test_calls() + _sm90_wide_test_calls() + _ring_test_calls()
+    return _kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _ring_test_calls()
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -286,10 +286,10 @@ def _decode_test_calls() -> list:
     return [(f"decode {name}", functools.partial(_decode_case, *args)) for name, args in named.items()]
 
 
-def _sm90_wide_test_calls() -> list:
-    """The sm90 family past d = 256: the forward's Specs (rendered by the test), a d = 512 decoding
-    step and an absorbed-MLA step under FAGEN_ARCH_FAMILY=sm90 (one spec for every layout); and
-    packed queries over a paged cache."""
+def _sm90_feature_test_calls() -> list:
+    """tests/gpu/test_gpu_sm90_features.py's: past d = 256 the forward's Specs (rendered by the test),
+    a d = 512 decoding step and an absorbed-MLA step (one spec for every layout); and packed queries
+    over a paged cache; the steps under FAGEN_ARCH_FAMILY=sm90."""
     from fagen.spec import Spec
 
     from .peers import in_family

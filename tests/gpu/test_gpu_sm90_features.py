@@ -67,13 +67,10 @@ def test_packed_queries_over_a_paged_cache_meet_the_oracle(monkeypatch):
     """flash_attn_varlen_func with a block_table: ragged and empty sequences, pages of 16 (a TMA box
     each), a window, the softcap and ALiBi, causal."""
     import fagen
-    from fagen.ops import varlen as varlen_ops
-    from varlen_paged_cases import LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, paged
+    from varlen_paged_cases import LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, paged, recorded_families
 
     monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
-    built = []
-    real = varlen_ops.source_for
-    monkeypatch.setattr(varlen_ops, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    built = recorded_families(monkeypatch)
     variant = dict(cases.SM90_VARLEN_PAGED_VARIANT, alibi_slopes=torch.tensor(cases.SM90_VARLEN_PAGED_SLOPES))
     q, k, v, table = paged(cases.SM90_VARLEN_PAGED_PAGE, seed=16)
     on = [t.to(DEVICE) for t in (q, k, v, table, cu(LENGTHS_Q), cu(LENGTHS_K))]

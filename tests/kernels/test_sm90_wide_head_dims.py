@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fagen.arch_families import SM90_SHARED_BYTES, SM90_STATIC_BYTES, sm90_refusal, sm90_tiles
+from fagen.arch_families import sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.ops import kvcache
@@ -56,7 +56,7 @@ def test_the_geometry_fits_an_sm90_block():
                      (384, 384): (32, 2, 192, 173056)}   # dropout: 32 keys (48 spilled its Philox words)
     mla = sm90_tiles(_mla_spec())
     assert (mla.block_n, mla.slices, mla.slice_columns, mla.shared_bytes) == (32, 2, 256, 222208)
-    assert all(t.shared_bytes + SM90_STATIC_BYTES <= SM90_SHARED_BYTES for t in map(sm90_tiles, WIDE + [_mla_spec()]))
+    assert all(t.fits for t in map(sm90_tiles, WIDE + [_mla_spec()]))
     assert sm90_tiles(Spec(384, dtype="bf16", arch_family="sm90")).block_n == 48   # the widest that fits
     assert render(WIDE[0]).kernels.forward.grid(2, 4, 150) == (4, 4, 2)   # two row blocks, two slices each
 

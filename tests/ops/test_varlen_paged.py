@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fagen
-from fagen.ops import varlen as varlen_ops
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
 from fagen.spec import Spec
 from kernel_cases import max_error
-from varlen_paged_cases import H, HK, D, LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, gathered, paged
+from varlen_paged_cases import (H, HK, D, LENGTHS_K, LENGTHS_Q, check_against_the_oracle, cu, gathered, paged,
+                                recorded_families)
 
 
 # The sm90 family's cases, but for the variants' case and the racecheck's, are in the slow tier: each
@@ -27,9 +27,7 @@ SM90_SLOW = pytest.param("sm90", marks=pytest.mark.slow)
 def family(request, monkeypatch):
     """FAGEN_ARCH_FAMILY for the test's calls; afterwards, that every call built that family's spec."""
     monkeypatch.setenv("FAGEN_ARCH_FAMILY", request.param)
-    built = []
-    real = varlen_ops.source_for
-    monkeypatch.setattr(varlen_ops, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    built = recorded_families(monkeypatch)
     yield request.param
     assert built and set(built) == {request.param}, built
 

@@ -27,6 +27,16 @@ def paged(page, dtype=torch.float16, seed=0, d=D):
     return q, k, v, table.to(torch.int32)
 
 
+def recorded_families(monkeypatch) -> list:
+    """FAGEN_ARCH_FAMILY's effect, seen: the arch_family of every spec flash_attn_varlen_func's paged
+    path builds from now on (appended to the list returned)."""
+    from fagen.ops import varlen as varlen_ops
+
+    built, real = [], varlen_ops.source_for
+    monkeypatch.setattr(varlen_ops, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    return built
+
+
 def gathered(cache, table, b):
     return torch.cat([cache[int(p)] for p in table[b]])[:LENGTHS_K[b]][None]
 
