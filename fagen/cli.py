@@ -374,6 +374,9 @@ def make_parser() -> argparse.ArgumentParser:
     from .tuning.command import add_tune_parser
 
     add_tune_parser(sub)
+    from .selftest.command import add_selftest_parser
+
+    add_selftest_parser(sub)
 
     prof = sub.add_parser("profile", help="count a spec's memory traffic, bank conflicts and ops on the CPU",
                           description="Run a spec's kernels in the emulator's instrumented build and count, per kernel: "

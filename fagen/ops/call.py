@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import tuning
-from ..arch_families import ARCH_FAMILY_ENV, chosen_family
+from ..arch_families import ARCH_FAMILY_ENV
 from ..environment import raw_settings, setting, setting_keys
 from ..errors import InputError
 from ..kernels import launch, sources as generated_sources
 from ..kernels.compile import spec_target
 from ..kernels.render import Source, source_for
 from ..kernels.spill_free import spill_free
+from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
 from ..spec import CustomMod, Spec
 from .common import TORCH_DTYPES, padded_width
 
@@ -109,16 +110,17 @@ MAX_CALL_SHAPES = 4096
 
 def kernels_generation(device: torch.device) -> tuple[int, str]:
     """What a memo of a call's kernels must match: the tuning cache's generation (a new tuning
-    result invalidates it; CPU calls never read the tuning cache) and the kernel family asked
-    for (FAGEN_ARCH_FAMILY)."""
+    result invalidates it; CPU calls never read the tuning cache), the kernel family asked
+    for (FAGEN_ARCH_FAMILY), and the self-test's switch and verdicts (fagen.selftest.gate)."""
     return _generation(device.type == "cuda")
 
 
-def _generation(cuda: bool) -> tuple[int, str]:
-    return tuning.cache.INDEX.current_generation() if cuda else 0, setting(ARCH_FAMILY_ENV)
+def _generation(cuda: bool) -> tuple:
+    return (tuning.cache.INDEX.current_generation() if cuda else 0, setting(ARCH_FAMILY_ENV), setting(SELFTEST_ENV),
+            SELFTEST_GENERATION[0])
 
 
-_CPU_STATE = setting_keys(ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
+_CPU_STATE = setting_keys(ARCH_FAMILY_ENV, SELFTEST_ENV, *launch.BACKEND_SETTINGS)
 
 
 def kernels_state(cuda: bool) -> tuple:
@@ -128,7 +130,7 @@ def kernels_state(cuda: bool) -> tuple:
     collected). Read in one step on every warm call; a change starts the call's plans over."""
     if cuda:
         return _generation(True)
-    return raw_settings(_CPU_STATE), launch.instrumentation.collecting()
+    return raw_settings(_CPU_STATE), launch.instrumentation.collecting(), SELFTEST_GENERATION[0]
 
 
 def compiled_arch(device: torch.device) -> str | None:
@@ -140,9 +142,9 @@ def compiled_arch(device: torch.device) -> str | None:
 
 def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     """The kernels for a call: its Spec with the tiles the tuning cache (or the fallback table)
-    gives its shapes, in the kernel family FAGEN_ARCH_FAMILY asks for where the spec and the
-    device allow it (arch_families.chosen_family); a dict lookup once a call of this shape has
-    been seen."""
+    gives its shapes, in the kernel family that serves it on this device (fagen.selftest.gate:
+    FAGEN_ARCH_FAMILY's, a tuning's, or sm90 on Hopper where its self-test passed); a dict lookup
+    once a call of this shape has been seen."""
     if options.module_source:   # a generated op module: its own .cu file, its fixed spec
         return generated_sources.source_of(options.module_source)
     on_gpu = q.device.type == "cuda"
@@ -157,10 +159,8 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     else:
         batch, max_q, max_k = varlen_sizes
         sizes = dict(seqlen_q=max(1, max_q), seqlen_k=max(1, max_k), batch=max(1, batch), heads=q.shape[1])
-    spec = tuning.lookup(options.spec(), **sizes, device=q.device)
-    family = chosen_family(spec, generation[1], torch.cuda.get_device_capability(q.device) if on_gpu else None)
-    if family != spec.arch_family:
-        spec = spec.replace(arch_family=family)
+    spec = serving_spec(tuning.lookup(options.spec(), **sizes, device=q.device), q.device,
+                        tuned=on_gpu and tuning.is_tuned(options.spec(), **sizes, device=q.device))
     arch = compiled_arch(q.device)
     if arch is not None and (spec.score_mod is not None or spec.mask_mod is not None):   # spilling mods: smaller tiles
         spec = spill_free(spec, spec_target(spec, arch))

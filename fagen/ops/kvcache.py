@@ -30,15 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arch_families import ARCH_FAMILY_ENV, chosen_decoding_spec, sm90_tiles
+from ..arch_families import ARCH_FAMILY_ENV, sm90_tiles
 from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
 from ..kernels import run as attention_kernels
 from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
+from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
 from ..spec import Spec
-from ..environment import raw_settings, setting, setting_keys
+from ..environment import raw_settings, setting_keys
 from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit,
                      values_checked)
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
@@ -310,8 +311,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         fields["v_from_k"] = True
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device))
-    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    spec = chosen_decoding_spec(spec, setting(ARCH_FAMILY_ENV), capability)
+    spec = serving_spec(spec, q.device, decoding=True)
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:
@@ -369,7 +369,7 @@ def _signature(args) -> tuple | None:
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
     # The launch backend: q's device (in parts), and what `launch.backend_key` reads on the CPU.
     parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), settings[1:],
-              launch.instrumentation.collecting())
+              launch.instrumentation.collecting(), SELFTEST_GENERATION[0])
     k, v = args[3], args[4]
     if gap == 0 and type(k) is torch.Tensor and type(v) is torch.Tensor:   # one MLA cache: is v k's view too?
         parts.append(k.data_ptr() == v.data_ptr())
@@ -377,9 +377,10 @@ def _signature(args) -> tuple | None:
 
 
 # Read raw in one step on every warm call (environment.raw_settings): FAGEN_CHECK_VALUES, then
-# FAGEN_ARCH_FAMILY (the step's kernel family) and the emulator build's settings (what
-# `launch.backend_key` reads, with instrumentation.collecting).
-_STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, ARCH_FAMILY_ENV, *launch.BACKEND_SETTINGS)
+# FAGEN_ARCH_FAMILY and FAGEN_SELFTEST (the step's kernel family, with the self-test's verdicts'
+# generation) and the emulator build's settings (what `launch.backend_key` reads, with
+# instrumentation.collecting).
+_STEP_SETTINGS = setting_keys(CHECK_VALUES_ENV, ARCH_FAMILY_ENV, SELFTEST_ENV, *launch.BACKEND_SETTINGS)
 _UNSET = (None, b"", b"0", "", "0")   # raw values of a FAGEN_CHECK_VALUES that checks nothing
 
 

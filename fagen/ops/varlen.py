@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..arch_families import ARCH_FAMILY_ENV, chosen_decoding_spec
-from ..environment import setting
 from ..errors import InputError, run_forward_only
 from ..kernels import run_kv_cache as kv_kernels
 from ..kernels.render import source_for
+from ..selftest.gate import serving_spec
 from ..spec import Spec
 from . import autograd
 from .call import options_for, values_of
@@ -81,8 +80,7 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
                                  shared_limit=device_shared_limit(q.device), **fields)
     except ValueError as exc:   # sinks (the decoding kernels take no sinks)
         raise InputError(f"fagen: with a block_table, {exc}") from None
-    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-    spec = chosen_decoding_spec(spec, setting(ARCH_FAMILY_ENV), capability)   # sm90 where asked and it serves
+    spec = serving_spec(spec, q.device, decoding=True)   # sm90 where asked, or proven on this Hopper GPU
 
     def run():
         q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)

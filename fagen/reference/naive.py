@@ -116,8 +116,9 @@ def attention_gradients(q, k, v, dout, *, dlse=None, captures=(), softmax_scale=
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a 4-D tensor (batch, seq, heads, head_dim)")
     B, Nq, H, _ = q.shape
-    if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != tuple(q.shape):
-        raise ValueError(f"dout must be a tensor of shape {tuple(q.shape)}")
+    expected = (B, Nq, H, v.shape[-1]) if isinstance(v, torch.Tensor) else tuple(q.shape)   # O's: d_v wide
+    if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != expected:
+        raise ValueError(f"dout must be a tensor of shape {expected}")
     captures = check_gradient_args(dlse, captures, (B, H, Nq))
     leaves = [t.detach().to(F64).clone().requires_grad_() if isinstance(t, torch.Tensor) else t
               for t in (q, k, v)]

@@ -21,12 +21,12 @@ from .device import LIMIT_PRESETS, DeviceIdentity, DeviceLimits
 from .fallback import FALLBACK_OVERRIDES, arch_family, fallback_spec, fallback_tiles
 from .measure import CheckOutcome, CudaEventTimer, ReferenceCheck
 from .space import DEFAULT_GRID, TileGrid, candidates, prune
-from .tuner import TuneResult, TuningError, autotune, lookup, tune
+from .tuner import TuneResult, TuningError, autotune, is_tuned, lookup, tune
 
 __all__ = [
     "DEFAULT_GRID", "FALLBACK_OVERRIDES", "LIMIT_PRESETS", "CheckOutcome", "CudaEventTimer",
     "DeviceIdentity", "DeviceLimits", "ReferenceCheck", "ShapeBucket", "TileGrid", "TuneEntry",
     "TuneResult", "TuningError", "add_tune_parser", "arch_family", "autotune", "candidates",
-    "clear_cache", "cmd_tune", "fallback_spec", "fallback_tiles", "lookup", "prune", "reload_cache",
+    "clear_cache", "cmd_tune", "fallback_spec", "fallback_tiles", "is_tuned", "lookup", "prune", "reload_cache",
     "show_cache", "tune", "tune_dir",
 ]

@@ -215,6 +215,17 @@ def lookup(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: int
     return INDEX.spec_for(spec, identity, bucket, shared_per_block_optin=shared)
 
 
+def is_tuned(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: int = 1, heads: int = 1,
+             device=None) -> bool:
+    """Whether a tuning result (this shape's or a neighbouring bucket's), not the fallback table,
+    gives `spec`'s tiles on the CUDA `device`: its family then wins over the self-test's default
+    (fagen.selftest.gate), the tuner having checked its output on this GPU."""
+    if not _is_cuda(device):
+        return False
+    bucket = ShapeBucket.of(seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch, heads=heads)
+    return INDEX.find(DeviceIdentity.from_device(device), spec.family, bucket) is not None
+
+
 @functools.lru_cache(maxsize=None)
 def _device_shared_limit(index: int) -> int:
     return DeviceLimits.from_device(index).shared_per_block_optin

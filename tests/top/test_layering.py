@@ -103,7 +103,8 @@ def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
 
 @pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.kernels.render"), ("fagen.kernels.render", "fagen.ops"),
                                        ("fagen.kernels.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
-                                       ("fagen.tuning.command", "fagen.cli")])
+                                       ("fagen.tuning.command", "fagen.cli"), ("fagen.selftest.gate", "fagen.ops"),
+                                       ("fagen.selftest.gate", "fagen.selftest.cases")])
 def test_lower_layers_do_not_import_higher_ones(low, high):
     graph = import_graph()
     seen, todo = set(), [low]

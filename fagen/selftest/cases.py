@@ -1,0 +1,84 @@
+"""The self-test's cases: one small call per template (fagen.selftest.templates), run by the
+child (fagen.selftest.child) in the template's family (FAGEN_ARCH_FAMILY).
+
+Each template's case uses its feature at one head dim, d = 64 unless the template is a head
+dim; the head-dim cases run plain attention (sm90: the forward; sm80: forward and backward).
+The sm90 family's training cases check O and L only: its backward is the sm80 family's, proven
+by the sm80 cases (packed sequences run both, as a call does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..arch_families import SM90_HEAD_DIMS
+from .decoding import Decoding, PagedPacked, check_decoding, check_paged_packed
+from .templates import SM80_HEAD_DIM_BUCKETS, all_templates
+from .training import Packed, Training, check_packed, check_training
+
+
+@dataclass(frozen=True)
+class Case:
+    """A template's case: `run(device)` makes its calls and returns the problems it found."""
+
+    template: str
+    run: Callable[[torch.device], list]
+
+    @property
+    def family(self) -> str:
+        return self.template.split(".")[0]
+
+
+def _training(**fields):
+    return partial(check_training, Training(**fields))
+
+
+def _features(family: str) -> dict:
+    """Each feature's case in `family`. The sm90 family checks its forward (backward=False)."""
+    backward = family == "sm80"
+    train = partial(_training, backward=backward)
+    return {
+        "causal": train(causal=True, shape=(1, 170, 140, 2, 1), dtype="bf16"),   # rows with no key
+        "key_padding": train(key_padding=True, shape=(2, 140, 170, 2, 1)),
+        "window": train(window=(37, 11), causal=False),
+        "softcap": train(softcap=30.0, dtype="bf16"),
+        "alibi": train(alibi=True, causal=True),
+        "sinks": train(sinks=True),
+        "dropout": train(dropout=True),
+        "mods": train(mods=True),
+        "varlen": partial(check_packed, Packed()),
+        "head_dim_v": train(head_dim=192, head_dim_v=128, dtype="bf16"),
+        "decode": partial(check_decoding, Decoding()),
+        "paged": partial(check_decoding, Decoding(page=16, seqlens=(37, 130), capacity=160, splits=(1, 2))),
+        "varlen_paged": partial(check_paged_packed, PagedPacked()),
+        "pack_gqa": partial(check_decoding, Decoding(heads=(8, 2), nq=1, new=1, causal=False, softcap=20.0)),
+        "mla": partial(check_decoding, Decoding(mla=True, heads=(16, 1), nq=1, new=1, seqlens=(37, 90),
+                                                capacity=128, page=64, splits=(1, 2))),
+        "fa1": train(version=1, causal=True),
+        "deterministic": train(deterministic=True, dropout=True),
+    }
+
+
+def _head_dims(family: str) -> dict:
+    dims = SM90_HEAD_DIMS if family == "sm90" else SM80_HEAD_DIM_BUCKETS
+    names = all_templates(family)[:len(dims)]
+    return {name: _training(head_dim=d, backward=family == "sm80", dtype="bf16" if d % 128 else "fp16")
+            for name, d in zip(names, dims)}
+
+
+def cases() -> dict:
+    """{template: Case} for both families."""
+    found = {}
+    for family in ("sm80", "sm90"):
+        runs = {**_head_dims(family), **{f"{family}.{name}": run for name, run in _features(family).items()}}
+        for template in all_templates(family):
+            if template in runs:
+                found[template] = Case(template, runs[template])
+    return found
+
+
+CASES = cases()

@@ -1,0 +1,104 @@
+"""The self-test's templates: the named kernel paths of each family that a GPU proves once.
+
+A template here is one path through a family's kernels: its forward at one head-dim bucket
+(`sm90.d128`), or one feature of it (`sm90.softcap`, `sm80.paged`). `fagen selftest` runs one
+small case per template (fagen.selftest.cases) and stores a verdict for each. A call's Spec is
+served by a family only where every template it uses passed (`templates_of`): a softcap call at
+d = 128 on the sm90 family needs `sm90.d128` and `sm90.softcap`. That is a product of features
+proven one at a time, not every combination: the trade that keeps the self-test under a minute.
+
+A training Spec of the sm90 family runs the sm80 family's backward, so its sm80 templates are
+listed too. A decoding Spec's combine and cache-update kernels are proven by its own family's
+cases (they run the whole step).
+
+Imports nothing of the pipeline but the Spec's own modules: the gate (fagen.selftest.gate)
+classifies every call's Spec here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..arch_families import ARCH_FAMILIES, SM90_HEAD_DIMS
+from ..tile_shapes import SPLIT_O_ABOVE
+
+FAMILIES = ARCH_FAMILIES
+# The sm80 family's head-dim buckets: its tile table's (tile_shapes.default_tiles), each named
+# after its widest head dim.
+SM80_HEAD_DIM_BUCKETS = (64, 128, SPLIT_O_ABOVE, 512)
+
+# Features, in a fixed order: (template suffix, families that have it, whether `spec` uses it).
+FEATURES = (
+    ("causal", FAMILIES, lambda s: s.mask == "causal"),
+    ("key_padding", FAMILIES, lambda s: s.key_padding and s.kv_cache is None),
+    ("window", FAMILIES, lambda s: s.window),
+    ("softcap", FAMILIES, lambda s: s.softcap),
+    ("alibi", FAMILIES, lambda s: s.alibi),
+    ("sinks", FAMILIES, lambda s: s.sinks),
+    ("dropout", FAMILIES, lambda s: s.dropout),
+    ("mods", FAMILIES, lambda s: s.score_mod is not None or s.mask_mod is not None),
+    ("varlen", FAMILIES, lambda s: s.varlen and s.kv_cache is None),
+    ("head_dim_v", FAMILIES, lambda s: s.head_dim_v not in (None, s.head_dim) and not s.v_from_k),
+    ("decode", FAMILIES, lambda s: s.kv_cache == "contiguous"),
+    ("paged", FAMILIES, lambda s: s.kv_cache == "paged" and not s.varlen),
+    ("varlen_paged", FAMILIES, lambda s: s.kv_cache == "paged" and s.varlen),
+    ("pack_gqa", FAMILIES, lambda s: s.pack_gqa),
+    ("mla", FAMILIES, lambda s: s.v_from_k),
+    ("fa1", ("sm80",), lambda s: s.version == 1),
+    ("deterministic", ("sm80",), lambda s: s.deterministic),
+)
+
+
+def head_dim_template(family: str, head_dim: int) -> str:
+    """The template of a family's forward at `head_dim`: sm90's head dims each have their own
+    tiles (arch_families.sm90_tiles); sm80's fall in its tile table's buckets."""
+    if family == "sm90":
+        return f"sm90.d{head_dim}"
+    return f"sm80.d{next(b for b in SM80_HEAD_DIM_BUCKETS if head_dim <= b)}"
+
+
+def all_templates(family: str) -> tuple[str, ...]:
+    """Every template of `family`, in the order the self-test runs them (head dims first)."""
+    dims = SM90_HEAD_DIMS if family == "sm90" else SM80_HEAD_DIM_BUCKETS
+    return tuple([head_dim_template(family, d) for d in dims] +
+                 [f"{family}.{name}" for name, families, _ in FEATURES if family in families])
+
+
+def templates_of(spec) -> tuple[str, ...]:
+    """The templates whose kernels `spec`'s source holds: its family's forward (head dim and
+    features), and for the sm90 family's training Specs the sm80 templates of the same features,
+    whose backward it runs."""
+    found = list(_family_templates(spec, spec.arch_family))
+    if spec.arch_family == "sm90" and spec.kv_cache is None:
+        found += _family_templates(spec, "sm80")
+    return tuple(found)
+
+
+def _family_templates(spec, family: str) -> list[str]:
+    # Absorbed MLA's d = 576 is its own path (`mla`); every other Spec has a head-dim template.
+    found = [] if spec.v_from_k else [head_dim_template(family, spec.head_dim)]
+    return found + [f"{family}.{name}" for name, families, uses in FEATURES if family in families and uses(spec)]
+
+
+# What each family's kernels are rendered from: its templates, and what every render shares. A
+# change to any of these invalidates the family's verdicts (fagen.selftest.verdicts).
+SHARED_TEMPLATES = ("translation_unit.cu.j2", "macros.j2", "attention.j2", "combine.cu.j2", "cache_update.cu.j2",
+                    "bwd.cu.j2", "bwd_dq.cu.j2")
+FAMILY_TEMPLATES = {"sm80": ("fwd_v1.cu.j2", "fwd_v2.cu.j2"), "sm90": ("hopper_*.j2",)}
+# The host code that renders and launches them: launch geometry and arguments matter as much.
+HOST_SOURCES = ("kernels/*.py", "variants/*.py", "arch_families.py", "tile_shapes.py", "spec.py", "arch.py")
+
+
+def sources_digest(family: str, template_dir: Path, package_dir: Path) -> str:
+    """A hash of everything `family`'s kernels are made from: its templates and the shared ones,
+    the static CUDA headers, and the host code that renders and launches them."""
+    paths = []
+    for pattern in SHARED_TEMPLATES + FAMILY_TEMPLATES[family] + ("include/fagen/*.cuh",):
+        paths += sorted(template_dir.glob(pattern))
+    for pattern in HOST_SOURCES:
+        paths += sorted(package_dir.glob(pattern))
+    digest = hashlib.sha256(family.encode())
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]

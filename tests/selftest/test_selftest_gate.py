@@ -1,0 +1,149 @@
+"""The gate (fagen.selftest.gate) on a stand-in compute-capability 9.0 device: the CPU, whose
+emulator runs both families, given a GPU's facts (`gate.STAND_INS`). Its first eligible call runs
+the self-test (planted cases: tests/support/selftest_planted.py) in a child; the kernel loads are
+recorded and stubbed (fagen.bench.kernel_record), so no kernel is built.
+
+  - after a passing self-test the stand-in takes the sm90 family by default, after a failing one
+    sm80 (with a warning naming the template, the log and `fagen selftest --verbose`);
+  - a failed sm80 template raises at first use, and FAGEN_SELFTEST=0 is the way past it;
+  - the verdict is read back from disk, and a new key (here: the family's sources) tests again;
+  - FAGEN_ARCH_FAMILY forces a family and a tuned spec keeps its own;
+  - a file lock makes two processes' concurrent first calls run one self-test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fagen
+from fagen.bench.kernel_record import identity_for, record
+from fagen.selftest import gate
+from fagen.selftest.gate import DeviceFacts, FirstUse, SelftestFailure
+from fagen.selftest.verdicts import selftest_dir
+from fagen.spec import Spec
+
+from selftest_planted import CHILD_ENV, PAUSE_ENV, RUNS_ENV, SUPPORT
+
+STAND_IN = DeviceFacts((9, 0), "Stand-in H100", "580.0", "12.9", "12.9", "cpu")
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """The CPU as a 9.0 GPU with its own cache directory; `use(table)` plants the cases its first
+    call will run. Yields the file each passing case appends a line to."""
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("FAGEN_ARCH_FAMILY", "FAGEN_SELFTEST"):
+        monkeypatch.delenv(name, raising=False)
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(RUNS_ENV, str(runs))
+    monkeypatch.setitem(gate.STAND_INS, "cpu", STAND_IN)
+    gate.forget()
+    yield runs
+    gate.forget()
+
+
+def use(monkeypatch, table: str) -> None:
+    monkeypatch.setattr(gate, "FIRST_USE", FirstUse(cases=f"selftest_planted:{table}", env=CHILD_ENV,
+                                                    case_timeout_s=60.0, budget_s=180.0))
+
+
+def runs_of(runs) -> int:
+    return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+
+def family_of_call(call) -> str:
+    """The family of the first kernel `call` loads (recorded, not run)."""
+    recorded = record([("call", call)], identity_for("sm_90"))
+    assert recorded.specs, recorded.errors
+    return recorded.specs[0].arch_family
+
+
+def dense_call():
+    q, k, v = (torch.randn(1, 40, 2, 64, dtype=torch.float16) for _ in range(3))
+    fagen.flash_attn_func(q, k, v)
+
+
+def decode_call():
+    q = torch.randn(2, 1, 2, 64, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, dtype=torch.float16) for _ in range(2))
+    fagen.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([5, 60], dtype=torch.int32))
+
+
+def test_sm90_serves_after_a_passing_selftest_and_the_verdict_is_kept(stand_in, monkeypatch, capfd):
+    use(monkeypatch, "PASSING")
+    assert family_of_call(dense_call) == "sm90"
+    assert family_of_call(decode_call) == "sm90"   # a decoding step's spec goes through the gate too
+    assert runs_of(stand_in) == 3   # sm80.d64, sm90.d64, sm90.decode: one self-test
+    err = capfd.readouterr().err
+    assert "fagen: testing its kernels on this GPU (Stand-in H100)" in err and "self-test: done in" in err
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm80")   # forcing a family wins over the verdict
+    assert family_of_call(dense_call) == "sm80"
+    monkeypatch.delenv("FAGEN_ARCH_FAMILY")
+    gate.forget()   # a new process: the verdict comes from disk, and nothing runs again
+    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 3
+    monkeypatch.setattr(gate, "family_digest", lambda family: "edited")   # the family's sources changed
+    gate.forget()
+    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 6
+
+
+def test_sm80_serves_after_a_failing_selftest(stand_in, monkeypatch):
+    use(monkeypatch, "SM90_WRONG")
+    with pytest.warns(RuntimeWarning) as warned:
+        assert family_of_call(dense_call) == "sm80"
+    message = str(warned[0].message)
+    assert "sm90.d64 failed its self-test" in message and "fagen selftest --verbose" in message
+    assert "Log: " in message and ".log" in message
+    # a template no case proved (not_run) serves nothing either: the decoding step stays on sm80
+    assert family_of_call(decode_call) == "sm80"
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")   # forcing the family still runs it
+    assert family_of_call(dense_call) == "sm90"
+
+
+def test_a_failed_sm80_template_raises_at_first_use(stand_in, monkeypatch):
+    use(monkeypatch, "SM80_WRONG")
+    q, k, v = (torch.randn(1, 40, 2, 64, dtype=torch.float16) for _ in range(3))
+    with pytest.raises(SelftestFailure, match=r"sm80 kernel template sm80\.d64, which failed its self-test") as raised:
+        fagen.flash_attn_func(q, k, v, causal=True)
+    assert "FAGEN_SELFTEST=0" in str(raised.value) and "fagen selftest --verbose" in str(raised.value)
+    runs = runs_of(stand_in)
+    monkeypatch.setenv("FAGEN_SELFTEST", "0")   # the way past it: sm80, unchecked, no self-test
+    assert family_of_call(dense_call) == "sm80" and runs_of(stand_in) == runs
+
+
+def test_selftest_off_runs_nothing_and_a_tuned_spec_keeps_its_family(stand_in, monkeypatch):
+    use(monkeypatch, "PASSING")
+    monkeypatch.setenv("FAGEN_SELFTEST", "0")
+    assert gate.serving_spec(Spec(64), torch.device("cpu")).arch_family == "sm80"
+    assert not selftest_dir().exists() and runs_of(stand_in) == 0
+    monkeypatch.delenv("FAGEN_SELFTEST")
+    assert gate.serving_spec(Spec(64), torch.device("cpu"), tuned=True).arch_family == "sm80"
+    assert gate.serving_spec(Spec(64), torch.device("cpu")).arch_family == "sm90"
+
+
+def test_concurrent_first_calls_run_one_selftest(stand_in, tmp_path):
+    """Two processes ask for the stand-in's verdicts at once; the cases pause 3 s so that they
+    overlap. One self-test runs (its two passing cases), and both read its verdicts."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(SUPPORT)!r})
+        from fagen.selftest import gate
+        from test_selftest_gate import STAND_IN
+        gate.STAND_INS["cpu"] = STAND_IN
+        gate.FIRST_USE = gate.FirstUse(cases="selftest_planted:PASSING", env=gate.FIRST_USE.env + {CHILD_ENV!r},
+                                       budget_s=180.0, case_timeout_s=60.0)
+        verdicts = gate.verdicts_for(STAND_IN)
+        print(verdicts["sm90"].status("sm90.d64"), verdicts["sm80"].status("sm80.d64"))
+    """)
+    env = {**__import__("os").environ, PAUSE_ENV: "3", "PYTHONPATH": f"{SUPPORT.parent / 'selftest'}"}
+    children = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for _ in range(2)]
+    outputs = [child.communicate(timeout=240) for child in children]
+    assert [child.returncode for child in children] == [0, 0], outputs
+    assert [out.split() for out, _ in outputs] == [["passed", "passed"]] * 2
+    assert runs_of(stand_in) == 3   # sm80.d64, sm90.d64, sm90.decode, once
+    assert sum("testing its kernels" in err for _, err in outputs) == 1
