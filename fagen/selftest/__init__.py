@@ -14,5 +14,6 @@ them are users of the ops, imported only in the child process.
 """
 
 from .gate import SELFTEST_ENV, SelftestFailure, serving_spec
+from .templates import all_templates, templates_of
 
-__all__ = ["SELFTEST_ENV", "SelftestFailure", "serving_spec"]
+__all__ = ["SELFTEST_ENV", "SelftestFailure", "all_templates", "serving_spec", "templates_of"]
