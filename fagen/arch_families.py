@@ -42,6 +42,30 @@ BOX_COLUMNS = 64
 SWIZZLE_PERIOD = 1024   # bytes after which the 128B swizzle repeats: the tiles' alignment
 
 
+# A family built on instructions that exist on one compute capability compiles for that one arch-specific
+# target, and why (for plain sm_90, ptxas refuses wgmma, TMA and setmaxnreg). A family not listed (sm80)
+# compiles for any arch from sm_80 on.
+FAMILY_TARGETS = {"sm90": ("sm_90a", "its wgmma, TMA and setmaxnreg exist on sm_90a alone")}
+
+
+def family_archs(family: str, archs: list[str] | None) -> list[str] | None:
+    """The archs a command compiles a `family` forward for, given the user's --arch (`archs`; None
+    where none was given): the family's own target by default (sm90: sm_90a; None for a family
+    without one, which takes the command's defaults), else `archs`, which must all be archs the
+    family can use. One it cannot use is refused in one line naming both (a ValueError: the command
+    line prints it and exits 2)."""
+    if family not in FAMILY_TARGETS:
+        return archs
+    target, why = FAMILY_TARGETS[family]
+    if archs is None:
+        return [target]
+    refused = [arch for arch in archs if arch != target]
+    if refused:
+        raise ValueError(f"--arch {','.join(refused)}: the {family} arch family compiles for {target} only "
+                         f"({why}); give --arch {target} or leave --arch out")
+    return archs
+
+
 def sm90_refusal(spec) -> str | None:
     """Why the sm90 family cannot render `spec`'s forward yet, naming the field; None if it can."""
     unsupported = [("version", spec.version != 2, "version=1 (FlashAttention-1 stays on the sm80 family)"),

@@ -20,10 +20,12 @@ from pathlib import Path
 
 from . import __version__
 from .arch import DEFAULT_ARCHS, smem_limit
+from .arch_families import family_archs
 from .spec import DTYPES, Spec
 from .spec_flags import add_spec_flags, build_command, spec_fields, spec_flags_given, window_sizes
 
 DEFAULT_OUT = "generated"
+SASS_DEFAULT_ARCH = "sm_90"   # fagen sass's arch for a family with no target of its own (sm80), and for --cubin
 TILE_OPTIONS = (("block_m", "--block-m"), ("block_n", "--block-n"), ("num_warps", "--num-warps"),
                 ("num_stages", "--num-stages"), ("bwd_stages", "--bwd-stages"), ("bwd_block_n", "--bwd-block-n"))
 
@@ -69,12 +71,26 @@ def _specs_from_args(args) -> list[Spec]:
             for d in head_dims for dtype in dtypes]
 
 
-def _archs(args) -> tuple[list[str], str]:
-    """The archs to compile for, and where they came from (for the summary)."""
-    from .kernels.compile import ARCH_ENV, default_archs, describe_target, gpu_arch, parse_archs
+def _given_archs(args) -> list[str] | None:
+    """The archs --arch names, None where it is not given."""
+    from .kernels.compile import parse_archs
 
-    if args.arch:
-        return parse_archs(args.arch), "from --arch"
+    return parse_archs(args.arch) if args.arch is not None else None
+
+
+def _archs(args, specs: list[Spec]) -> tuple[list[str], str]:
+    """The archs to compile `specs` for, and where they came from (for the summary): those of --arch,
+    each one every spec's arch family can use, else a family's own target (sm90's sm_90a), else the
+    visible GPU's, $FAGEN_ARCH's or the defaults."""
+    from .kernels.compile import ARCH_ENV, default_archs, describe_target, gpu_arch
+
+    given = _given_archs(args)
+    for family in sorted({spec.arch_family for spec in specs}):
+        chosen = family_archs(family, given)
+        if given is None and chosen is not None:
+            return chosen, f"the {family} family's arch-specific target"
+    if given is not None:
+        return given, "from --arch"
     device_arch = gpu_arch()
     if device_arch is not None:
         archs = default_archs()
@@ -109,9 +125,7 @@ def cmd_build(args) -> int:
             raise CommandError(f"--default-set builds a fixed set of specs; it takes no "
                                f"{', '.join(given)} (drop --default-set to build your own)")
     specs = default_specs() if args.default_set else _specs_from_args(args)
-    archs, where = _archs(args)
-    if not args.arch and any(spec.arch_family == "sm90" for spec in specs):
-        archs, where = ["sm_90a"], "the sm90 family's arch-specific target"
+    archs, where = _archs(args, specs)
     if args.bwd_stages is None and args.bwd_block_n is None:
         # One source serves every arch named: its backward must fit the smallest.
         smallest = min(smem_limit(arch) for arch in archs)
@@ -272,24 +286,29 @@ def cmd_profile(args) -> int:
 
 # -- sass ------------------------------------------------------------------
 
-def cmd_sass(args) -> int:
-    from .kernels.compile import parse_archs
+def _require_cuobjdump() -> None:
     from .sass.listing import find_cuobjdump
-    from .sass.report import format_reports, report_for_spec
 
-    archs = parse_archs(args.arch)
-    if len(archs) != 1:
-        raise CommandError(f"--arch takes one arch, got {args.arch!r}")
-    arch = archs[0]
     if find_cuobjdump() is None:
         raise CommandError("fagen sass reads machine code with cuobjdump: "
                            "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (the `test` extra has them)")
+
+
+def cmd_sass(args) -> int:
+    from .sass.report import format_reports, report_for_spec
+
+    archs = _given_archs(args)
+    if archs is not None and len(archs) != 1:
+        raise CommandError(f"--arch takes one arch, got {args.arch!r}")
     if args.cubin:
+        _require_cuobjdump()
         given = ([args.name] if args.name else []) + _spec_options_given(args)
         if given:
             raise CommandError(f"--cubin reads a cubin built elsewhere; it takes no spec ({', '.join(given)})")
-        return _sass_of_cubin(args, arch)
+        return _sass_of_cubin(args, archs[0] if archs else SASS_DEFAULT_ARCH)
     spec = _one_spec(args)
+    arch = (family_archs(spec.arch_family, archs) or [SASS_DEFAULT_ARCH])[0]
+    _require_cuobjdump()
     reports = report_for_spec(spec, arch)
     print(f"{spec.name} on {arch}: each kernel's main loop, one steady-state iteration, per warp "
           f"(instructions per useful HMMA: FlashAttention-2's measure)")
@@ -351,7 +370,8 @@ def make_parser() -> argparse.ArgumentParser:
                        help="the specs committed in generated/ (d 64/128, causal or not, fp16/bf16)")
     build.add_argument("--arch", help=f"comma-separated archs, e.g. sm_80,sm_90 or sm_90a (Hopper's "
                                       f"arch-specific target; cubins for compute capability 9.0 only) "
-                                      f"(default: the GPU's, else $FAGEN_ARCH, else {','.join(DEFAULT_ARCHS)})")
+                                      f"(default: the GPU's, else $FAGEN_ARCH, else {','.join(DEFAULT_ARCHS)}; "
+                                      f"for the sm90 family, whose only arch it is, sm_90a)")
     build.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: generated/)")
     build.set_defaults(func=cmd_build)
 
@@ -406,7 +426,8 @@ def make_parser() -> argparse.ArgumentParser:
     sass.add_argument("name", nargs="?", metavar="NAME", help="a spec's name, e.g. fa2_d64_causal_fp16 "
                                                               "(or give --d and its flags)")
     _add_spec_args(sass, many=False)
-    sass.add_argument("--arch", default="sm_90", help="the one arch to compile for (default sm_90)")
+    sass.add_argument("--arch", help=f"the one arch to compile for (default {SASS_DEFAULT_ARCH}; for the sm90 "
+                                     f"family, whose only arch it is, sm_90a)")
     sass.add_argument("--json", metavar="FILE", help="also write the figures as JSON, per kernel")
     sass.add_argument("--opcodes", action="store_true", help="also list each main loop's opcodes per iteration")
     sass.add_argument("--cubin", metavar="PATH",

@@ -1,9 +1,11 @@
 """One launcher interface, two backends.
 
 A loaded kernel is called as `fn(grid, block, args, shared_mem=...)`, where
-`args` holds, per kernel parameter, a torch tensor (passed as a pointer) or a
-NumPy scalar whose type is the parameter's C type. That is CuPy's RawKernel
-calling convention, and the CPU emulator (`fagen.emulate`) takes the same.
+`args` holds, per kernel parameter, a torch tensor (passed as a pointer), a
+NumPy scalar whose type is the parameter's C type, or a struct passed by value
+(a tensor map: `struct_argument` on a GPU, its bytes on the CPU). That is
+CuPy's RawKernel calling convention, and the CPU emulator (`fagen.emulate`)
+takes the same.
 
 - CUDA tensors: NVRTC cubin for the device's arch (or, when the installed
   NVRTC predates the GPU, for the newest arch it knows: `compiler.nvrtc_target`),
@@ -47,6 +49,9 @@ CHECKED_ENV = "FAGEN_EMULATE_CHECKED"
 GRID_X_LIMIT = 2**31 - 1
 GRID_YZ_LIMIT = 65535
 MAX_STREAMS_PER_FUNCTION = 64  # wrapped torch streams kept per kernel (least recently used go)
+# The oldest CuPy whose argument conversion takes `struct_argument`'s form (a size-one NumPy array)
+# by value; the extras' floors in pyproject.toml must not admit an older one.
+CUPY_STRUCT_BY_VALUE = (10, 0)
 
 logger = logging.getLogger("fagen")
 
@@ -109,9 +114,14 @@ class BoundLaunch:
             function(grid, self.block, tuple(args), self.shared_mem)
 
 
-def struct_argument(data: bytes):
-    """A struct passed by value, as CuPy takes one: a NumPy structured scalar of its bytes."""
-    return np.frombuffer(bytes(data), dtype=np.dtype([("bytes", np.uint8, (len(data),))]))[0]
+def struct_argument(data: bytes) -> np.ndarray:
+    """A struct passed by value, as CuPy takes one: a 1-element NumPy array of one record, its bytes."""
+    # CuPy's argument conversion (`_pointer` in cupy/cuda/function.pyx) passes a NumPy array of
+    # size one by value, pointing the driver at its data, in every release from 10.0 through 14.x
+    # (CUPY_STRUCT_BY_VALUE). A structured scalar (numpy.void, the record itself) it takes only
+    # from 14.0, where any NumPy scalar goes to `_scalar.CScalar`; before 14, `_pointer` knows
+    # only the numeric scalar types and raises "TypeError: Unsupported type <class 'numpy.void'>".
+    return np.frombuffer(bytes(data), dtype=np.dtype([("bytes", np.uint8, (len(data),))]))
 
 
 def _mapped(box: tuple, tensor: torch.Tensor) -> torch.Tensor:

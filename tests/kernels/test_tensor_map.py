@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +139,47 @@ def test_the_driver_bindings_take_the_encoding_s_arguments():
         assert not isinstance(exc, TypeError) and "cuda" in str(exc).lower(), exc
     else:
         assert result == driver.CUresult.CUDA_SUCCESS
+
+
+def test_cupy_takes_a_tensor_map_by_value():
+    """launch.struct_argument: the form CuPy's `_pointer` (cupy/cuda/function.pyx) passes by value
+    in 10.0 through 14.x, a NumPy array of size one (CuPy 13 refuses the numpy.void record that
+    14 also takes, which failed every sm90 launch). Then the installed CuPy's own conversion, on a
+    function with no module: an argument after the map that CuPy cannot convert stops the call
+    with CuPy's TypeError naming that argument, so the map was converted, before any CUDA call."""
+    from fagen.kernels.launch import struct_argument
+
+    data = bytes(range(MAP_BYTES))
+    argument = struct_argument(data)
+    assert isinstance(argument, np.ndarray) and argument.size == 1 and argument.tobytes() == data
+    cupy_function = pytest.importorskip("cupy.cuda.function")
+
+    class Unconvertible:
+        pass
+
+    function = cupy_function.Function.__new__(cupy_function.Function)
+    with pytest.raises(TypeError, match="Unsupported type.*Unconvertible"):
+        function((1, 1, 1), (1, 1, 1), (struct_argument(data), Unconvertible()), 0,
+                 types.SimpleNamespace(ptr=0))
+
+
+def test_the_cuda_extras_admit_no_cupy_that_cannot_pass_a_tensor_map():
+    """pyproject.toml's cuda12 / cuda13 extras: each names CuPy with a floor no older than the first
+    release that takes struct_argument's form by value (launch.CUPY_STRUCT_BY_VALUE)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from fagen.kernels.launch import CUPY_STRUCT_BY_VALUE
+
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11's TOML reader
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    oldest = Version(".".join(map(str, CUPY_STRUCT_BY_VALUE)))
+    for extra in ("cuda12", "cuda13"):
+        cupys = [Requirement(line) for line in project["optional-dependencies"][extra]
+                 if Requirement(line).name.startswith("cupy")]
+        assert len(cupys) == 1, (extra, cupys)
+        floors = [Version(s.version) for s in cupys[0].specifier if s.operator in (">=", "==", "~=")]
+        assert floors and min(floors) >= oldest, (extra, str(cupys[0]))
 
 
 def test_the_launcher_encodes_a_driver_map_once_per_address_and_layout(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.arch_families import ARCH_FAMILY_ENV, chosen_family
+from fagen.arch_families import ARCH_FAMILY_ENV, chosen_family, family_archs
 from fagen.ops import call, dense
 from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
@@ -105,3 +105,12 @@ def test_the_sm90_family_runs_on_compute_capability_9_0_only():
     assert chosen_family(spec, "sm90", (9, 0)) == "sm90" and chosen_family(spec, "sm90", None) == "sm90"
     assert chosen_family(spec, "sm90", (8, 0)) == chosen_family(spec, "sm90", (10, 0)) == "sm80"
     assert chosen_family(spec, "", (9, 0)) == "sm80"   # the default until a GPU check has passed
+
+
+def test_a_command_compiles_a_family_for_the_archs_it_can_use():
+    """family_archs: the sm90 family's own target by default (sm_90a), none for sm80's (the command's
+    defaults); an --arch the family cannot use is refused, naming every such arch and the family."""
+    assert family_archs("sm90", None) == ["sm_90a"] and family_archs("sm90", ["sm_90a"]) == ["sm_90a"]
+    assert family_archs("sm80", None) is None and family_archs("sm80", ["sm_80", "sm_90a"]) == ["sm_80", "sm_90a"]
+    with pytest.raises(ValueError, match=r"^--arch sm_80,sm_90: the sm90 arch family compiles for sm_90a only"):
+        family_archs("sm90", ["sm_80", "sm_90a", "sm_90"])

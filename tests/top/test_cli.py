@@ -54,11 +54,19 @@ def test_build_for_sm_90a_without_a_gpu(tmp_path, capsys):
     assert "sm_90a" in capsys.readouterr().out
 
 
-def test_build_the_sm90_family_for_sm_90a(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def sm90_cache(tmp_path_factory):
+    """One cache for the sm90 family's command tests: the build compiles fa2_d64_causal_fp16_sm90 for
+    sm_90a (seconds of NVRTC) and `fagen sass` disassembles the same cubin."""
+    return tmp_path_factory.mktemp("sm90_cache")
+
+
+def test_build_the_sm90_family_for_sm_90a(tmp_path, capsys, sm90_cache, monkeypatch):
     """--arch-family sm90 builds the wgmma/TMA forward (beside the sm80 backward) for sm_90a by
     default; its op module runs on the CPU's emulator; another arch is refused by name."""
     from fagen.spec_flags import build_command
 
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(sm90_cache))
     out = tmp_path / "sm90"
     assert main(["build", "--d", "64", "--causal", "--arch-family", "sm90", "--out", str(out)]) == 0
     assert "for sm_90a (the sm90 family's arch-specific target" in capsys.readouterr().out
@@ -69,7 +77,18 @@ def test_build_the_sm90_family_for_sm_90a(tmp_path, capsys):
     assert "hopper_fwd" in (out / "fa2_d64_causal_fp16_sm90.cu").read_text()
     assert build_command(Spec.from_name("fa2_d64_causal_fp16_sm90")).endswith("--causal --arch-family sm90")
     assert main(["build", "--d", "64", "--arch-family", "sm90", "--arch", "sm_80", "--out", str(out)]) == 2
-    assert "runs on sm_90 only, not on sm_80" in capsys.readouterr().err
+    assert "--arch sm_80: the sm90 arch family compiles for sm_90a only" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+def test_sass_compiles_the_sm90_family_for_sm_90a_by_default(sm90_cache, monkeypatch, capsys):
+    """`fagen sass --arch-family sm90` without --arch compiles for sm_90a, as `fagen build` does (it
+    compiled for sm_90, whose ptxas refuses wgmma, TMA and setmaxnreg with a page of errors)."""
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(sm90_cache))
+    assert main(["sass", "--d", "64", "--causal", "--arch-family", "sm90"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("fa2_d64_causal_fp16_sm90 on sm_90a:")
+    assert "HGMMA" in captured.out and "ptxas" not in captured.err and "error" not in captured.err.lower()
 
 
 def test_a_failed_compile_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch):
@@ -392,3 +411,27 @@ def test_every_flag_of_every_command_works_or_exits_2(command, first, flag, take
         assert code == 2 and refusal in err, (argv, code, err)
     else:
         assert code == 0, (argv, code, err)
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+# The commands that take both an arch family and an arch (verify, profile and tune take no --arch), each
+# naming the sm90 family its way: by --arch-family, or (fagen sass) by a spec's name.
+FAMILY_AND_ARCH = [command for command, parser in _commands() if {"--arch", "--arch-family"} <= _options(parser)]
+SM90_SPEC_ARGS = [(command, [command, "--d", "64", "--arch-family", "sm90"]) for command in FAMILY_AND_ARCH]
+SM90_SPEC_ARGS += [("sass NAME", ["sass", "fa2_d64_fp16_sm90"])]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("command, spec_args", SM90_SPEC_ARGS, ids=[case[0] for case in SM90_SPEC_ARGS])
+def test_an_arch_the_sm90_family_cannot_use_is_refused_in_one_line(command, spec_args, arch, tmp_path, capsys):
+    """An --arch the sm90 family cannot use (it compiles for sm_90a only) is refused before anything is
+    compiled or written, in one line naming both, exit 2 (plain sm_90 went on to ptxas's page of errors)."""
+    assert {"build", "sass"} <= set(FAMILY_AND_ARCH)
+    out = tmp_path / "out"
+    assert main([*spec_args, "--arch", arch] + (["--out", str(out)] if command == "build" else [])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fagen: --arch {arch}: the sm90 arch family compiles for sm_90a only ("), err
+    assert err.count("\n") == 1 and "Traceback" not in err and not out.exists()
