@@ -1,7 +1,8 @@
 """Kernel families: which machine instructions a Spec's forward kernel is built from.
 
   sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/fwd_v1, fwd_v2): runs on
-         every GPU from sm_80 on, with every fagen feature. The default.
+         every GPU from sm_80 on, with every fagen feature. The default, but on compute capability
+         9.0 for what the sm90 family takes and passed the self-test there (fagen.selftest.gate).
   sm90   Hopper's wgmma, TMA and mbarriers, warp-specialised after FlashAttention-3's design
          (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
@@ -244,10 +245,9 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
     default: the spec's own, which is sm80 unless `fagen tune` chose sm90 for this shape on this
     GPU) where the spec and the device allow it, else sm80.
 
-    The default is sm80 on every device, Hopper included, until the sm90 forward has passed the
-    GPU check on one (benchmarks/gpu_check.sh): it is correct on the emulator and static checks
-    only, and a kernel that hangs on hardware would hang a user's training step. A tuning result
-    is the exception: the tuner checked that forward's output on the GPU before it timed it."""
+    This rule alone never picks sm90 for an untuned spec: the self-test's gate
+    (fagen.selftest.gate.serving_spec) does, on a compute capability 9.0 GPU whose self-test passed
+    the templates the spec uses, so that no kernel serves a call on hardware it has not run on."""
     if requested not in ("", *ARCH_FAMILIES):
         raise ValueError(f"{ARCH_FAMILY_ENV}={requested!r}: expected one of {', '.join(ARCH_FAMILIES)}, or unset")
     wanted = requested or spec.arch_family
