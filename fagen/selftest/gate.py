@@ -214,7 +214,9 @@ def _stored_or_run(facts: DeviceFacts, keys: dict) -> dict:
 
 
 def _gpu_digest(facts: DeviceFacts) -> str:
-    return hashlib.sha256(f"{facts.gpu}|{facts.driver}|{facts.device}".encode()).hexdigest()[:16]
+    """The lock's name: one per GPU model and toolchain, not per ordinal, so that the ranks of a
+    node (one GPU each, all alike) wait for one self-test and share its verdicts."""
+    return hashlib.sha256(f"{facts.gpu}|{facts.driver}|{facts.runtime}|{facts.nvrtc}".encode()).hexdigest()[:16]
 
 
 def run_and_store(facts: DeviceFacts, keys: dict, settings: FirstUse, progress, templates=None) -> dict:
