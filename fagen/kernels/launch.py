@@ -35,7 +35,7 @@ import torch
 
 from .render import Entry, Source
 from .compile import compile_source, describe_target, spec_target
-from .tensor_map import Swizzle, TensorMapSpec
+from .tensor_map import Swizzle, TensorMapSpec, resolved_box
 from ..emulate import instrumentation
 from ..environment import setting
 from ..emulate.launch_args import RACECHECK_ENV
@@ -130,6 +130,30 @@ def _mapped(box: tuple, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.unsqueeze(0) if tensor.dim() == len(box) - 1 else tensor
 
 
+# A tensor with no elements (no keys at all: seqlen_k = 0, total_k = 0, an empty cache; packed
+# sequences with no query) has a map with a zero global dim, which the driver refuses. The kernels
+# read nothing through such a map: their sizes (seqlen_k, total_k, the cache's rows, total_q) leave
+# them no tile to load, and their guards bound every index by those sizes, never by the map. So it
+# is encoded over a placeholder, and the kernel writes what it writes for rows that see no key (O =
+# 0, L = +inf or the sink), as the sm80 family's kernels, which take pointers, do. One placeholder
+# per (device, dtype, width), kept for the process: a cached driver map may point at it.
+_placeholders: dict = {}
+
+
+def _encoded(box: tuple, tensor: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """The box and the tensor a map of `tensor` (as `_mapped` shapes it) encodes: themselves, or for
+    a tensor with no elements the box resolved on its shape (a paged cache's rows follow its page
+    size) and a placeholder of one zero row of its width, (1, .., 1, d)."""
+    if tensor.numel():
+        return box, tensor
+    key = (tensor.device, tensor.dtype, tensor.dim(), tensor.shape[-1])
+    placeholder = _placeholders.get(key)
+    if placeholder is None:
+        placeholder = _placeholders[key] = torch.zeros((1,) * (tensor.dim() - 1) + (tensor.shape[-1],),
+                                                       dtype=tensor.dtype, device=tensor.device)
+    return resolved_box(box, tensor.shape), placeholder
+
+
 # The driver's maps, by what they encode. A map holds a tensor's address and layout and nothing
 # else, so a later tensor at the same address with the same layout takes the same bytes; encoding
 # one (checked, then cuTensorMapEncodeTiled) costs ~12 us of Python before the driver's share, and
@@ -147,6 +171,7 @@ def _driver_map(box: tuple, tensor: torch.Tensor):
     if argument is None:
         if len(_driver_maps) >= MAX_DRIVER_MAPS:
             _driver_maps.clear()
+        box, tensor = _encoded(box, tensor)
         argument = struct_argument(TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor))
         _driver_maps[key] = argument
     return argument
@@ -154,7 +179,7 @@ def _driver_map(box: tuple, tensor: torch.Tensor):
 
 def _emulated_map(box: tuple, tensor: torch.Tensor):
     """fagen's own encoding of the same map, which only the emulator's TMA twin reads."""
-    tensor = _mapped(box, tensor)
+    box, tensor = _encoded(box, _mapped(box, tensor))
     return TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).emulated_bytes(tensor)
 
 

@@ -137,6 +137,11 @@ class PageBox:
         return page_box_rows(self.tile, page_size)
 
 
+def resolved_box(box: tuple, shape) -> tuple:
+    """`box` with each `PageBox` entry turned into its rows for a tensor of `shape`."""
+    return tuple(b.rows(shape[i]) if isinstance(b, PageBox) else b for i, b in enumerate(box))
+
+
 @dataclass(frozen=True)
 class TensorMapSpec:
     """cuTensorMapEncodeTiled's parameters. Dims innermost first; `global_strides` in bytes for
@@ -157,7 +162,7 @@ class TensorMapSpec:
         """The map of a torch tensor whose last dim is contiguous, with `box` in the tensor's own
         dim order (outermost first), e.g. (1, 128, 1, 64) rows of q (B, N, H, d); an entry may be a
         `PageBox`, whose rows follow the tensor's size in that dim."""
-        box = tuple(b.rows(tensor.shape[i]) if isinstance(b, PageBox) else b for i, b in enumerate(box))
+        box = resolved_box(box, tensor.shape)
         if tensor.dim() == 0 or tensor.stride(-1) != 1:
             raise TensorMapError(f"a tensor map needs a contiguous last dim, got strides {tuple(tensor.stride())}")
         if len(box) != tensor.dim():

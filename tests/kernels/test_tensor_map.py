@@ -209,3 +209,35 @@ def test_the_launcher_encodes_a_driver_map_once_per_address_and_layout(monkeypat
     monkeypatch.setattr(launch, "MAX_DRIVER_MAPS", 2)
     launch._driver_map(box, q.clone())   # a full cache starts over, and stays bounded
     assert len(launch._driver_maps) == 1
+
+
+@pytest.mark.parametrize("shape, box, rows", [
+    ((2, 0, 4, 128), (1, 128, 1, 64), 128),               # dense keys, seqlen_k = 0
+    ((0, 4, 128), (1, 128, 1, 64), 128),                  # packed keys, total_k = 0: (1, 0, 4, 128)
+    ((0, 48, 4, 128), (1, PageBox(128), 1, 64), 16),      # a paged cache of no pages: the box follows its pages
+])
+def test_a_tensor_without_elements_is_mapped_over_a_placeholder_row(monkeypatch, shape, box, rows):
+    """launch._encoded (issue 42): the driver refuses a zero dim, and a kernel reads nothing through
+    the map of an empty tensor (its sizes give it no tile), so the map is encoded over one zero row
+    of the tensor's width, kept for the process; the box is resolved on the tensor's own shape.
+    Both backends encode the same map."""
+    from fagen.kernels import launch, tensor_map
+
+    encoded = []
+
+    def encode(spec, address):
+        encoded.append((spec, address))
+        return 0, bytes(MAP_BYTES)
+
+    monkeypatch.setattr(tensor_map, "driver_encode", encode)
+    monkeypatch.setattr(launch, "_driver_maps", {})
+    empty = torch.empty(shape, dtype=torch.float16)
+    launch._driver_map(box, empty)
+    launch._driver_map(box, empty)   # a warm call: from the cache
+    (spec, address), = encoded
+    assert spec.global_dims == (128, 1, 1, 1) and spec.box_dims == (64, 1, rows, 1)
+    placeholder = launch._placeholders[(empty.device, empty.dtype, 4, 128)]
+    assert address == placeholder.data_ptr() and torch.equal(placeholder, torch.zeros(1, 1, 1, 128).half())
+    fields = decode_emulated(launch._emulated_map(box, empty))
+    assert fields["global_address"] == address and fields["global_dims"][:4] == spec.global_dims
+    assert fields["box_dims"][:4] == spec.box_dims
