@@ -111,10 +111,20 @@ class Sm90Tiles:
 
     @property
     def slice_columns(self) -> int:
-        """O's (and V's tile's) columns per slice: whole 64-column boxes, the last slice's columns
-        past d_v zeros (TMA fills them) that are not stored."""
+        """O's (and V's tile's) columns per slice: whole 64-column boxes. Where they overrun d_v
+        (d_v = 320 and 448), the last slice's boxes past it are neither loaded nor stored
+        (`last_slice_boxes_v`)."""
         boxes_v = self.head_dim_v // BOX_COLUMNS
         return BOX_COLUMNS * -(-boxes_v // self.slices)
+
+    @property
+    def last_slice_boxes_v(self) -> int:
+        """V's boxes of the last slice that start below d_v: those its block loads (and counts in a
+        stage's bytes). The rest of its slice (one box at d_v = 320 and 448) lies wholly outside V,
+        and whether TMA completes a load of such a box (zero-filled, its bytes counted) is not
+        documented, so it is not issued; its shared memory then holds stale bytes, which reach
+        only O's columns past d_v, never stored."""
+        return self.head_dim_v // BOX_COLUMNS - (self.slices - 1) * (self.slice_columns // BOX_COLUMNS)
 
     @property
     def threads(self) -> int:

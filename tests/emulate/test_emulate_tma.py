@@ -48,6 +48,17 @@ def test_a_destination_written_while_its_load_is_in_flight_is_reported(monkeypat
         case.run(kernel, 0, tiles=1)
 
 
+def test_a_load_of_a_tile_wholly_past_the_tensor_is_refused(pipeline):
+    # x a whole tile short: block 1's one tile (rows 32..63) lies past x's 32 rows. Whether TMA
+    # completes such a load is not documented, so the twin refuses it, naming the box.
+    with pytest.raises(EmulationError, match=r"tma_pipeline: block \(1,0,0\): .*the box at coordinates \(0, 32\) "
+                                             r".*wholly outside the tensor: its dim 1 covers 32\.\.63 of 0\.\.31"):
+        case.run(pipeline, 0, tiles=1, short_rows=case.ROWS)
+    # One row longer, the tile's first row is inside: the rest load as zeros (documented), as before.
+    y, expected_y, sums, expected_sums = case.run(pipeline, 0, tiles=1, short_rows=case.ROWS - 1)
+    assert torch.equal(y, expected_y) and torch.equal(sums, expected_sums)
+
+
 def test_nvrtc_compiles_the_pipeline_for_sm_90a():
     pytest.importorskip("cuda.bindings")
     from fagen.kernels.compile import nvrtc_compile

@@ -144,3 +144,37 @@ def test_misuse_is_reported(module):
     with pytest.raises(EmulationError, match="not fagen's emulated encoding"):
         module.get_function("load_box")((1,), (64,), (bytes(driver_like), torch.zeros(2, dtype=torch.int32), out,
                                                       np.int32(0), np.int32(spec.box_bytes)), shared_mem=SHARED)
+
+
+# (tensor shape (outermost first), box (outermost first), coords (innermost first)) of boxes with no
+# element inside the tensor along one dim: past its end, before its start, and a strided box whose
+# elements step over it.
+WHOLLY_OUTSIDE = [
+    ((40, 64), (16, 64), (64, 0), 0),
+    ((40, 64), (16, 64), (0, 40), 1),
+    ((40, 64), (16, 64), (0, -16), 1),
+    ((5, 30, 32), (2, 8, 32), (0, 0, 5), 2),
+]
+
+
+@pytest.mark.parametrize("shape, box, coords, dim", WHOLLY_OUTSIDE, ids=range(len(WHOLLY_OUTSIDE)))
+def test_a_load_of_a_box_wholly_outside_the_tensor_is_refused(module, shape, box, coords, dim):
+    # Partly outside is documented (CASES: the zero fill); wholly outside is not, so the twin refuses it,
+    # naming the coordinates and the dim.
+    tensor = _tensor(shape, DataType.FLOAT16, np.random.default_rng(1))
+    spec = TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128 if shape[-1] == 64 else Swizzle.B64)
+    at = ", ".join(map(str, coords))
+    with pytest.raises(EmulationError, match=rf"load_box: .*the box at coordinates \({at}\) .*lies wholly outside "
+                                             rf"the tensor: its dim {dim} covers"):
+        _load(module, spec, tensor, coords, 0)
+    inside = list(coords)
+    inside[dim] = shape[::-1][dim] - 1 if coords[dim] > 0 else -box[::-1][dim] + 1   # one element in
+    _load(module, spec, tensor, tuple(inside), 0)
+
+
+def test_a_strided_box_whose_elements_step_over_the_tensor_is_refused(module):
+    tensor = _tensor((3, 24), DataType.FLOAT16, np.random.default_rng(2))
+    spec = dataclasses.replace(TensorMapSpec.of_tensor(tensor, (16, 8)), element_strides=(1, 8))
+    with pytest.raises(EmulationError, match=r"dim 1 covers -5\.\.3 of 0\.\.2"):
+        _load(module, spec, tensor, (0, -5), 0)   # rows -5 and 3: neither of 0..2
+    _load(module, spec, tensor, (0, -6), 0)       # rows -6 and 2: row 2 is inside

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fagen.arch_families import sm90_refusal, sm90_tiles
+from fagen.arch_families import Sm90Tiles, sm90_refusal, sm90_tiles
 from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.ops import kvcache
@@ -22,8 +22,8 @@ from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_comp
 from variant_cases import run_variant_case
 from kernel_cases import Shape, poisoned_empty, run_and_check
 
-# d_v = 320 takes two 192-column slices, the second's last 64 columns past d_v (TMA's zeros, not
-# stored); (448, 256) one slice at 32-key tiles; (512, 384) two slices of 192.
+# d_v = 320 takes two 192-column slices, the second's last 64 columns past d_v (neither loaded nor
+# stored: Sm90Tiles.last_slice_boxes_v); (448, 256) one slice at 32-key tiles; (512, 384) two slices of 192.
 WIDE = [Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
         Spec(320, dtype="fp16", key_padding=True, arch_family="sm90"),
         Spec(448, head_dim_v=256, dtype="fp16", arch_family="sm90"),
@@ -31,7 +31,7 @@ WIDE = [Spec(512, dtype="bf16", mask="causal", arch_family="sm90"),
         Spec(384, dtype="bf16", mask="causal", dropout=True, arch_family="sm90")]
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
 # Each spec the emulator builds costs CI about 10 s on two cores: the default tier runs one of each
-# kind (d 512 in two slices, d 320's zero-filled last slice under the racecheck, MLA in
+# kind (d 512 in two slices, d 320's short last slice under the racecheck, MLA in
 # test_kvcache_sm90.py), the slow tier the rest.
 slow = pytest.mark.slow
 
@@ -59,6 +59,25 @@ def test_the_geometry_fits_an_sm90_block():
     assert all(t.fits for t in map(sm90_tiles, WIDE + [_mla_spec()]))
     assert sm90_tiles(Spec(384, dtype="bf16", arch_family="sm90")).block_n == 48   # the widest that fits
     assert render(WIDE[0]).kernels.forward.grid(2, 4, 150) == (4, 4, 2)   # two row blocks, two slices each
+
+
+def test_the_last_slice_loads_only_its_boxes_below_d_v():
+    """Where whole-box slices overrun d_v (320, 448), the last slice's box past d_v lies wholly
+    outside V: not loaded, nor counted in a stage's bytes (the emulator refuses such a load)."""
+    table = {dv: (t.slices, t.slice_columns, t.last_slice_boxes_v) for dv in (256, 320, 384, 448, 512)
+             for t in [Sm90Tiles(512, dv)]}
+    assert table == {256: (1, 256, 4), 320: (2, 192, 2), 384: (2, 192, 3), 448: (2, 256, 3), 512: (2, 256, 4)}
+    code = render(WIDE[1]).code
+    assert "constexpr int kLastSliceBoxesV = 2;" in code and "stage_bytes = kKBytes + boxes_v * kKBox;" in code
+    assert "kLastSliceBoxesV" not in render(WIDE[3]).code   # d_v = 384: its slices end at d_v
+
+
+# The short last slice (d_v = 448 here; 320 is WIDE[1]'s) in training, packed sequences and decoding:
+# the stale shared memory in place of its unloaded box must reach no stored value.
+@slow
+def test_a_short_last_slice_meets_the_oracle():
+    run_and_check(Spec(448, dtype="fp16", mask="causal", arch_family="sm90"), SHAPES["ragged_gqa"])
+    checks.packed_forward_check(Spec(320, varlen=True, dtype="bf16", arch_family="sm90"))
 
 
 @pytest.mark.parametrize("spec, shape", _default_first([(spec, shape) for spec in WIDE for shape in SHAPES.values()]),

@@ -127,7 +127,7 @@ slow = pytest.mark.slow
 
 @pytest.mark.parametrize("head_dim, head_dim_v, page, num_splits", [
     (512, None, None, 2), pytest.param(320, None, 16, 1, marks=slow), pytest.param(448, 256, 64, 3, marks=slow),
-    pytest.param(384, None, 32, 2, marks=slow)])
+    pytest.param(384, None, 32, 2, marks=slow), pytest.param(448, None, None, 3, marks=slow)])
 def test_head_dims_past_256(families, head_dim, head_dim_v, page, num_splits):
     check_call(Case(nq=2, new=1, capacity=128, page=page, head_dim=head_dim, head_dim_v=head_dim_v, seed=11),
                causal=True, num_splits=num_splits)

@@ -334,7 +334,8 @@ MUTANTS += [KernelMutant(f"sm90 decoding: {name}", spec, (Edit(old, new),), (che
      "m[r] * scale_log2 * fagen::kLn2 + logf(l[r]) : -fagen::infinity()", "m[r] + logf(l[r]) : -fagen::infinity()"),
 ]]
 # Past d = 256 on the sm90 family: a block per column slice of O (Sm90Tiles.slices) and V as K's
-# columns (absorbed MLA). d_v = 320: two 192-column slices, the second's last 64 columns past d_v.
+# columns (absorbed MLA). d_v = 320: two 192-column slices, the second's last 64 columns past d_v
+# (neither loaded nor stored).
 SM90_WIDE = Spec(320, dtype="fp16", arch_family="sm90")
 SM90_WIDE_CACHE = chosen_decoding_spec(Spec.for_kv_cache(320, "fp16", causal=True, page_size=None, pack_gqa=True),
                                        "sm90", None)
@@ -352,6 +353,14 @@ MUTANTS += [KernelMutant(f"sm90 wide: {name}", spec, (Edit(old, new),), (check,)
      "slot * kOutColumns + column0", "slot * kOutColumns"),
     ("MLA: every slice of V read from K's first columns", SM90_MLA, checks.mla_check,
      "  c.read_v_from(slice_column0());\n", ""),
+    # The box past d_v lies wholly outside V (the emulator refuses its load) ...
+    ("the last slice's V box past d_v loaded", SM90_WIDE, checks.sm90_pipeline_check,
+     "return column0 + kHeadDimV > kOutColumns ? kLastSliceBoxesV : kBoxesV;", "return kBoxesV;"),
+    ("the last slice's V box past d_v loaded (decoding)", SM90_WIDE_CACHE, checks.kv_cache_check,
+     "return column0 + kHeadDimV > kOutColumns ? kLastSliceBoxesV : kBoxesV;", "return kBoxesV;"),
+    # ... and counted without its load, a stage's barrier waits for bytes that never come (a deadlock).
+    ("the last slice's V box past d_v counted in a stage's bytes", SM90_WIDE, checks.sm90_pipeline_check,
+     "const uint32_t stage_bytes = kKBytes + boxes_v * kKBox;", "const uint32_t stage_bytes = kStageBytes;"),
 ]]
 # Packed queries over a paged cache on the sm90 family: each sequence's keys from its own row of
 # the block table, as many as cu_seqlens_k gives it.

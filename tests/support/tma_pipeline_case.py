@@ -40,9 +40,10 @@ def pipeline():
     return load_module(KERNEL.read_text()).get_function("tma_pipeline")
 
 
-def run(kernel, bug: int, tiles: int):
-    """(y, expected y, sums, expected sums) of an emulated run; raises EmulationError on a fault."""
-    x, y, sums = inputs(tiles)
+def run(kernel, bug: int, tiles: int, short_rows: int = 8):
+    """(y, expected y, sums, expected sums) of an emulated run, x `short_rows` short of whole tiles;
+    raises EmulationError on a fault."""
+    x, y, sums = inputs(tiles, short_rows=short_rows)
     maps = [TensorMapSpec.of_tensor(t, (ROWS, COLS), swizzle=Swizzle.B128).emulated_bytes(t)
             for t in (x, y)]
     kernel((BLOCKS,), (THREADS,), (*maps, sums, np.int32(tiles), np.int32(bug)), shared_mem=SHARED)

@@ -129,6 +129,7 @@ void tma_load(void* shared_dst, const EmulatedTensorMap* map, int rank, const in
   const BoxShape shape = box_shape(*map, site);
   check_rank(*map, rank, op, site);
   check_shared_box(shared_dst, *map, shape, op, site);
+  check_box_meets_tensor(*map, shape, coords, op, site);
   InFlightLoad load{bar, static_cast<unsigned char*>(shared_dst), *map, shape, {}, me(), site};
   std::copy(coords, coords + rank, load.coords);
   std::memset(shared_dst, kGarbageByte, shape.bytes);  // nothing has landed yet

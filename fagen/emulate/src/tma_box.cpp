@@ -6,6 +6,7 @@
 #include <fagen_emulate/tma.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace fagen_emu {
@@ -69,6 +70,32 @@ void check_shared_box(const void* shared, const EmulatedTensorMap& map, const Bo
 
 namespace {
 
+// Whether any element c + k * step (k < count) of a box's dim lies in [0, extent).
+bool dim_meets_tensor(int64_t c, int64_t step, int64_t count, int64_t extent) {
+  const int64_t first = c >= 0 ? 0 : (-c + step - 1) / step;   // the first k with c + k * step >= 0
+  return first < count && c + first * step < extent;
+}
+
+}  // namespace
+
+void check_box_meets_tensor(const EmulatedTensorMap& map, const BoxShape& shape, const int32_t* coords,
+                            const char* what, Site site) {
+  for (int d = 0; d < shape.rank; ++d) {
+    const int64_t step = d == 0 ? 1 : map.element_strides[d];
+    const auto extent = static_cast<int64_t>(map.global_dims[d]);
+    if (dim_meets_tensor(coords[d], step, shape.counts[d], extent)) continue;
+    std::string at;
+    for (int i = 0; i < shape.rank; ++i) at += (i ? ", " : "") + std::to_string(coords[i]);
+    const int64_t last = coords[d] + (static_cast<int64_t>(shape.counts[d]) - 1) * step;
+    fail(site, "%s: the box at coordinates (%s) (innermost first) lies wholly outside the tensor: its dim %d "
+               "covers %lld..%lld of 0..%lld. Whether TMA zero-fills such a box and counts its bytes is not "
+               "documented; a kernel must not issue it", what, at.c_str(), d, static_cast<long long>(coords[d]),
+         static_cast<long long>(last), static_cast<long long>(extent - 1));
+  }
+}
+
+namespace {
+
 void fill_out_of_bounds(unsigned char* element, const EmulatedTensorMap& map) {
   std::memset(element, 0, map.element_bytes);
   if (map.oob_fill == 0) return;
@@ -125,6 +152,7 @@ void unswizzle_box(const void* shared_src, const EmulatedTensorMap& map, const B
 void tma_load_box_now(void* shared_dst, const EmulatedTensorMap* map, const int32_t* coords, Site site) {
   const BoxShape shape = box_shape(*map, site);
   check_shared_box(shared_dst, *map, shape, "cp.async.bulk.tensor load", site);
+  check_box_meets_tensor(*map, shape, coords, "cp.async.bulk.tensor load", site);
   copy_box_in(shared_dst, *map, shape, coords, site);
 }
 

@@ -24,6 +24,11 @@ BoxShape box_shape(const EmulatedTensorMap& map, Site site);
 // narrower than its swizzle span.
 void check_shared_box(const void* shared, const EmulatedTensorMap& map, const BoxShape& shape, const char* what,
                       Site site);
+// Faults on a load whose box lies wholly outside the tensor along some dim: the PTX ISA and the
+// driver document the zero fill of a box's elements outside the bounds, not whether a box with
+// none inside is filled and its bytes counted (if not, its mbarrier's phase never completes).
+void check_box_meets_tensor(const EmulatedTensorMap& map, const BoxShape& shape, const int32_t* coords,
+                            const char* what, Site site);
 // Reads the box from global memory into shared memory at `shared_dst`, swizzled.
 void copy_box_in(void* shared_dst, const EmulatedTensorMap& map, const BoxShape& shape, const int32_t* coords,
                  Site site);

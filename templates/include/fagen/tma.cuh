@@ -9,7 +9,9 @@
 //
 // `map` is a kernel parameter `const __grid_constant__ fagen::TensorMap` (fagen/tensor_map.cuh);
 // coords are element coordinates, innermost first, and may lie outside the tensor (those
-// elements load as zero and are not stored). A load's bytes count against its mbarrier's
+// elements load as zero and are not stored), but a load's box must meet the tensor in every dim:
+// whether a box wholly outside it completes its bytes is not documented (the emulator's twin
+// refuses one). A load's bytes count against its mbarrier's
 // tx-count (announce them with mbarrier_arrive_expect_tx, fagen/mbarrier.cuh); the data may be
 // read once a wait on that barrier's phase returns. A store or reduction reads its shared source
 // asynchronously: it must not be rewritten before a bulk_wait_group_read retires its group, and

@@ -4,10 +4,12 @@
 //
 // The box: a copy starts at signed element coordinates (innermost first) and takes, along each
 // dim, ceil(box / element stride) elements c + k * stride (dim 0 has no stride). Elements outside
-// the tensor load as zero (or a quiet NaN with the NaN fill) and are skipped by a store. In shared
-// memory the box is dense, dim 0 fastest, and the map's swizzle permutes its 16-byte chunks by the
-// absolute shared address: address bits 4.. (1, 2 or 3 of them for 32B, 64B, 128B) XOR the bits
-// from 7 up. The dynamic shared memory is 1024-byte aligned, as the GPU's window is.
+// the tensor load as zero (or a quiet NaN with the NaN fill) and are skipped by a store; a load of
+// a box with no element inside the tensor along some dim is refused (whether the hardware
+// completes one is not documented). In shared memory the box is dense, dim 0 fastest, and the
+// map's swizzle permutes its 16-byte chunks by the absolute shared address: address bits 4.. (1, 2
+// or 3 of them for 32B, 64B, 128B) XOR the bits from 7 up. The dynamic shared memory is 1024-byte
+// aligned, as the GPU's window is.
 //
 // Asynchrony, as late as the PTX ISA allows:
 // - a load poisons its destination (0xFF: NaN) at issue and lands when its mbarrier's phase
