@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..ops.common import philox_state
+from ..ops.common import TORCH_DTYPES as DTYPE_NAMES, philox_state
 from ..reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from .rule import Checks
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}   # "fp16" -> torch.float16
 DROPOUT_P = 0.17
 
 
