@@ -98,8 +98,9 @@ def _kv_cache(spec: Spec) -> list[Param]:
     if spec.kv_cache is None:
         return []
     if spec.kv_cache == "paged":   # key j of entry b: page block_table[b][j / page_size], row j % page_size
+        # max_pages: the table's columns; the guard refuses an entry with more keys than its row's pages hold.
         rows = [_tensor("block_table", "int", const=True), Param("block_table_stride", "int", "int32"),
-                Param("page_size", "int", "int32")]
+                Param("page_size", "int", "int32"), Param("max_pages", "int", "int32")]
     else:                          # entry b reads cache entry cache_batch[b] from row cache_start[b] on
         rows = [_tensor("cache_batch", "int", const=True), _tensor("cache_start", "int", const=True)]
     group = [Param("pack_group", "int", "int32")] if spec.pack_gqa else []   # query heads per K/V head

@@ -100,7 +100,7 @@ def packed_tensors(tensors: dict, varlen) -> None:
         tensors["error_flag"] = error_flag(varlen[0].device)
         paged = "block_table" in tensors
         tensors[REFUSAL] = PACKED_REFUSED.format("cu_seqlens_q, cu_seqlens_k or block_table" if paged else
-                                                 "cu_seqlens_q or cu_seqlens_k", "; a page outside the cache" * paged)
+                                                 "cu_seqlens_q or cu_seqlens_k", PAGED_REFUSED * paged)
 
 
 def packed_sequences(tensors: dict, varlen) -> dict:
@@ -123,6 +123,7 @@ def packed_sequences(tensors: dict, varlen) -> dict:
 REFUSAL = "refusal message"   # a `tensors` entry that is no kernel parameter: what launch_planned raises
 PACKED_REFUSED = ("an index value is out of range in {} (a sequence outside the packed rows, or longer than "
                   "max_seqlen_q / max_seqlen_k{})")
+PAGED_REFUSED = "; more keys than the sequence's row of block_table has pages for, or a page outside the cache"
 CHECK_HINT = ("; the kernels refused it, nothing outside the tensors was read or written. "
               "FAGEN_CHECK_VALUES=1 checks the values before the launch and names the entry")
 

@@ -22,7 +22,9 @@ import torch
 from . import launch, run
 from .render import Source
 
-DECODE_REFUSED = "an index value is out of range in cache_seqlens, cache_batch_idx, cache_leftpad or block_table"
+DECODE_REFUSED = ("an index value is out of range in cache_seqlens, cache_batch_idx, cache_leftpad or block_table "
+                  "(an entry's keys outside the cache or more than its row of block_table has pages for, or a "
+                  "page outside the cache)")
 
 
 def _flagged(tensors: dict, flag, device) -> None:
@@ -151,8 +153,9 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
         values["pack_group"] = pack_group
     run.strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
     values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
-    if block_table is not None:
-        values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
+    if block_table is not None:   # max_pages from the table itself: the guard's bound on an entry's pages
+        values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1],
+                      max_pages=block_table.shape[1])
     loaded, entries = launch.load(source, q.device), source.kernels
     blocks = -(-seqlen_q // entries.forward.rows_per_block)
     plan = [loaded.bind(entries.forward, (blocks * num_splits * entries.forward.slices, heads, batch), values,

@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError, InputTypeError
 from ..spec import MAX_HEAD_DIM, MLA_HEAD_DIM
 from .common import HEAD_DIM_MULTIPLE, check_dense_tensor, check_flag, check_half_rows, values_checked
-from .varlen_args import check_cache_rows, check_page_size, check_some_pages
+from .varlen_args import check_cache_rows, check_page_size, check_some_pages, pages_held
 
 
 @dataclass
@@ -224,7 +224,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         check_page_size(page_size, "k_cache.shape[1]")
         check_some_pages(k_cache, block_table, "k_cache")
         capacity = block_table.shape[1] * page_size
-        holds = f"block_table's {block_table.shape[1]} pages of {page_size} rows hold {capacity} rows per entry"
+        holds = f"{pages_held(block_table, page_size)} {capacity} rows per entry"
         checks.add("block_table", block_table, 0, k_cache.shape[0] - 1, f"pages are 0..{k_cache.shape[0] - 1}")
         cache_batch = torch.arange(batch, dtype=torch.int32, device=device)   # unused by paged kernels
     else:

@@ -86,6 +86,13 @@ def check_some_pages(k, block_table, name: str) -> None:
                          f"per sequence to name")
 
 
+def pages_held(block_table, page_size: int) -> str:
+    """What a block table's columns hold, as the messages say it: naming the argument, as
+    flash-attn's do (its tests match "block_table")."""
+    columns = block_table.shape[1]
+    return f"block_table's {columns} page{'s' * (columns != 1)} of {page_size} rows hold{'s' * (columns == 1)}"
+
+
 def check_page_size(page_size: int, where: str) -> None:
     if page_size == 0 or page_size % PAGE_MULTIPLE:
         raise InputError(f"a paged cache's page_size ({where}) must be a multiple of {PAGE_MULTIPLE}, "
@@ -103,8 +110,7 @@ def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tens
                          f"{tuple(block_table.shape)} on {block_table.device}")
     page_size = k.shape[1]
     if max_seqlen_k > block_table.shape[1] * page_size:
-        raise InputError(f"max_seqlen_k = {max_seqlen_k} is more than the block table's {block_table.shape[1]} pages "
-                         f"of {page_size} rows hold")
+        raise InputError(f"max_seqlen_k = {max_seqlen_k} is more than {pages_held(block_table, page_size)}")
     check_some_pages(k, block_table, "k")
     if values_checked(block_table) and block_table.numel():
         low, high = int(block_table.min()), int(block_table.max())

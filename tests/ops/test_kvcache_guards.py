@@ -18,7 +18,8 @@ from fagen.kernels import run_kv_cache as kv_kernels
 from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.spec import Spec
-from kvcache_cases import B, D, Case, bad_index, cache_guard_check, in_arena
+from kvcache_cases import (B, D, Case, bad_index, cache_guard_check, check_call, forward_past_the_table, in_arena,
+                           one_column, table_seqlens)
 
 
 @pytest.mark.parametrize("page", [48, None], ids=["paged", "contiguous"])
@@ -93,6 +94,99 @@ def test_a_paged_cache_without_pages_is_refused_for_a_block_table_that_names_som
     with pytest.raises(InputError, match="k_cache has no pages"):
         fagen.flash_attn_with_kvcache(case.q, empty, empty.clone(), block_table=case.block_table,
                                       cache_seqlens=0)
+
+
+# -- a block table's width (issue 42) -----------------------------------------------------------
+# flash-attn's test_flash_attn_kvcache_paged_block_table_bounds: a block table of one column, pages of
+# 256, cache_seqlens 257. The default tier runs it on sm90 (one spec for every page size: the one
+# test_kvcache_sm90.py builds) and on sm80 in pages of 48 (the spec of the guard test above); sm80's
+# pages of 256 take 64-key tiles, a spec of their own, and run in the slow tier.
+TABLE_CASES = [pytest.param("sm80", 48, id="sm80-pages48"), pytest.param("sm90", 256, id="sm90-pages256"),
+               pytest.param("sm80", 256, id="sm80-pages256", marks=pytest.mark.slow)]
+
+
+@pytest.fixture
+def family(request, monkeypatch):
+    """FAGEN_ARCH_FAMILY (the test's first parameter), from empty step plans; afterwards, that every
+    step built that family's spec."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", request.param)
+    monkeypatch.setattr(kvcache, "_plans", {})
+    built, real = [], kvcache.source_for
+    monkeypatch.setattr(kvcache, "source_for", lambda spec: (built.append(spec.arch_family), real(spec))[1])
+    yield request.param
+    assert built and set(built) == {request.param}, built
+
+
+@pytest.mark.parametrize("family, page", TABLE_CASES, indirect=["family"])
+@pytest.mark.parametrize("new", [0, 2], ids=["no append", "append"])
+def test_keys_past_a_one_column_block_table_are_refused(family, page, new):
+    """The last entry's keys (with the appended ones) end one row past its page: refused, the error
+    naming block_table (a RuntimeError, as flash-attn's; a ValueError for Python code), and nothing
+    appended. Before issue 42 a step without append attended the page's keys alone and returned."""
+    case = one_column(page, new=new)
+    before = case.k_cache.clone(), case.v_cache.clone()
+    for error in (RuntimeError, ValueError):
+        with pytest.raises(error, match="more than its row of block_table has pages for"):
+            _step(case, causal=True, num_splits=3, cache_seqlens=table_seqlens(case, 1))
+    assert torch.equal(case.k_cache, before[0]) and torch.equal(case.v_cache, before[1])
+
+
+@pytest.mark.parametrize("family, page", TABLE_CASES, indirect=["family"])
+@pytest.mark.parametrize("new", [0, 2], ids=["no append", "append"])
+def test_keys_that_fill_a_one_column_block_table_meet_the_oracle(family, page, new):
+    """At the bound (the last entry's keys fill its page): the cache and each entry's output and L
+    against the oracle (kvcache_cases.check_call), in two splits."""
+    check_call(one_column(page, new=new), causal=True, num_splits=2)
+
+
+def test_with_FAGEN_CHECK_VALUES_the_host_names_the_entry_and_the_table(monkeypatch):
+    monkeypatch.setenv("FAGEN_CHECK_VALUES", "1")
+    case = one_column(48)
+    with pytest.raises(InputError, match=r"cache_seqlens\[2\] = 49 is out of range: the block_table's 1 page of 48 "
+                                         r"rows holds 48 rows per entry"):
+        _step(case, cache_seqlens=table_seqlens(case, 1))
+
+
+def test_a_packed_sequence_past_a_one_column_block_table_is_refused_on_the_host():
+    """flash-attn's case for packed sequences: max_seqlen_k (an int, no sync) bounds every sequence,
+    and more than the table holds is refused before any launch. The kernels' own guard of the
+    table's width: kernel_checks.table_width_check (the kernel mutants' positive control runs it in
+    the default tier), and test_nothing_outside_the_block_table_is_read below."""
+    q, k, v = (torch.zeros(2, 4, D, dtype=torch.float16), *torch.zeros(2, 3, 256, 2, D, dtype=torch.float16))
+    table, cu = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="max_seqlen_k = 257 is more than block_table's 1 page of 256 rows holds"):
+        fagen.flash_attn_varlen_func(q, k, v, cu, torch.tensor([0, 257, 514], dtype=torch.int32), 1, 257,
+                                     block_table=table)
+
+
+def _paged_specs():
+    from fagen.arch_families import chosen_decoding_spec
+
+    decoding = Spec.for_kv_cache(D, "fp16", causal=True, page_size=48, pack_gqa=True)
+    packed = Spec.for_kv_cache(D, "fp16", causal=True, page_size=16, varlen=True, window=True, softcap=True,
+                               alibi=True)
+    return [s for spec in (decoding, packed) for s in (spec, chosen_decoding_spec(spec, "sm90", None))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", _paged_specs(), ids=lambda s: s.name)
+def test_nothing_outside_the_block_table_is_read(monkeypatch, spec):
+    """The AddressSanitizer build: the forward alone, told of more keys than a one-column table
+    (contiguous: its last row's end is the allocation's) holds, refuses the last entry and reads
+    nothing past the table. Before issue 42 each of these four kernels read 4 bytes past it
+    (a heap-buffer-overflow READ of block_table[batch * stride + 1])."""
+    monkeypatch.setenv("FAGEN_EMULATE_CHECKED", "1")
+    forward_past_the_table(spec, render(spec), strided=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, page", [("sm80", 48), ("sm90", 256)], indirect=["family"])
+@pytest.mark.parametrize("new", [0, 2], ids=["no append", "append"])
+def test_flash_attns_case_reads_nothing_outside_the_block_table(monkeypatch, family, page, new):
+    """The refusal of test_keys_past_a_one_column_block_table_are_refused in the AddressSanitizer
+    build (an access outside a tensor would be an EmulationError, not the InputError)."""
+    monkeypatch.setenv("FAGEN_EMULATE_CHECKED", "1")
+    test_keys_past_a_one_column_block_table_are_refused(family, page, new)
 
 
 # -- packed sequences ---------------------------------------------------------------------------

@@ -277,6 +277,25 @@ def paged_varlen_check(spec: Spec, source: Source | None = None) -> None:
     check_against_the_oracle(out, lse, q, k, v, table, True, variant)
 
 
+def table_width_check(spec: Spec, source: Source | None = None) -> None:
+    """Keys past the pages of a row of a one-column block table (issue 42), refused by the kernels'
+    guard (max_pages): for a decoding spec, flash-attn's case through `flash_attn_with_kvcache` in
+    pages of 48 (cache_seqlens 49, no append: only the attention's guard sees it); for every paged
+    spec, the forward alone told of two pages' keys (kvcache_cases.forward_past_the_table: packed
+    sequences reach the guard only so, the host bounding max_seqlen_k by the table)."""
+    import fagen
+    from kvcache_cases import forward_past_the_table, one_column, refused_past_the_table, table_seqlens
+
+    source = render(spec) if source is None else source
+    if not spec.varlen:
+        case = one_column(48)
+        with decode_steps_run(spec, source):
+            refused_past_the_table(lambda: fagen.flash_attn_with_kvcache(
+                case.q, case.k_cache, case.v_cache, causal=spec.causal, num_splits=2,
+                **case.kwargs(cache_seqlens=table_seqlens(case, 1))), f"{spec.name}: a decoding step")
+    forward_past_the_table(spec, source)
+
+
 def packed_window_check(spec: Spec, source: Source | None = None) -> None:
     """One query per head, a window (5, 0) and two query heads per K/V head (GQA packing): every
     head of an entry sees the same last six keys, whatever row of the tile it was packed into."""

@@ -375,6 +375,22 @@ MUTANTS += [KernelMutant(f"sm90 paged varlen: {name}", SM90_VARLEN_PAGED, (Edit(
      "  const int keys = seqlen_q;\n  const KeySource"),
 ]]
 
+# A block table's width (issue 42): an entry's keys, or a packed sequence's, past the pages its row
+# lists, refused by the guard (max_pages); removed, the kernels read past the row (a strided
+# table's next column, in table_width_check: a real page, so nothing else raises).
+VARLEN_PAGED = Spec.for_kv_cache(64, "fp16", causal=True, page_size=16, varlen=True, window=True, softcap=True,
+                                 alibi=True)
+DECODE_GUARD = "if (entry_end < 0 || entry_end > seqlen_k || entry_end > (long long)max_pages * page_size) {"
+PACKED_GUARD = " && k_past - k_start <= (long long)max_pages * page_size"
+MUTANTS += [KernelMutant(f"{name}: keys past the block table's row not refused", spec, (Edit(old, new),),
+                         (checks.table_width_check,))
+            for name, spec, old, new in [
+    ("paged", DECODE_PAGED, DECODE_GUARD, "if (false) {"),
+    ("sm90 decoding", SM90_PAGED, DECODE_GUARD, "if (false) {"),
+    ("paged varlen", VARLEN_PAGED, PACKED_GUARD, ""),
+    ("sm90 paged varlen", SM90_VARLEN_PAGED, PACKED_GUARD, ""),
+]]
+
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",

@@ -131,9 +131,10 @@ def check_call(case: Case, causal=False, rotary=None, num_splits=0, device="cpu"
     else:
         out, lse, case.k_cache, case.v_cache = run_call(case, device, causal, rotary, num_splits, variant)
     new = 0 if case.k is None else case.k.shape[1]
+    seqlens = case.seqlens.tolist()   # SEQLENS, unless the case was given its own
     worst_kernel = worst_torch = slack = 0.0
     for b in range(B):
-        start, stop = SEQLENS[b], SEQLENS[b] + new
+        start, stop = seqlens[b], seqlens[b] + new
         k_new, v_new = (case.k[b:b + 1], case.v[b:b + 1]) if new else (None, None)
         q_b = case.q[b:b + 1]
         if rotary is not None:
@@ -294,6 +295,77 @@ def packed_guard_check(spec, source=None) -> None:
             out, stats = ops.forward(source, q, k, v, varlen=(good, good, 5, 5))
             refused("backward, cu_seqlens_k", lambda: ops.backward(source, q, k, v, out, stats, torch.ones_like(out),
                                                                    varlen=(good, bad, 5, 6)))
+
+
+# -- a block table's width (issue 42): an entry's keys past the pages its row lists -------------
+
+def one_column(page: int, new: int = 0, seed: int = 46) -> Case:
+    """flash-attn's test_flash_attn_kvcache_paged_block_table_bounds: a block table of one column,
+    each entry one page of `page` rows. Its cache_seqlens: `table_seqlens`."""
+    case = Case(nq=2, new=new, page=page, capacity=page, seed=seed)
+    case.seqlens = table_seqlens(case, 0)
+    return case
+
+
+def table_seqlens(case: Case, past: int) -> torch.Tensor:
+    """cache_seqlens whose last entry's keys (with the case's new tokens) end `past` rows beyond
+    the pages its row of the block table lists (0: exactly at the bound); one entry empty."""
+    new = 0 if case.k is None else case.k.shape[1]
+    return torch.tensor([min(SEQLENS[0], case.capacity - new), 0, case.capacity - new + past], dtype=torch.int32)
+
+
+def refused_past_the_table(run, what: str) -> None:
+    """`run` raises the guards' InputError, naming block_table, and nothing else (an EmulationError
+    of the checked build: an access outside a tensor). AssertionError otherwise (the mutation
+    harness counts those)."""
+    from fagen.errors import InputError
+
+    try:
+        run()
+    except InputError as error:
+        assert "block_table" in str(error), f"{what}: {error}"
+    else:
+        raise AssertionError(f"{what}: keys past the block table's row were not refused")
+
+
+def column_of_two(table: torch.Tensor, strided: bool) -> torch.Tensor:
+    """A one-column block table; `strided`: as column 0 of a two-column table whose column 1 names
+    pages too, so that a kernel reading past a row finds a page there (no fault, no flag) and only
+    the guard of the table's width (max_pages, from the view's shape) refuses."""
+    if not strided:
+        return table
+    return torch.cat([table, table.roll(1, dims=0)], dim=1)[:, :1]
+
+
+def forward_past_the_table(spec, source, strided: bool = True) -> None:
+    """The forward alone (run_kv_cache.forward_kv_cache: no host check of the table's width) over
+    a one-column table of pages of 48, told of more keys than the table holds (two pages: a
+    decoding step's seqlen_k, packed sequences' max_seqlen_k): the last entry's 49 keys must be
+    refused by the guard of the table's width (max_pages). A packed spec with a window takes
+    paged_varlen_check's variant (window, softcap and ALiBi)."""
+    from fagen.kernels import run_kv_cache as kv_kernels
+
+    case = one_column(48, seed=47)
+    table, seqlens, told = column_of_two(case.block_table, strided), table_seqlens(case, 1), 2 * case.capacity
+
+    def packed_sequences():
+        from fagen.ops.variant_args import variant_call
+
+        q = case.q[:, 0]   # one query per sequence, packed: (B, H, d)
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), seqlens.cumsum(0, dtype=torch.int32)])
+        fields = dict(window_size=(9, 0), softcap=20.0, alibi_slopes=torch.tensor([0.5, 0.25, 0.1, 0.05]))
+        call = variant_call(q, case.k_cache, causal=spec.causal, sizes=(B, 1, H, told), **(fields if spec.window else {}))
+        kv_kernels.forward_kv_cache(source, q, case.k_cache, case.v_cache, None, seqlen_k=told, block_table=table,
+                                    variant=call.values if call else None,
+                                    varlen=(torch.arange(B + 1, dtype=torch.int32), cu_k, 1, told))
+
+    def decoding_step():
+        group = H // HK if spec.pack_gqa else None
+        q = case.q.reshape(B, -1, HK, case.q.shape[-1]) if group else case.q   # packed rows (B, Nq * group, Hk, d)
+        kv_kernels.forward_kv_cache(source, q, case.k_cache, case.v_cache, seqlens, seqlen_k=told, block_table=table,
+                                    pack_group=group)
+
+    refused_past_the_table(packed_sequences if spec.varlen else decoding_step, f"{spec.name}: the forward alone")
 
 
 # -- absorbed MLA: one cache whose first 512 columns are V ---------------------------------------
