@@ -23,10 +23,13 @@ from .training import Packed, Training, check_packed, check_training
 
 @dataclass(frozen=True)
 class Case:
-    """A template's case: `run(device)` makes its calls and returns the problems it found."""
+    """A template's case: `run(device)` makes its calls and returns the problems it found. It
+    proves its template only if those calls ran kernels of the template's family (the child
+    checks: `runs_kernels`; the tests' planted cases run none)."""
 
     template: str
     run: Callable[[torch.device], list]
+    runs_kernels: bool = True
 
     @property
     def family(self) -> str:

@@ -297,11 +297,13 @@ VALUES = {   # a cheap valid value per option that takes one, by its first spell
     "--dir": ["{built}"], "--json": ["{tmp}/counters.json"], "--spec": [f"fa2_d{D}_fp16"],
     "--seqlen": ["16"], "--seqlen-k": ["24"], "--batch": ["2"], "--heads": ["2"], "--kv-heads": ["1"],
     "--workers": ["1"], "--dv": [str(D)], "--cubin": ["{tmp}/peer.cubin"], "--arch-family": ["sm80"],
+    "--device": ["cuda"], "--family": ["sm80"], "--template": ["sm80.d64"], "--budget": ["5"],
+    "--case-timeout": ["5"],
 }
 BASE = {   # what each command runs with, besides the option under test
     "": [], "build": ["--d", str(D), "--arch", "sm_90", "--out", "{tmp}/out"], "list": [], "bench": [],
     "show": [f"fa2_d{D}_fp16", "--dir", "{built}"], "verify": ["--d", str(D)], "tune": ["--d", str(D)],
-    "profile": ["--d", str(D), "--seqlen", "16"], "sass": ["--d", str(D)],
+    "profile": ["--d", str(D), "--seqlen", "16"], "sass": ["--d", str(D)], "selftest": [],
 }
 ALONE = {("tune", "--show"), ("tune", "--clear"), ("verify", "--spec")}   # options that take no base
 
@@ -327,6 +329,8 @@ def _refusal(command: str, first: str) -> str | None:
         return "which tuning does not cover yet"
     if command == "tune" and first not in ("--show", "--clear"):
         return "tuning times kernels on a CUDA GPU, and none is visible"
+    if command == "selftest":   # its CUDA device, here without one (--device cpu would run the emulator)
+        return "no CUDA GPU is visible"
     if command == "sass" and find_cuobjdump() is None:
         return "fagen sass reads machine code with cuobjdump"
     if (command, first) == ("sass", "--cubin"):   # the base names a spec (--d): a cubin takes none
