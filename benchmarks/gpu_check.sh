@@ -3,7 +3,7 @@
 # attention backends, peak memory, and compute-sanitizer, in under 8 minutes.
 #
 #   benchmarks/gpu_check.sh            # the full run (about 7 minutes)
-#   benchmarks/gpu_check.sh --quick    # a subset (about 4 minutes)
+#   benchmarks/gpu_check.sh --quick    # a subset (about 5 minutes)
 #   benchmarks/gpu_check.sh --dry-run  # on any machine: versions, the plan, its time estimate, the checks
 #
 # Runs from the working tree (no install step). Writes results.json,

@@ -3,7 +3,9 @@
 A GPU is lent only now and then, for minutes, on a machine with no package
 registry. This package turns such a lease into one prepared run that:
 
-  1. runs the `gpu` tests (correctness on the hardware) as a subprocess,
+  1. runs `fagen selftest` (what a user's first call runs: every kernel template of the GPU's
+     families, held to flash-attn's rule) and the `gpu` tests (correctness on the hardware)
+     as subprocesses,
   2. times fagen v2 and v1 side by side with PyTorch's attention backends and
      FlexAttention, in TFLOP/s counted the FlashAttention-2 paper's way,
   3. times fagen's attention variants (sliding window, softcap, ALiBi, a document
@@ -30,7 +32,8 @@ a subpackage of config / run / markdown where one module would be too long:
   models/     a Llama in transformers: a training step and generate per system
   ring/       ring attention in a world-1 group, and the overlap model (config, run, markdown)
   memory.py   peak GPU memory against sequence length
-  correctness.py  the `gpu` pytest run and the compute-sanitizer runs
+  selftest_step.py  `fagen selftest` under a cap, its verdicts per template
+  correctness.py  the `gpu` pytest run (the families pinned) and the compute-sanitizer runs
   precompile.py   the kernels the calls will load, recorded (kernel_record, over kernel_calls'
               small calls; gpu_cases: the gpu tests' tables), compiled in parallel
   peak.py     the matmul peak and the copy bandwidth

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the versions found, the plan and its time estimate, and check imports and NVRTC; "
                             "needs no GPU")
     check.add_argument("--quick", action="store_true",
-                       help="a ~4 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
+                       help="a ~5 minute subset (bf16, d=128, N = 1k, 4k, 16k; the softcap and "
                             "document-mask variants)")
     check.add_argument("--budget", type=float, default=None,
                        help="total seconds for the run (default: the plan's, 420 full / 290 quick)")

@@ -61,6 +61,27 @@ def child_env(repo_root: Path) -> dict:
     return env
 
 
+# What the gpu tests and the sanitizer's workload mean by a call's family: the one they name
+# (FAGEN_ARCH_FAMILY, set by a test around its calls), else sm80 on every GPU. They were written
+# for that default, before the self-test's (fagen.selftest.gate: the sm90 family by default on
+# compute capability 9.0 where its templates passed), which would switch their plain calls to
+# sm90 on an H100 unasked, and run the self-test inside a test when no verdict is stored.
+# FAGEN_SELFTEST=0 keeps the old default; the self-test step proves the new one.
+PINNED_ENV = {"FAGEN_SELFTEST": "0"}
+UNPINNED = ("FAGEN_ARCH_FAMILY",)   # a family the check's caller left set: each test sets its own
+
+
+def pinned_env(env: dict) -> dict:
+    """`env` with the families pinned as the gpu tests mean them (PINNED_ENV, less UNPINNED)."""
+    env = {name: value for name, value in env.items() if name not in UNPINNED}
+    return {**env, **PINNED_ENV}
+
+
+def gpu_test_env(repo_root: Path) -> dict:
+    """The pytest subprocesses' environment: fagen from the tree, the families pinned."""
+    return pinned_env(child_env(repo_root))
+
+
 # -- pytest -m gpu ----------------------------------------------------------------
 
 def parse_pytest_summary(output: str) -> dict:
@@ -80,14 +101,18 @@ def parse_pytest_summary(output: str) -> dict:
 
 
 def parse_junit(path: Path) -> dict:
-    """Failed tests with their first message line, and skip reasons with counts."""
-    failures, skips = [], {}
+    """Failed tests with their first message line, skip reasons with counts, and what tests
+    measured (`record_property`: {test: {name: value}}, e.g. the tanh twin's error on the GPU)."""
+    failures, skips, measurements = [], {}, {}
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
-        return {"failures": failures, "skips": skips}
+        return {"failures": failures, "skips": skips, "measurements": measurements}
     for case in root.iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        measured = {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
+        if measured:
+            measurements[name] = measured
         for tag in ("failure", "error"):
             node = case.find(tag)
             if node is not None:
@@ -97,7 +122,7 @@ def parse_junit(path: Path) -> dict:
         if node is not None:
             reason = (node.get("message") or "").strip()[:200]
             skips[reason] = skips.get(reason, 0) + 1
-    return {"failures": failures, "skips": skips}
+    return {"failures": failures, "skips": skips, "measurements": measurements}
 
 
 def run_gpu_tests(repo_root: Path, timeout_s: float, *, marker: str = "gpu",
@@ -105,15 +130,18 @@ def run_gpu_tests(repo_root: Path, timeout_s: float, *, marker: str = "gpu",
     """`python -m pytest -m gpu tests/` with a time cap; counts and failures.
 
     Not `-x`: a lease is too short to rerun, so one run should report every
-    failing case (up to `max_failures`), not just the first.
+    failing case (up to `max_failures`), not just the first. The environment pins the families
+    as the tests mean them (gpu_test_env). JUnit's xunit1 flavour keeps what tests record
+    (record_property) without a warning.
     """
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", f"--maxfail={max_failures}",
-               "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}", str(repo_root / "tests")]
+               "-rfEs", "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={junit}",
+               str(repo_root / "tests")]
         if importlib.util.find_spec("pytest_timeout") is not None:
             cmd.append(f"--timeout={PER_TEST_TIMEOUT_S}")
-        run = run_capped(cmd, timeout_s=timeout_s, env=child_env(repo_root), cwd=str(repo_root))
+        run = run_capped(cmd, timeout_s=timeout_s, env=gpu_test_env(repo_root), cwd=str(repo_root))
         details = parse_junit(junit)
     parsed = parse_pytest_summary(run["output"])
     counts = parsed["counts"]
@@ -128,7 +156,7 @@ def run_gpu_tests(repo_root: Path, timeout_s: float, *, marker: str = "gpu",
     return {"status": status, "command": " ".join(cmd), "returncode": run["returncode"],
             "seconds": run["seconds"], "summary": parsed["summary"] or f"(no summary; {status})",
             "counts": counts, "failures": details["failures"], "skips": details["skips"],
-            "output_tail": run["output"][-6000:]}
+            "measurements": details["measurements"], "output_tail": run["output"][-6000:]}
 
 
 # -- compute-sanitizer ----------------------------------------------------------------
@@ -179,7 +207,7 @@ def run_sanitizers(repo_root: Path, *, timeout_s: float, tools=("memcheck", "rac
     if tool_path is None:
         return {"status": "skipped", "note": "compute-sanitizer not found on PATH or in /usr/local/cuda"}
     section: dict = {"status": "ok", "note": "", "path": tool_path, "runs": {}}
-    env = child_env(repo_root)
+    env = gpu_test_env(repo_root)   # the workload as the tests mean it; no self-test under the sanitizer
     # Without torch's caching allocator every tensor is its own cudaMalloc, so
     # memcheck sees an out-of-bounds access instead of a hit in pooled memory.
     env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
@@ -243,10 +271,34 @@ def summary_lines(results: dict) -> list[str]:
             lines.append(f"{label}: {run['summary']}")
         for failure in (run.get("failures") or [])[:8]:
             lines.append(f"  FAILED {failure['test']}: {failure['message'][:160]}")
+    lines += [f"measured: {line}" for line in measurement_lines(results)]
     sanitizers = results.get("sanitizers") or {}
     for tool, run in (sanitizers.get("runs") or {}).items():
         lines.append(f"compute-sanitizer {tool}: {run.get('status')} {run.get('summary', '')}".rstrip())
     return lines
+
+
+def measurement_lines(results: dict) -> list[str]:
+    """What the gpu tests measured (record_property), a line per test, the twins' first:
+    `file::test: name value, ...`."""
+    correctness = results.get("correctness") or {}
+    lines = []
+    for run in (correctness.get("twins") or {}, correctness):
+        for test, measured in (run.get("measurements") or {}).items():
+            lines.append(f"{_short_test(test)}: " + ", ".join(f"{name} {value}" for name, value in measured.items()))
+    return lines
+
+
+def short_lines(results: dict) -> list[str]:
+    """The short table's rows: what the gpu tests measured, a line per test, for a later session
+    to copy."""
+    return [f"-- measured by {line}" for line in measurement_lines(results)]
+
+
+def _short_test(test: str) -> str:
+    """"tests.gpu.test_gpu_tanh::test_x" (JUnit's classname::name) as "test_gpu_tanh::test_x"."""
+    classname, _, name = test.partition("::")
+    return f"{classname.rsplit('.', 1)[-1]}::{name}"
 
 
 def markdown_lines(results: dict) -> list[str]:
@@ -262,6 +314,9 @@ def markdown_lines(results: dict) -> list[str]:
     out += [f"`{c.get('command', '')}`", "", f"**{c.get('status')}**: {c.get('summary')}"]
     for failure in c.get("failures", []):
         out.append(f"- FAILED `{failure['test']}`: {_md(failure['message'])}")
+    measured = measurement_lines(results)
+    if measured:
+        out += ["", "Measured by the tests (record_property):"] + [f"- {_md(line)}" for line in measured]
     if c.get("skips"):
         out += ["", "Skipped, by reason:"]
         out += [f"- {count} × {_md(reason)}" for reason, count in c["skips"].items()]

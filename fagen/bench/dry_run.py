@@ -5,9 +5,12 @@ It prints the versions found (python, torch, CuPy, cuda-bindings, NVRTC, transfo
 machine runs the check under its own python3 and packages), the plan with its reserves and its
 forecast, then checks that what the run needs imports, that the reserves fit the budget, that
 NVRTC compiles the kernels precompile will build for an H200 (recorded from the sections' and the
-gpu tests' own calls), that fagen.distributed gives the ring's chunk pairs, and that transformers
-builds the models section's Llama (on the meta device) with the parameters the plan counts. Its
-last line is the time estimate against the budget, with and without compute-sanitizer's runs.
+gpu tests' own calls), that the self-test step has a case for every template of both families,
+each loading kernels of its family there (recorded as the self-test's child records them; the
+last sm90 one compiled for sm_90a), that fagen.distributed gives the ring's chunk pairs, and that
+transformers builds the models section's Llama (on the meta device) with the parameters the plan
+counts. Its last line is the time estimate against the budget, with and without
+compute-sanitizer's runs.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ def _required_checks(check: _Checks, plan: Plan) -> None:
                           ("the models section's", "models "),
                           ("the ring section's", "ring")):
         check(f"{title} fagen kernels compile for {DRY_RUN_ARCH}", True, lambda p=prefix: _compile_last(recorded, p))
+    selftest = {}
+    check(f"the self-test's cases for {DRY_RUN_ARCH} (recorded as its child records them)", True,
+          lambda: _selftest_cases(selftest))
+    check(f"the self-test's last sm90 kernel compiles for {DRY_RUN_ARCH}", True, lambda: _selftest_compile(selftest))
     check("fagen.distributed and the ring section's chunk pairs (step_blocks)", True, lambda: _ring_pieces(plan))
 
 
@@ -179,6 +186,44 @@ def _compile_last(recorded: dict, prefix: str) -> str:
     spilled = sum(v["spill_bytes"] for v in info["resources"].values())
     return (f"{', '.join(names)}; {info['name']} compiles in {info['seconds']:.2f} s ({len(info['resources'])} "
             f"kernels, at most {registers} registers, {spilled} B spilled)")
+
+
+def _selftest_cases(into: dict) -> str:
+    """Every template of both families has a case, and each case's calls load kernels of its
+    family for the H200 (the child's own recording, so the step finds no missing case there)."""
+    from fagen.selftest.cases import CASES
+    from fagen.selftest.child import record_cases
+
+    from .kernel_record import identity_for
+    from .selftest_step import HOPPER_FAMILIES, expected_templates
+
+    templates = expected_templates(HOPPER_FAMILIES)
+    missing = [t for t in templates if t not in CASES]
+    if missing:
+        raise ValueError(f"no case for the templates {', '.join(missing)}")
+    recorded = record_cases([CASES[t] for t in templates], identity_for(DRY_RUN_ARCH))
+    if recorded.errors:
+        raise RuntimeError("; ".join(recorded.errors[:3]))
+    family = {spec.name: spec.arch_family for spec in recorded.specs}
+    strays = [t for t in templates if CASES[t].family not in {family[n] for n in recorded.by_call.get(t, [])}]
+    if strays:
+        raise ValueError(f"the cases of {', '.join(strays)} load no kernel of their family")
+    into["recorded"] = recorded
+    counts = {f: sum(1 for s in recorded.specs if s.arch_family == f) for f in HOPPER_FAMILIES}
+    return (f"{len(templates)} templates, each case loading kernels of its family: "
+            + ", ".join(f"{f} {n} kernels" for f, n in counts.items()))
+
+
+def _selftest_compile(recorded: dict) -> str:
+    from .precompile import compile_spec
+
+    if "recorded" not in recorded:
+        raise RuntimeError("no kernels recorded (see above)")
+    spec = [s for s in recorded["recorded"].specs if s.arch_family == "sm90"][-1]
+    info = compile_spec(spec, DRY_RUN_ARCH, use_cache=False)
+    spilled = sum(v["spill_bytes"] for v in info["resources"].values())
+    return (f"{info['name']} for {info['arch']} in {info['seconds']:.2f} s ({len(info['resources'])} kernels, "
+            f"{spilled} B spilled)")
 
 
 def _ring_pieces(plan: Plan) -> str:

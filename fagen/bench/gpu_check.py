@@ -7,13 +7,22 @@ speed sweep), so a run killed from outside still leaves what it measured.
 
 Exit status: 0 when every section ran and the gpu tests passed (peers that
 are not available are notes, not failures); 1 when a gpu test failed, a
+self-test template failed or hung (or the step was stopped at its cap), a
 section found a wrong result (the world-1 ring differs from the plain op, a
 decoding step's CUDA-graph replay differs from the eager step) or a section
 raised; 2 when no CUDA GPU is visible.
+
+Families. Every fagen row names the family it measures ("fagen v2": sm80, "fagen sm90": the
+sm90 family) and the gpu tests mean sm80 unless a test asks for sm90; so the run pins
+FAGEN_SELFTEST=0 for itself and every subprocess (correctness.PINNED_ENV, `_pinned_families`):
+the self-test's default (sm90 on compute capability 9.0 where it passed) never switches a row
+or a test, and no call starts a self-test of its own. The self-test step is where that default
+is proven.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -24,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import report
-from .correctness import TWINS_CAP_S, find_compute_sanitizer, run_gpu_tests, run_sanitizers
+from .correctness import PINNED_ENV, TWINS_CAP_S, UNPINNED, find_compute_sanitizer, run_gpu_tests, run_sanitizers
 from .dry_run import dry_run
 from .plan import OPTIONAL_SECTIONS, Plan
 from .plan_text import describe
@@ -154,7 +163,8 @@ def run_gpu_check(plan: Plan, out_dir, *, skip=(), log: Callable[[str], None] = 
     except ValueError:  # not the main thread: no handler, the JSON is still written as we go
         previous = None
     try:
-        return _run_sections(run)
+        with _pinned_families():
+            return _run_sections(run)
     except (Stopped, KeyboardInterrupt) as exc:
         run.results["stopped"] = f"stopped from outside ({exc or 'interrupt'}) after {run.budget.elapsed():.0f} s"
         log(f"\n== {run.results['stopped']}; writing what was measured")
@@ -163,6 +173,25 @@ def run_gpu_check(plan: Plan, out_dir, *, skip=(), log: Callable[[str], None] = 
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _pinned_families():
+    """The process's environment with the families pinned (see the module doc) for the run,
+    then as it was (a test may run the check in its own process)."""
+    names = (*PINNED_ENV, *UNPINNED)
+    saved = {name: os.environ.get(name) for name in names}
+    for name in UNPINNED:
+        os.environ.pop(name, None)
+    os.environ.update(PINNED_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _finish(run: "_Run") -> None:
@@ -214,6 +243,16 @@ def _run_sections(run: "_Run") -> int:
         return run_peak()
 
     results["peak"] = run.section("peak", peak_section)
+
+    def selftest_section():
+        from .selftest_step import expected_templates, families_of, run_selftest_step
+
+        families = families_of(results["meta"]["capability"])
+        outcome = run_selftest_step(REPO_ROOT, run.deadline("selftest").remaining(), expected_templates(families))
+        log("   self-test: " + outcome["summary"])
+        return outcome
+
+    results["selftest"] = run.section("selftest", selftest_section)
 
     def correctness_section():
         # The twins' micro-kernels first: whether each emulated twin reads the ISA as the
@@ -299,13 +338,15 @@ def _run_sections(run: "_Run") -> int:
 
 
 def exit_status(results: dict) -> int:
-    """1 when the gpu tests failed or timed out, a section found a wrong result (status "failed":
-    the ring against the plain op, the decode step's graph replay against the eager step) or a
-    section raised; else 0."""
+    """1 when the gpu tests failed or timed out, the self-test step was stopped at its cap, a
+    section found a wrong result (status "failed": a self-test template, the ring against the
+    plain op, the decode step's graph replay against the eager step) or a section raised (or
+    the self-test could not run: "error"); else 0."""
     correctness = results.get("correctness") or {}
     sections = results.get("sections") or {}
     failed = correctness.get("status") in ("failed", "timed out") or any(
-        info.get("status") == "failed" for info in sections.values())
+        info.get("status") == "failed" for info in sections.values()) or (
+        (results.get("selftest") or {}).get("status") == "timed out")
     broken = any(info.get("status") == "error" for info in sections.values())
     return 1 if failed or broken else 0
 

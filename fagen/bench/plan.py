@@ -25,14 +25,16 @@ from .variants.config import VariantsConfig
 
 # Sections in the order they run. Correctness first: a fast wrong kernel is
 # worth nothing, and a kernel that faults shows up there, in a subprocess,
-# before it can take down the sweep's CUDA context. The sanitizers (also
+# before it can take down the sweep's CUDA context; the self-test (`fagen
+# selftest`, what a user's first call runs) first of all that launches the
+# sm90 family, as it is on a user's GPU. The sanitizers (also
 # subprocesses, with fixed caps) run before the sweep, so the sweep can use
 # every second they leave over; memory last, since it pushes the allocator
 # to out-of-memory on purpose.
-SECTIONS = ("setup", "precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode",
+SECTIONS = ("setup", "precompile", "peak", "selftest", "correctness", "sanitizers", "speed", "variants", "decode",
             "models", "ring", "memory", "report")
-OPTIONAL_SECTIONS = ("precompile", "peak", "correctness", "sanitizers", "speed", "variants", "decode", "models",
-                     "ring", "memory")
+OPTIONAL_SECTIONS = ("precompile", "peak", "selftest", "correctness", "sanitizers", "speed", "variants", "decode",
+                     "models", "ring", "memory")
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,18 @@ class Plan:
     # together at most the budget, compute-sanitizer's two runs included (schedule.fits). The
     # speed sweep has a floor instead: it takes what the others leave, at least min_speed_s.
     # Setup (torch, the CUDA context, nvidia-smi) and peak run unguarded; report writes files.
+    # The self-test's 40 s came from the caps with the most room over their forecasts (in
+    # seconds: precompile 30 -> 25 over its 18, correctness 90 -> 80 over its 60, each
+    # sanitizer run 30 -> 25, whose forecast is 70% of it) and from the sweep's floor (50 -> 35;
+    # the sweep takes what the others leave, about 85 s here): the sections after the sweep
+    # keep theirs, which their forecasts fill.
     setup_reserve_s: float = 15.0
-    precompile_cap_s: float = 30.0
+    precompile_cap_s: float = 25.0
     peak_reserve_s: float = 5.0
-    correctness_cap_s: float = 90.0
-    sanitizer_cap_s: float = 30.0  # each of memcheck and racecheck
-    min_speed_s: float = 50.0
+    selftest_cap_s: float = 40.0
+    correctness_cap_s: float = 80.0
+    sanitizer_cap_s: float = 25.0  # each of memcheck and racecheck
+    min_speed_s: float = 35.0
     memory_cap_s: float = 20.0
     report_reserve_s: float = 10.0
     # FlexAttention compiles with Inductor (tens of seconds per graph); it may
@@ -136,10 +144,13 @@ def full_plan() -> Plan:
 def quick_plan() -> Plan:
     """A ~5 minute subset: bf16, d=128, three sequence lengths, small memory sweep. Its reserves
     fill its 290 s budget (schedule.caps), compute-sanitizer's two runs included."""
+    # The self-test is the full plan's (every template of both families): its 40 s came from
+    # precompile (30 -> 20 over its 15), correctness (70 -> 65 over its 60), each sanitizer run
+    # (25 -> 18) and the sweep's floor (30 -> 20).
     return Plan(name="quick", dtypes=("bf16",), head_dims=(128,), seqlens=(1024, 4096, 16384),
                 memory=MemoryConfig(seqlens=(4096, 16384, 65536)), budget_s=290.0,
-                correctness_cap_s=70.0, sanitizer_cap_s=25.0, min_speed_s=30.0, memory_cap_s=15.0,
-                flex_allowance_s=45.0,
+                precompile_cap_s=20.0, correctness_cap_s=65.0, sanitizer_cap_s=18.0, min_speed_s=20.0,
+                memory_cap_s=15.0, flex_allowance_s=45.0,
                 # One score mod and one mask mod; Flex compiles the first of them.
                 variants=VariantsConfig(cases=("softcap", "document"), cap_s=30.0, flex_allowance_s=20.0),
                 # No Flex compile, and of SDPA only its flash backend (the fastest peer).

@@ -6,7 +6,7 @@ puts them in the sections' order, with the reserves and the forecast replayed un
 
 from __future__ import annotations
 
-from . import correctness, memory, precompile
+from . import correctness, memory, precompile, selftest_step
 from .decode import markdown as decode_md
 from .models import markdown as models_md
 from .plan import SECTIONS
@@ -21,6 +21,7 @@ def describe(plan) -> str:
     lines = [f"plan {plan.name!r}: budget {plan.budget_s:.0f} s (time guard per section)"]
     lines.append("sections, in order: " + ", ".join(SECTIONS))
     lines += precompile.plan_lines(plan)
+    lines += selftest_step.plan_lines(plan)
     lines += correctness.plan_lines(plan)
     lines += speed_md.plan_lines(plan, precompile.GPU_TEST_KERNELS)
     lines += variants_md.plan_lines(plan.variants)

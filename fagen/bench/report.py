@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from . import correctness, memory, peak
+from . import correctness, memory, peak, selftest_step
 from .decode import markdown as decode_md
 from .markdown import md as _md
 from .models import markdown as models_md
@@ -35,10 +35,13 @@ JSON_NAME, MD_NAME = "results.json", "results.md"
 def short_table(results: dict) -> str:
     """Compact tables: the GPU and its ceilings, then the speed sweep's TFLOP/s (one block per
     configuration, one row per (pass, N)), the variants' rows, the decode section's, the models
-    section's tokens/s and the ring section's."""
+    section's tokens/s and the ring section's; last, the self-test's verdicts and what the gpu
+    tests measured (tanh.approx's error), so that they come back whatever the device tool cuts
+    from the top."""
     return "\n".join([peak.header_line(results)] + speed_md.short_lines(results) + variants_md.short_lines(results)
                      + decode_md.short_lines(results) + models_md.short_lines(results)
-                     + ring.short_lines(results))
+                     + ring.short_lines(results) + selftest_step.short_lines(results)
+                     + correctness.short_lines(results))
 
 
 def summary_lines(results: dict) -> list[str]:
@@ -51,7 +54,8 @@ def summary_lines(results: dict) -> list[str]:
     for name, info in (results.get("sections") or {}).items():
         note = f" - {info['note']}" if info.get("note") else ""
         lines.append(f"{name:<12} {info.get('status', '?'):<10} {info.get('seconds', 0):6.1f} s{note}")
-    return lines + correctness.summary_lines(results) + memory.summary_lines(results)
+    return (lines + selftest_step.summary_lines(results) + correctness.summary_lines(results)
+            + memory.summary_lines(results))
 
 
 # -- Markdown -------------------------------------------------------------------------
@@ -64,7 +68,8 @@ def markdown(results: dict) -> str:
     for name, info in (results.get("sections") or {}).items():
         out.append(f"| {name} | {info.get('status', '?')} | {info.get('seconds', 0):.1f} | "
                    f"{_md(info.get('note', ''))} |")
-    for section_lines in (peak.markdown_lines, correctness.markdown_lines, speed_md.markdown_lines,
+    for section_lines in (peak.markdown_lines, selftest_step.markdown_lines, correctness.markdown_lines,
+                          speed_md.markdown_lines,
                           variants_md.markdown_lines, decode_md.markdown_lines, models_md.markdown_lines,
                           ring.markdown_lines, memory.markdown_lines, correctness.sanitizer_markdown_lines):
         out += section_lines(results)

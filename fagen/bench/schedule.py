@@ -17,7 +17,7 @@ as the run on the GPU.
 
 from __future__ import annotations
 
-from . import correctness, precompile
+from . import correctness, precompile, selftest_step
 from .plan import SECTIONS
 from .speed import config as speed_config
 
@@ -33,7 +33,7 @@ def caps(plan, *, sanitizers: bool, skip=()) -> dict[str, float]:
     enabled = {"sanitizers": sanitizers, "variants": bool(plan.variants.cases), "decode": plan.decode.enabled,
                "models": plan.models.enabled, "ring": plan.ring.enabled}
     full = {"setup": plan.setup_reserve_s, "precompile": plan.precompile_cap_s, "peak": plan.peak_reserve_s,
-            "correctness": plan.correctness_cap_s, "sanitizers": 2 * plan.sanitizer_cap_s,
+            "selftest": plan.selftest_cap_s, "correctness": plan.correctness_cap_s, "sanitizers": 2 * plan.sanitizer_cap_s,
             "speed": plan.min_speed_s, "variants": plan.variants.cap_s, "decode": plan.decode.cap_s,
             "models": plan.models.cap_s, "ring": plan.ring.cap_s, "memory": plan.memory_cap_s,
             "report": plan.report_reserve_s}
@@ -62,6 +62,7 @@ def forecast(plan, *, sanitizers: bool) -> dict[str, float]:
         "setup": plan.setup_reserve_s,
         "precompile": precompile.estimate_seconds(plan),
         "peak": plan.peak_reserve_s,
+        "selftest": selftest_step.estimate_seconds(plan),
         "correctness": correctness.correctness_estimate(plan),
         "sanitizers": correctness.sanitizers_estimate(plan, sanitizers=sanitizers),
         "speed": speed_config.estimate_seconds(plan),

@@ -123,18 +123,13 @@ def _context_usable(device) -> bool:
 
 def _compile_kernels(cases, device) -> dict:
     """Compile, in threads, every kernel `cases` will load on `device`; counts and seconds."""
-    from ..bench.kernel_record import record
     from ..kernels.compile import compile_source, spec_target
     from ..kernels.render import source_for
     from ..tuning import DeviceIdentity
 
-    import torch
-
     start = time.perf_counter()
     identity = DeviceIdentity.from_device(device)
-    calls = [(case.template, _in_family(case, torch.device("cpu"))) for case in cases]
-    recorded = record(calls, identity)
-    os.environ.pop(ARCH_FAMILY_ENV, None)
+    recorded = record_cases(cases, identity)
 
     def build(spec):
         compile_source(source_for(spec), spec_target(spec, identity.arch))
@@ -144,6 +139,23 @@ def _compile_kernels(cases, device) -> dict:
     for line in failures:
         print(f"compile: {line}", flush=True)
     return {"kernels": len(recorded.specs), "seconds": time.perf_counter() - start, "errors": len(failures)}
+
+
+def record_cases(cases, identity):
+    """The kernels `cases` load on the GPU of `identity` (a DeviceIdentity), each case in its
+    family: recorded by making its calls on CPU tensors (fagen.bench.kernel_record; the GPU
+    check's dry run lists them the same way). FAGEN_ARCH_FAMILY is as it was afterwards."""
+    import torch
+
+    from ..bench.kernel_record import record
+
+    before = os.environ.get(ARCH_FAMILY_ENV)
+    try:
+        return record([(case.template, _in_family(case, torch.device("cpu"))) for case in cases], identity)
+    finally:
+        os.environ.pop(ARCH_FAMILY_ENV, None)
+        if before is not None:
+            os.environ[ARCH_FAMILY_ENV] = before
 
 
 def _in_family(case, device):

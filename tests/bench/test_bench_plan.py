@@ -37,8 +37,13 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert f"timed runs: {full_plan().timed_runs()}" in out
-    for needle in ("sections, in order: setup, precompile, peak, correctness, sanitizers, speed, "
+    for needle in ("sections, in order: setup, precompile, peak, selftest, correctness, sanitizers, speed, "
                    "variants, decode, models, ring, memory, report",
+                   "  selftest: python -m fagen selftest --verbose, before anything else runs the sm90 family: one "
+                   "small case per kernel template (sm80 21, sm90 23;",
+                   "[     ok] the self-test's cases for sm_90 (recorded as its child records them): 44 templates, each "
+                   "case loading kernels of its family: sm80 21 kernels, sm90 23 kernels",
+                   "[     ok] the self-test's last sm90 kernel compiles for sm_90: ",
                    "fagen v2, fagen sm90, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
                    "[     ok] precompile's kernels for sm_90 (recorded from the calls): ",
                    "[     ok] the sections' reserves fit the budget (with compute-sanitizer's runs): 420 s of 420 s",
@@ -112,6 +117,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "zigzag 3, contiguous 1; zigzag pairs per step at W = 2: 2, 4: 2, 8: 2"):
         assert needle in out, needle
     assert " models 40, ring 5, memory 20," in out.split("estimated seconds:")[1].splitlines()[0]
+    assert " peak 5, selftest 31, correctness 60," in out.split("estimated seconds:")[1].splitlines()[0]
 
 
 def test_main_runs_by_path_from_elsewhere(tmp_path):

@@ -19,18 +19,9 @@ import torch
 from fagen.emulate import load_module
 from kernel_cases import TANH_APPROX_BOUND
 from nvrtc_ptx import nvrtc_ptx
+from tanh_case import SOURCE as TANH   # the kernel tests/gpu/test_gpu_tanh.py runs on the hardware
 
 TWIN_ARITHMETIC = 4 * 2.0 ** -24      # the twin's own work: the host's tanhf (within 2 ulp), one fp32 product
-
-TANH = r"""
-#include <fagen/prelude.cuh>
-#include <fagen/numeric.cuh>
-extern "C" __global__ void tanh_approx_of(const float* __restrict__ x, float* __restrict__ y, int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = fagen::tanh_approx(x[i]);
-}
-FAGEN_EXPORT(tanh_approx_of)
-"""
 
 
 def _tanh_twin(x: torch.Tensor) -> torch.Tensor:
