@@ -277,6 +277,7 @@ def gpu_tests_record(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow   # records every call of the gpu tests and the sections (about 150 s on two cores)
 def test_precompile_builds_the_kernels_the_gpu_tests_and_the_sections_load_on_an_h200(gpu_tests_record):
     plan = full_plan()
     sections, tests = in_a_fresh_process(recorded_by_precompile, plan, H200)

@@ -163,6 +163,7 @@ def test_two_ranks_both_layouts_causal_and_not_dropout_and_errors():
              ("zigzag", True, {"method": "allgather"})])
 
 
+@pytest.mark.slow   # four spawned ranks (about 35 s on two cores); two ranks stay in the default tier
 def test_four_ranks_windows_that_span_ranks_and_allgather():
     # Chunks of 16 tokens: a window of 20 reaches back over one or two chunks, so some ring
     # steps are cut by the band and others skipped outright.

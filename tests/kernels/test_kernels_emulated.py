@@ -62,9 +62,15 @@ def poisoned_outputs(monkeypatch):
 SCHEDULES = ("forward", "warp-serial-reverse")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("version, mask, dropout, dtype, head_dim", MATRIX,
-                         ids=["-".join(map(str, case)) for case in MATRIX])
+# The default tier runs the whole matrix under `forward` and its d = 64 rows under
+# warp-serial-reverse too (the slow tier: every row under both); the racecheck tests
+# (test_kernels_racecheck.py) see every shared-memory access of the kernels besides.
+MATRIX_RUNS = [pytest.param(schedule, *case, id=f"{'-'.join(map(str, case))}-{schedule}",
+                            marks=() if schedule == "forward" or case[-1] == 64 else pytest.mark.slow)
+               for case in MATRIX for schedule in SCHEDULES]
+
+
+@pytest.mark.parametrize("schedule, version, mask, dropout, dtype, head_dim", MATRIX_RUNS)
 def test_kernel_matrix(version, mask, dropout, dtype, head_dim, schedule, monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
     case = (version, mask, dropout, dtype, head_dim)
