@@ -75,7 +75,7 @@ def _run_child(plan, remaining: list, results: dict, log, deadline: float, compi
                "--events-fd", str(write_fd), "--templates", ",".join(remaining)]
     command += [] if compile_first else ["--no-compile"]
     child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                             env={**os.environ, **plan.env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                             env=_child_env(plan.env), start_new_session=True)
     os.close(write_fd)
     events = _Events(read_fd)
     current, case_deadline, restart, started = None, None, False, 0.0
@@ -98,12 +98,12 @@ def _run_child(plan, remaining: list, results: dict, log, deadline: float, compi
                     _record(results, remaining, current, TemplateResult(
                         "failed", f"the child process died ({_exit_text(code)}) during this case",
                         time.monotonic() - started), progress)
-                elif not restart:   # ended outside any case, unasked: what it left cannot run in another either
-                    status = "failed" if code else "not_run"
+                elif not restart:   # ended outside any case, unasked: another child would end so too
+                    # Not a kernel's failure (it never ran): the templates are unproven, not failed.
                     for template in list(remaining):
                         _record(results, remaining, template, TemplateResult(
-                            status, f"the self-test's child process ended ({_exit_text(code)}) before this case"),
-                            progress)
+                            "not_run", f"the self-test's child process ended ({_exit_text(code)}) before this "
+                                       f"case; its log says why"), progress)
                 return
             kind = event.get("event")
             if kind == "compiled":
@@ -121,6 +121,17 @@ def _run_child(plan, remaining: list, results: dict, log, deadline: float, compi
         events.close()
         if child.poll() is None:
             _kill(child)
+
+
+def _child_env(extra: dict) -> dict:
+    """The parent's environment, with this fagen first on the child's path (the parent may have
+    found it through its own sys.path, which a child does not inherit), then `extra`."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    for name, value in extra.items():
+        env[name] = os.pathsep.join((value, path)) if name == "PYTHONPATH" else value
+    return env
 
 
 def _record(results: dict, remaining: list, template: str, result: TemplateResult, progress) -> None:

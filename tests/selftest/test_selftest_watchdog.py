@@ -64,3 +64,13 @@ def test_the_budget_ends_the_run_and_leaves_the_rest_unrun(tmp_path):
     assert time.monotonic() - start < 20
     assert statuses(results)["sm90.d64"] in ("timed_out", "not_run") and results["sm90.d128"].status == "not_run"
     assert all("budget of 6 s" in result.detail for result in results.values()), results
+
+
+def test_a_child_that_cannot_start_leaves_its_templates_unproven_not_failed(tmp_path):
+    """No kernel ran, so none failed: an environment that cannot start the child (here a case
+    list that does not import) must not make every sm80 call refuse to run."""
+    results = run_selftest(RunPlan("cpu", TEMPLATES, tmp_path / "selftest.log", cases="no_such_module:CASES",
+                                   env=dict(CHILD_ENV)))
+    assert statuses(results) == {"sm90.d64": "not_run", "sm90.d128": "not_run"}
+    assert all("ended (exit status 1) before this case" in r.detail for r in results.values())
+    assert "No module named 'no_such_module'" in (tmp_path / "selftest.log").read_text()
