@@ -12,8 +12,7 @@
     import fagen.integrations.transformers                             # attn_implementation="fagen"
 """
 
-__version__ = "0.1.0"
-
+from .version import __version__  # noqa: E402
 from . import distributed  # noqa: E402  (fagen.distributed.ring_attention: context parallelism)
 from .ops import (attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,

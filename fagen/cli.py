@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 from .arch import DEFAULT_ARCHS, smem_limit
 from .arch_families import family_archs
 from .spec import DTYPES, Spec

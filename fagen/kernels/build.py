@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .. import __version__
+from ..version import __version__
 from .render import Source, environment, render
 from .compile import CompiledKernel, compile_source, nvrtc_version, write_atomic
 from ..spec import Spec

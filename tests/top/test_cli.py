@@ -203,7 +203,7 @@ def test_verify_exits_1_on_a_failing_identity(monkeypatch, capsys):
 # -- first contact -------------------------------------------------------------------------------
 
 def test_version_and_python_dash_m(tmp_path, capsys):
-    from fagen import __version__
+    from fagen.version import __version__
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
