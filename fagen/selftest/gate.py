@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from ..arch_families import ARCH_FAMILY_ENV, chosen_decoding_spec, chosen_family
 from ..environment import setting
+from ..version import __version__
 from .templates import all_templates, sources_digest, templates_of
 from .verdicts import Verdict, VerdictKey, log_path, read_verdict, selftest_dir, write_verdict
 from .watchdog import CASE_TIMEOUT_S, DEFAULT_CASES, RunPlan, run_selftest
@@ -110,9 +111,7 @@ def _runtime_version() -> str:
 
 
 def verdict_keys(facts: DeviceFacts) -> dict:
-    import fagen
-
-    return {family: VerdictKey(family, facts.gpu, facts.driver, facts.runtime, facts.nvrtc, fagen.__version__,
+    return {family: VerdictKey(family, facts.gpu, facts.driver, facts.runtime, facts.nvrtc, __version__,
                                family_digest(family)) for family in facts.families}
 
 
