@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from fagen.kernels.compile import cache_dir
+from fagen.cache_files import cache_dir
 from fagen.sass.listing import find_cuobjdump
 from fagen.sass.listing import parse_listing
 from fagen.sass.report import KernelGeometry, analyse_function, report_for_spec

@@ -46,7 +46,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from fagen.kernels.compile import cache_dir, compile_source
+from fagen.cache_files import cache_dir
+from fagen.kernels.compile import compile_source
 from fagen.kernels.render import render
 from fagen.sass.listing import find_cuobjdump, parse_listing
 from fagen.sass.report import analyse_foreign, cubin_reports, readable_names, report_for_spec

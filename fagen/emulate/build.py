@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache_files import cache_dir, process_umask, write_atomic
 from .errors import EmulationError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -121,8 +122,6 @@ def _templates_include_dir() -> Path:
 
 
 def _cache_root() -> Path:
-    from ..kernels.compile import cache_dir
-
     return cache_dir() / "emulate"
 
 
@@ -248,8 +247,6 @@ def instrument_flags(cxx: str) -> tuple[str, ...]:
 def build(source: str, *, checked: bool = False, instrument: bool = False) -> BuiltModule:
     """Compile `source` (a kernel source starting with #include <fagen/prelude.cuh>) into a .so:
     the fast build, the checked one (sanitizers), or the instrumented one (racecheck, counters)."""
-    from ..kernels.compile import process_umask, write_atomic
-
     if checked and instrument:
         raise EmulationError("a module is built either checked (sanitizers) or instrumented (racecheck, "
                              "counters), not both")

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import logging
 import threading
 import time
@@ -29,13 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .render import Source, include_dir
+from ..cache_files import cache_dir, write_atomic
 from ..arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
 
 CACHE_FORMAT = 1
 MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync
 ARCH_SPECIFIC_FROM = 90  # NVRTC 12.9 refuses sm_80a ... sm_89a; sm_90a and newer `a` forms compile
 ARCH_ENV = "FAGEN_ARCH"
-CACHE_ENV = "FAGEN_CACHE_DIR"
 
 
 logger = logging.getLogger("fagen")
@@ -224,13 +223,6 @@ def default_archs() -> list[str]:
     return list(DEFAULT_ARCHS)
 
 
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fagen"
-
-
 # -- ptxas report ----------------------------------------------------------
 
 _ENTRY_RE = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
@@ -376,38 +368,6 @@ def _read_disk(path: Path) -> CompiledKernel | None:
     except (ValueError, KeyError, TypeError) as exc:
         warnings.warn(f"ignoring corrupt fagen cache entry {path}: {exc}", stacklevel=3)
         return None
-
-
-def process_umask() -> int:
-    """The process's umask, read without changing it where Linux reports it (os.umask can only
-    be read by setting it, which races with other threads creating files)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one.
-
-    The file gets the permissions a plain open() would give it (0666 less the umask):
-    mkstemp's private 0600 would leave build outputs and cache entries readable by their
-    owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~process_umask())
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_disk(path: Path, kernel: CompiledKernel) -> None:

@@ -5,7 +5,7 @@ family's sources (`templates.sources_digest`): `VerdictKey`. A new driver, toolc
 template edit is a new key, and the next eligible call tests again.
 
 Files. `<cache dir>/tune/selftest/<family>.<key digest>.json`, beside the tuning cache's per-GPU
-entries, written whole to a temporary name and renamed (kernels.compile.write_atomic): a reader
+entries, written whole to a temporary name and renamed (cache_files.write_atomic): a reader
 sees the old verdict or the new one, never half of one. The child's log of the run that made
 it is `<family>.<key digest>.log` next to it, named in each failed template's warning.
 
@@ -20,7 +20,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kernels import compile as compiler
+from ..cache_files import cache_dir, write_atomic
 
 VERDICT_FORMAT = 1
 SELFTEST_SUBDIR = "tune/selftest"
@@ -100,7 +100,7 @@ class Verdict:
 
 
 def selftest_dir() -> Path:
-    return compiler.cache_dir() / SELFTEST_SUBDIR
+    return cache_dir() / SELFTEST_SUBDIR
 
 
 def verdict_path(key: VerdictKey) -> Path:
@@ -129,5 +129,5 @@ def read_verdict(key: VerdictKey) -> Verdict | None:
 def write_verdict(verdict: Verdict) -> Path:
     path = verdict_path(verdict.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiler.write_atomic(path, (json.dumps(verdict.to_json(), indent=2) + "\n").encode())
+    write_atomic(path, (json.dumps(verdict.to_json(), indent=2) + "\n").encode())
     return path

@@ -8,7 +8,7 @@ rounded up to a power of two).
 
 Files. `<cache dir>/tune/<family>.<bucket>.<identity digest>.json`, e.g.
 `fa2_d64_causal_fp16.q4096_k4096_bh64.3f9a0c1e22b7.json`, where the cache
-dir is `fagen.kernels.compile.cache_dir()` ($FAGEN_CACHE_DIR, else
+dir is `fagen.cache_files.cache_dir()` ($FAGEN_CACHE_DIR, else
 $XDG_CACHE_HOME/fagen, else ~/.cache/fagen). One file per key means
 concurrent tuners never read-modify-write a shared file: each file is written
 whole to a temporary name and renamed into place, so the last writer of a
@@ -33,7 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kernels import compile as compiler
+from ..cache_files import cache_dir, write_atomic
 from ..spec import Spec
 from .device import DeviceIdentity
 from .fallback import fallback_spec, fit_backward_to
@@ -44,11 +44,11 @@ MIN_SEQLEN_BUCKET = 16
 TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
-_CACHE_ENV = ("FAGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME")  # what compiler.cache_dir() reads
+_CACHE_ENV = ("FAGEN_CACHE_DIR", "XDG_CACHE_HOME", "HOME")  # what cache_files.cache_dir() reads
 
 
 def tune_dir() -> Path:
-    return compiler.cache_dir() / TUNE_SUBDIR
+    return cache_dir() / TUNE_SUBDIR
 
 
 def _power_of_two_at_least(n: int, floor: int = 1) -> int:
@@ -202,7 +202,7 @@ class TuneIndex:
     def store(self, entry: TuneEntry) -> Path:
         self._ensure_loaded()
         path = entry.path
-        compiler.write_atomic(path, (json.dumps(entry.to_json(), indent=2) + "\n").encode())
+        write_atomic(path, (json.dumps(entry.to_json(), indent=2) + "\n").encode())
         with self._lock:
             self._entries.setdefault((entry.identity.key, entry.family), {})[entry.bucket] = entry
             self._specs = {}

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from fagen import cache_files
 from fagen.kernels import run as attention_kernels, compile as compiler, launch
 from fagen.kernels.render import render
 from fagen.arch import SMEM_LIMIT_BYTES, base_arch, smem_limit
@@ -201,9 +202,9 @@ def test_an_arch_the_table_lacks_uses_the_driver_limit():
 def test_written_files_follow_the_umask(tmp_path, umask, mode):
     old = os.umask(umask)
     try:
-        assert compiler.process_umask() == umask
+        assert cache_files.process_umask() == umask
         path = tmp_path / "sub" / "entry.json"
-        compiler.write_atomic(path, b"{}")
+        cache_files.write_atomic(path, b"{}")
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == mode

@@ -94,6 +94,7 @@ def test_sass_compiles_the_sm90_family_for_sm_90a_by_default(sm90_cache, monkeyp
 def test_a_failed_compile_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch):
     """A CompileError (NVRTC's refusal, or a wgmma pipeline ptxas serialises) reaches the user as
     `fagen: ...` and exit status 1, not as a traceback."""
+    from fagen import cache_files
     from fagen.kernels import compile as compile_module
 
     def refuse(code, arch, filename="kernel.cu"):
@@ -101,7 +102,7 @@ def test_a_failed_compile_is_a_message_and_exit_1(tmp_path, capsys, monkeypatch)
 
     monkeypatch.setattr(compile_module, "nvrtc_compile", refuse)
     monkeypatch.setattr(compile_module, "_memory_cache", {})          # no earlier build's cubins:
-    monkeypatch.setenv(compile_module.CACHE_ENV, str(tmp_path / "cache"))   # NVRTC must be asked
+    monkeypatch.setenv(cache_files.CACHE_ENV, str(tmp_path / "cache"))   # NVRTC must be asked
     out = tmp_path / "refused"
     assert main(["build", "--d", "64", "--arch", "sm_80", "--out", str(out)]) == 1
     assert "fagen: NVRTC says no (a test's refusal)" in capsys.readouterr().err
