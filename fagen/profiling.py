@@ -27,12 +27,12 @@ import torch
 
 from .kernels import run as attention_kernels
 from .kernels.render import source_for
+from .dtypes import TORCH_DTYPE
 from .emulate import LaunchReport, collect_counters
 from .reference import fa1_backward, fa1_forward, fa2_backward, fa2_forward
 from .spec import Spec
 from .ops.variant_args import variant_call
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Bytes per element of each array the IO model counts: the inputs and outputs in the
 # variant's 16-bit dtype, the statistics and the dQ accumulator in fp32.
 FP32_ARRAYS = {"L", "m", "l", "D", "dQ"}
@@ -123,7 +123,7 @@ def _tiles_spec(spec: Spec, block_m: int, block_n: int) -> Spec:
 
 def random_inputs(spec: Spec, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    dtype = TORCH_DTYPES[spec.dtype]
+    dtype = TORCH_DTYPE[spec.dtype]
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
@@ -272,7 +272,7 @@ def format_table(result: Profile) -> str:
 
 
 def write_json(result: Profile, path: Path) -> None:
-    from .kernels.compile import write_atomic
+    from .cache_files import write_atomic
 
     write_atomic(Path(path), (json.dumps(result.to_json(), indent=2) + "\n").encode())
 

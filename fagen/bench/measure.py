@@ -16,7 +16,6 @@ from .peers import NotAvailable, System, failure_reason, is_out_of_memory
 from .speed.config import FORWARD_ONLY, timed_passes
 from .timing import Timing
 
-TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 GUARD_REASON = "skipped: time guard (the section's deadline was reached)"
 # A kernel fault leaves the process's CUDA context unusable: every later
 # launch fails with the same error, so the sweep stops instead of recording it
@@ -34,9 +33,9 @@ def context_lost(reason: str) -> bool:
 
 
 def torch_dtype(name: str):
-    import torch
+    from ..dtypes import TORCH_DTYPE   # imports torch: not at the plan's import
 
-    return getattr(torch, TORCH_DTYPES[name])
+    return TORCH_DTYPE[name]
 
 
 def make_inputs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: str, device):

@@ -3,7 +3,7 @@
 
   - argument checks: flags, dense tensors, q/k/v, seqlens_k, the softmax scale, the options;
     every error names the caller's own argument and says what was expected;
-  - the dtype table, 16-byte row alignment, and head dims padded to a multiple of 8;
+  - the dtype table (fagen.dtypes'), 16-byte row alignment, and head dims padded to a multiple of 8;
   - the Philox (seed, offset) pair of a dropout call.
 """
 
@@ -13,12 +13,13 @@ import math
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from ..environment import setting
 from ..errors import InputError, InputTypeError, assert_lazily
 from ..kernels import launch
 from ..spec import MAX_HEAD_DIM, check_dropout_p
 
-TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+TORCH_DTYPES = DTYPE_NAME   # the name ops' modules and distributed/ import (fagen.dtypes holds the table)
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
 HEAD_DIM_MULTIPLE = 8  # head dims in between are zero-padded up to this (flash-attn does too)
 CHECK_VALUES_ENV = "FAGEN_CHECK_VALUES"   # 1: index values are read and checked on the host (values_checked)

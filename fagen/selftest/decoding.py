@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..dtypes import TORCH_DTYPE
 from ..reference import attention_forward, attention_same_dtype
 from .rule import Checks
-from .training import TORCH_DTYPES
 
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
@@ -48,7 +48,7 @@ def check_decoding(call: Decoding, device: torch.device) -> list[str]:
 
 def _check_step(call: Decoding, splits: int, device: torch.device, checks: Checks) -> None:
     generator = torch.Generator().manual_seed(777 + call.seed + splits)
-    dtype, (heads, kv_heads) = TORCH_DTYPES[call.dtype], call.heads
+    dtype, (heads, kv_heads) = TORCH_DTYPE[call.dtype], call.heads
     batch, width = len(call.seqlens), MLA_HEAD_DIM if call.mla else call.head_dim
     pages, table = batch * call.capacity, None
     if call.page:
@@ -112,7 +112,7 @@ class PagedPacked:
 
 def check_paged_packed(call: PagedPacked, device: torch.device) -> list[str]:
     generator = torch.Generator().manual_seed(555)
-    dtype, (heads, kv_heads) = TORCH_DTYPES[call.dtype], call.heads
+    dtype, (heads, kv_heads) = TORCH_DTYPE[call.dtype], call.heads
     per_sequence = max(-(-n // call.page) for n in call.lengths_k)
     batch = len(call.lengths_q)
     table = torch.randperm(batch * per_sequence, generator=generator).view(batch, per_sequence).int()

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
-from ..ops.common import TORCH_DTYPES as DTYPE_NAMES, philox_state
+from ..dtypes import TORCH_DTYPE
+from ..ops.common import philox_state
 from ..reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from .rule import Checks
 
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}   # "fp16" -> torch.float16
 DROPOUT_P = 0.17
 
 
@@ -47,7 +47,7 @@ def check_training(call: Training, device: torch.device) -> list[str]:
     """Run `call` through flash_attn_func on `device`; the problems the rule finds."""
     generator = torch.Generator().manual_seed(1234 + call.seed)
     batch, nq, nk, heads, kv_heads = call.shape
-    dtype = TORCH_DTYPES[call.dtype]
+    dtype = TORCH_DTYPE[call.dtype]
     q, k = (torch.randn(batch, n, h, call.head_dim, generator=generator).to(device, dtype).requires_grad_()
             for n, h in ((nq, heads), (nk, kv_heads)))
     v = torch.randn(batch, nk, kv_heads, call.head_dim_v or call.head_dim, generator=generator)
@@ -151,7 +151,7 @@ class Packed:
 def check_packed(call: Packed, device: torch.device) -> list[str]:
     """Each sequence against the oracle run on it alone; gradients too."""
     generator = torch.Generator().manual_seed(4321)
-    dtype, (heads, kv_heads) = TORCH_DTYPES[call.dtype], call.heads
+    dtype, (heads, kv_heads) = TORCH_DTYPE[call.dtype], call.heads
     total_q, total_k = sum(call.lengths_q), sum(call.lengths_k)
     q = torch.randn(total_q, heads, call.head_dim, generator=generator).to(device, dtype).requires_grad_()
     k, v = (torch.randn(total_k, kv_heads, call.head_dim, generator=generator).to(device, dtype).requires_grad_()

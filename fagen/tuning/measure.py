@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import TORCH_DTYPE
 from ..kernels import run as attention_kernels
 from ..kernels.render import source_for
 from ..spec import Spec
@@ -32,7 +33,6 @@ CHECK_SEQLEN = 257          # > 2 tiles of 128 rows, and ragged, so tails are ex
 CHECK_SEQLEN_LONGER = 321   # the key length when keys outnumber queries
 CHECK_DROPOUT_P = 0.17
 CHECK_DROPOUT_SEED = 0x5EED_F00D
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 Runner = Callable[..., torch.Tensor]
 
@@ -69,7 +69,7 @@ def check_shape(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
 def random_qkv(spec: Spec, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device,
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normal random q, k, v in flash-attn's layout (never zeros: zeros hide wrong indexing)."""
-    dtype = TORCH_DTYPES[spec.dtype]
+    dtype = TORCH_DTYPE[spec.dtype]
 
     def draw(n):
         return torch.randn(batch, n, heads, spec.head_dim, generator=generator, device=generator.device,
@@ -174,7 +174,7 @@ class CudaEventTimer:
         self.device = torch.device("cuda", cuda_index(device))
         self.warmup, self.repeats, self.runner = warmup, repeats, runner
         props = torch.cuda.get_device_properties(self.device)
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = TORCH_DTYPE[spec.dtype]
         self.shapes = [(batch, n, heads, spec.head_dim) for n in (seqlen_q, seqlen_k, seqlen_k)]  # q, k, v
         self.set_elements = sum(math.prod(shape) for shape in self.shapes)
         self.set_count = rotation_sets(self.set_elements * torch.finfo(dtype).bits // 8,

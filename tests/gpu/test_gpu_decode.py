@@ -18,13 +18,13 @@ import torch
 
 import fagen
 from fagen.bench.gpu_cases import DECODE_CASES, DECODE_GRAPH_CASE
+from fagen.dtypes import TORCH_DTYPE
 from host_reads import no_host_reads
 from kvcache_cases import Case, check_call, rotary_tables
 
 DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def case_of(args: dict) -> Case:

@@ -24,6 +24,7 @@ import torch
 from fagen.bench.gpu_cases import (DETERMINISTIC_CASES, DROPOUT_CASES, DROPOUT_P, KERNEL_CASE_HEAD_DIMS,
                                    KERNEL_CASE_VERSIONS, KERNEL_CASES, MATRIX, SEEDED_DROPOUT, SHAPES,
                                    SINGLE_STAGE_CASES)
+from fagen.dtypes import TORCH_DTYPE
 from fagen.emulate import assert_written
 from fagen.reference import attention_backward, attention_forward, dropout_keep_mask
 
@@ -37,7 +38,6 @@ RECORDING = bool(os.environ.get("FAGEN_RECORD_KERNELS"))
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda" and not RECORDING, reason="CUDA graphs need a CUDA device")
-TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR, ABS_FLOOR = 2.0, 3.0, 1e-5
 # L is fp32 from fp32 scores on every path (no 16-bit rounding on the way), so its error is a few
 # fp32 roundings, ex2.approx / lg2.approx included (~1e-6 at |L| ~ 10): far below this bound, and

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fagen.dtypes import TORCH_DTYPE
 from fagen.emulate import EmulationError, assert_written, load_module, poison_, unwritten_mask
 from fagen.kernels.tensor_map import Swizzle, TensorMapSpec
 from fagen.reference import attention_forward, attention_same_dtype
@@ -20,7 +21,6 @@ KERNEL = Path(__file__).parents[1] / "emulate" / "kernels" / "hopper_forward.cu"
 HEAD_DIM, BLOCK_M, BLOCK_N, THREADS = 128, 128, 128, 384
 SHARED = 1024 + 128 * 128 * 2 * (1 + 2 * 2)   # alignment slack, Q, two stages of K and V
 TAIL = BLOCK_M   # rows of poison past the outputs, where a store of a row past Nq would land
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # FlashAttention-2's rule (DESIGN.md "Numerics"): the output's error against the float64 oracle at
 # most twice a same-dtype PyTorch implementation's, with the suite's absolute floor
 # (tests/support/kernel_cases.py); L within the suite's 1e-3 of the oracle's logsumexp.
@@ -30,7 +30,7 @@ OUTPUT_FACTOR, ABS_FLOOR, LSE_TOLERANCE = 2.0, 1e-5, 1e-3
 def inputs(batch: int, nq: int, nk: int, heads: int, dtype: str, seed: int = 0):
     """q (B, Nq, H, 128), k and v (B, Nk, H, 128): standard normal, in `dtype`."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, n, heads, HEAD_DIM, generator=generator).to(DTYPES[dtype])
+    return [torch.randn(batch, n, heads, HEAD_DIM, generator=generator).to(TORCH_DTYPE[dtype])
             for n in (nq, nk, nk)]
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fagen.dtypes import TORCH_DTYPE
 from fagen.kernels import run as ops
 from fagen.kernels.render import render
 from fagen.emulate import assert_written, poison_
@@ -22,7 +23,6 @@ from fagen.reference import (attention_backward, attention_forward, attention_sa
                              dropout_keep_mask)
 from fagen.spec import Spec
 
-TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 OUTPUT_FACTOR, GRAD_FACTOR = 2.0, 3.0
 ABS_FLOOR = 1e-5
 # The PTX ISA's maximum relative error of tanh.approx.f32, which the softcap's tanh runs on

@@ -95,7 +95,9 @@ def _process_group(device: str):
 def _inputs(config, device: str):
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.dtype]
+    from ...dtypes import TORCH_DTYPE
+
+    dtype = TORCH_DTYPE[config.dtype]
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (config.batch, config.seqlen)
     q = torch.randn(*shape, config.heads, config.head_dim, generator=gen, device=device, dtype=dtype)

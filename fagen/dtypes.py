@@ -1,0 +1,11 @@
+"""fagen's element types: the names a Spec carries ("fp16", "bf16": spec.DTYPES) and the torch
+dtypes of the tensors they stand for. The one table between the two; every module that turns a
+tensor's dtype into a Spec's, or a Spec's into a tensor's, reads it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}      # a Spec's dtype name -> torch dtype
+DTYPE_NAME = {dtype: name for name, dtype in TORCH_DTYPE.items()}  # torch dtype -> a Spec's dtype name
