@@ -14,6 +14,7 @@
 
 from .version import __version__  # noqa: E402
 from . import distributed  # noqa: E402  (fagen.distributed.ring_attention: context parallelism)
+from . import emulate  # noqa: E402,F401  (registers itself as the launcher's CPU backend)
 from .ops import (attention, flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,  # noqa: E402
                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                   flash_attn_with_kvcache, flex_attention, merge_attention)

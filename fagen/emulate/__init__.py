@@ -12,14 +12,19 @@ hazards (an instrumented build) raise RaceError.
     module = load_module(source)                      # cached build of the .so
     module.get_function(name)(grid, block, args, shared_mem=nbytes)
 
-The call is CuPy's RawKernel convention; fagen.kernels.launch uses it for CPU tensors.
+The call is CuPy's RawKernel convention; importing this package registers it as
+fagen.kernels.launch's backend for CPU tensors (`import fagen` does).
 fagen/emulate/README.md describes the runtime contract.
 """
 
 from .errors import EmulationError, RaceError
-from .instrumentation import LaunchReport, collect_counters
+from .instrumentation import LaunchReport, collect_counters, collecting as _collecting
 from .module import EmulatedFunction, EmulatedModule, load_module
 from .poison import assert_written, poison_, unwritten_mask
+from ..kernels import launch as _launch
+
+# The launcher (below this package) never imports it: it is told here where CPU tensors' kernels run.
+_launch.register_emulator(load_module, _collecting)
 
 __all__ = [
     "EmulationError",

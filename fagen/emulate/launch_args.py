@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..kernels.launch import RACECHECK_ENV   # its name: the launcher reads it to pick the build
 from . import abi
 from .errors import EmulationError
 
@@ -24,7 +25,6 @@ SEED_ENV = "FAGEN_EMULATE_SEED"
 BLOCK_ORDER_ENV = "FAGEN_EMULATE_BLOCK_ORDER"
 # The BlockOrder enum of include/fagen_emulate/export.h.
 BLOCK_ORDERS = {"forward": 0, "reverse": 1}
-RACECHECK_ENV = "FAGEN_EMULATE_RACECHECK"
 RACECHECK_MODES = {"": 0, "0": 0, "1": abi.INSTRUMENT_RACECHECK,
                    "lenient": abi.INSTRUMENT_RACECHECK | abi.INSTRUMENT_LENIENT_WARP}
 

@@ -20,6 +20,10 @@ takes the same.
   the faulting block and thread named (slower); with FAGEN_EMULATE_RACECHECK=1
   (or inside `fagen.emulate.collect_counters()`), built instrumented: every
   launch is race-checked (or counted).
+
+The emulator stands above this module (it builds on the kernels' headers), so this module never
+imports it: `fagen.emulate` registers itself here when imported (`register_emulator`), and
+fagen's package imports it.
 """
 
 from __future__ import annotations
@@ -36,15 +40,14 @@ import torch
 from .render import Entry, Source
 from .compile import compile_source, describe_target, spec_target
 from .tensor_map import Swizzle, TensorMapSpec, resolved_box
-from ..emulate import instrumentation
 from ..environment import setting
-from ..emulate.launch_args import RACECHECK_ENV
 from ..arch import SMEM_LIMIT_BYTES, base_arch
 
 DEFAULT_SHARED_LIMIT = 48 * 1024
 _SCALAR_TYPES = {kind: np.dtype(kind).type for kind in ("int32", "uint32", "int64", "uint64", "float32")}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CHECKED_ENV = "FAGEN_EMULATE_CHECKED"
+RACECHECK_ENV = "FAGEN_EMULATE_RACECHECK"   # 1 or lenient (the emulator reads which: launch_args)
 # CUDA's grid limits: gridDim.x up to 2**31 - 1 blocks, gridDim.y and gridDim.z up to 65535.
 GRID_X_LIMIT = 2**31 - 1
 GRID_YZ_LIMIT = 65535
@@ -337,6 +340,30 @@ def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
 
 # -- CPU (emulator) backend --------------------------------------------------
 
+def _no_emulator(code: str, *, checked: bool, counters: bool):
+    raise RuntimeError("CPU tensors run on fagen's emulator, which registers itself when fagen.emulate "
+                       "is imported (`import fagen` does)")
+
+
+def counters_collected() -> bool:
+    """Whether the emulator is collecting counters now (inside `fagen.emulate.collect_counters()`):
+    replaced by the emulator's own answer when it registers. Look it up as
+    `launch.counters_collected` at call time, not by a name imported once."""
+    return False
+
+
+_load_emulator_module: Callable = _no_emulator
+
+
+def register_emulator(load_module: Callable, collecting: Callable[[], bool]) -> None:
+    """The CPU backend: `load_module(code, checked=, counters=)` builds and loads a source's
+    emulated module (its `get_function(name)` gives a kernel function); `collecting()` says
+    whether counters are being collected. The functions themselves are kept, so a warm call
+    pays no extra frame for the indirection."""
+    global _load_emulator_module, counters_collected
+    _load_emulator_module, counters_collected = load_module, collecting
+
+
 def emulate_checked() -> bool:
     """Whether CPU launches use the sanitizer-checked emulator build (FAGEN_EMULATE_CHECKED=1)."""
     value = setting(CHECKED_ENV)
@@ -351,21 +378,19 @@ def emulator_build() -> str:
     every CPU call (tests switch builds between calls), so kept to two environment reads."""
     if emulate_checked():
         return "checked"
-    if setting(RACECHECK_ENV) not in ("", "0") or instrumentation.collecting():
+    if setting(RACECHECK_ENV) not in ("", "0") or counters_collected():
         return "instrumented"
     return "fast"
 
 
 def _load_emulated(source: Source, device: torch.device) -> LoadedSource:
-    from .. import emulate
-
     build = emulator_build()
     detail = {"fast": "", "checked": ", checked with AddressSanitizer and UBSan",
               "instrumented": ", instrumented (racecheck, counters)"}[build]
     logger.info("loading %s for the CPU emulator%s (a first build runs the host C++ compiler for "
                 "seconds; then it is cached)", source.spec.name, detail)
-    module = emulate.load_module(source.code, checked=build == "checked",
-                                 counters=build == "instrumented" and emulate.instrumentation.collecting())
+    module = _load_emulator_module(source.code, checked=build == "checked",
+                                   counters=build == "instrumented" and counters_collected())
     functions = {e.name: module.get_function(e.name) for e in source.entries}
     for entry in source.entries:  # counter reports name tensors after the kernel's parameters
         if hasattr(functions[entry.name], "parameter_names"):
@@ -380,7 +405,7 @@ _key_locks: dict[tuple[str, str], threading.Lock] = {}
 _key_locks_guard = threading.Lock()
 
 
-# What `emulator_build` reads from the environment (and it reads instrumentation.collecting()).
+# What `emulator_build` reads from the environment (and it reads counters_collected()).
 BACKEND_SETTINGS = (CHECKED_ENV, RACECHECK_ENV)
 
 

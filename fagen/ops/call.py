@@ -130,7 +130,7 @@ def kernels_state(cuda: bool) -> tuple:
     collected). Read in one step on every warm call; a change starts the call's plans over."""
     if cuda:
         return _generation(True)
-    return raw_settings(_CPU_STATE), launch.instrumentation.collecting(), SELFTEST_GENERATION[0]
+    return raw_settings(_CPU_STATE), launch.counters_collected(), SELFTEST_GENERATION[0]
 
 
 def compiled_arch(device: torch.device) -> str | None:

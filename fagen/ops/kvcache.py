@@ -369,7 +369,7 @@ def _signature(args) -> tuple | None:
     gap = k_cache.data_ptr() - v_cache.data_ptr()   # what _check_writable's shared-memory test reads
     # The launch backend: q's device (in parts), and what `launch.backend_key` reads on the CPU.
     parts += (gap == 0, abs(gap) < k_cache.numel() * k_cache.element_size(), settings[1:],
-              launch.instrumentation.collecting(), SELFTEST_GENERATION[0])
+              launch.counters_collected(), SELFTEST_GENERATION[0])
     k, v = args[3], args[4]
     if gap == 0 and type(k) is torch.Tensor and type(v) is torch.Tensor:   # one MLA cache: is v k's view too?
         parts.append(k.data_ptr() == v.data_ptr())
