@@ -104,7 +104,9 @@ def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
 @pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.kernels.render"), ("fagen.kernels.render", "fagen.ops"),
                                        ("fagen.kernels.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
                                        ("fagen.tuning.command", "fagen.cli"), ("fagen.selftest.gate", "fagen.ops"),
-                                       ("fagen.selftest.gate", "fagen.selftest.cases")])
+                                       ("fagen.selftest.gate", "fagen.selftest.cases"),
+                                       ("fagen.kernels.launch", "fagen.emulate"), ("fagen.kernels.build", "fagen.emulate"),
+                                       ("fagen.kernels.compile", "fagen.emulate")])
 def test_lower_layers_do_not_import_higher_ones(low, high):
     graph = import_graph()
     seen, todo = set(), [low]
@@ -182,3 +184,66 @@ def test_distributed_and_integrations_use_ops_through_its_front_and_common_layer
     # Positive control: reaching into a family's module is caught.
     assert ops_imports_of_users({"fagen.distributed.ring": {"fagen.ops.dense", "fagen.ops.common"}}) == \
         {"fagen.distributed.ring": {"fagen.ops.dense"}}
+
+
+# The bottom layer: modules that import nothing of fagen, so that every stage can use them.
+LEAVES = ("fagen.version", "fagen.dtypes", "fagen.cache_files", "fagen.environment")
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_a_leaf_imports_nothing_of_fagen(leaf):
+    graph = import_graph()
+    assert leaf in graph, f"{leaf} is not a module of fagen"
+    assert graph[leaf] == set(), f"{leaf} imports {sorted(graph[leaf])}"
+
+
+def test_no_package_of_fagen_reaches_the_emulator_from_the_kernels():
+    """kernels/ and emulate/ no longer import each other: the emulator builds on the kernels'
+    headers and registers itself as the CPU backend (kernels.launch.register_emulator)."""
+    graph = import_graph()
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("fagen.kernels")
+                    for t in targets if t.startswith("fagen.emulate"))
+    assert not upward, ", ".join(upward)
+
+
+# Above the front door (fagen/__init__.py): the command line and the GPU check, which call
+# fagen as a user does. Every other module imports what it needs from the module that defines
+# it (the version from fagen.version): the front door imports ops, tuning and distributed, so a
+# module below them that imports it reaches the whole package.
+ABOVE_THE_FRONT_DOOR = ("fagen.cli", "fagen.__main__", "fagen.bench")
+
+
+def front_door_imports(name: str, path: Path, known: set[str]) -> list[str]:
+    """The lines of `name` that import the package `fagen` itself or a name it defines
+    (`import fagen`, `from fagen import __version__`, `from .. import __version__`); importing
+    a submodule through it (`from .. import ops`) is an import of that submodule."""
+    tree = ast.parse(path.read_text())
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import fagen" for alias in node.names if alias.name == "fagen"]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(name, is_package, node.level, node.module) if node.level else node.module
+            if base == "fagen":
+                found += [f"line {node.lineno}: from fagen import {alias.name}" for alias in node.names
+                          if f"fagen.{alias.name}" not in known]
+    return found
+
+
+def test_only_the_top_imports_the_front_door():
+    found = modules()
+    known = set(found)
+    intruders = {name: lines for name, path in found.items()
+                 if name != "fagen" and not _allowed(name, ABOVE_THE_FRONT_DOOR)
+                 and (lines := front_door_imports(name, path, known))}
+    assert not intruders, intruders
+
+
+def test_the_front_door_rule_sees_an_intruder(tmp_path):
+    """Positive control: the import of the version from the package, relative or absolute, is caught."""
+    source = tmp_path / "build.py"
+    source.write_text("from .. import __version__\nfrom .. import spec\ndef f():\n    import fagen\n")
+    known = {"fagen", "fagen.spec", "fagen.kernels", "fagen.kernels.build"}
+    assert front_door_imports("fagen.kernels.build", source, known) == \
+        ["line 1: from fagen import __version__", "line 4: import fagen"]
