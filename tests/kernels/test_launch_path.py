@@ -209,3 +209,26 @@ def test_written_files_follow_the_umask(tmp_path, umask, mode):
         os.umask(old)
     assert path.stat().st_mode & 0o777 == mode
     assert path.read_bytes() == b"{}"
+
+
+# -- the CPU backend -------------------------------------------------------------------------------
+
+def test_the_emulator_is_the_registered_cpu_backend(monkeypatch):
+    """kernels.launch never imports fagen.emulate: the emulator registers itself (importing fagen
+    does), and the launcher calls what it registered, counters included."""
+    import fagen.emulate
+
+    assert launch._load_emulator_module is fagen.emulate.load_module
+    assert launch.counters_collected is fagen.emulate.instrumentation.collecting
+    monkeypatch.delenv(launch.RACECHECK_ENV, raising=False)
+    monkeypatch.delenv(launch.CHECKED_ENV, raising=False)
+    assert launch.emulator_build() == "fast"
+    with fagen.emulate.collect_counters():
+        assert launch.counters_collected() and launch.emulator_build() == "instrumented"
+
+
+def test_without_the_emulator_a_cpu_load_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(launch, "_load_emulator_module", launch._no_emulator)
+    monkeypatch.setattr(launch, "_loaded", {})
+    with pytest.raises(RuntimeError, match="fagen.emulate"):
+        launch.load(render(Spec(32)), torch.device("cpu"))
