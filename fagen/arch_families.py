@@ -23,10 +23,10 @@ Imports nothing of the pipeline: the Spec's validation uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .tile_shapes import default_tiles
 
-ARCH_FAMILIES = ("sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
@@ -43,27 +43,21 @@ BOX_COLUMNS = 64
 SWIZZLE_PERIOD = 1024   # bytes after which the 128B swizzle repeats: the tiles' alignment
 
 
-# A family built on instructions that exist on one compute capability compiles for that one arch-specific
-# target, and why (for plain sm_90, ptxas refuses wgmma, TMA and setmaxnreg). A family not listed (sm80)
-# compiles for any arch from sm_80 on.
-FAMILY_TARGETS = {"sm90": ("sm_90a", "its wgmma, TMA and setmaxnreg exist on sm_90a alone")}
-
-
 def family_archs(family: str, archs: list[str] | None) -> list[str] | None:
     """The archs a command compiles a `family` forward for, given the user's --arch (`archs`; None
     where none was given): the family's own target by default (sm90: sm_90a; None for a family
     without one, which takes the command's defaults), else `archs`, which must all be archs the
     family can use. One it cannot use is refused in one line naming both (a ValueError: the command
     line prints it and exits 2)."""
-    if family not in FAMILY_TARGETS:
+    target = FAMILIES[family].target
+    if target is None:
         return archs
-    target, why = FAMILY_TARGETS[family]
     if archs is None:
         return [target]
     refused = [arch for arch in archs if arch != target]
     if refused:
         raise ValueError(f"--arch {','.join(refused)}: the {family} arch family compiles for {target} only "
-                         f"({why}); give --arch {target} or leave --arch out")
+                         f"({FAMILIES[family].target_why}); give --arch {target} or leave --arch out")
     return archs
 
 
@@ -244,6 +238,46 @@ def page_box_rows(block_n: int, page_size: int) -> int:
     """The rows of a paged cache's TMA box for key tiles of `block_n` (the host's map and the
     kernel's loads agree on it)."""
     return block_n if page_size % block_n == 0 else PAGE_BOX_ROWS
+
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family's facts below the Spec: what its validation, its compile and its launch need.
+    Its passes (templates and kernels) are the kernels layer's: `fagen.kernels.families`."""
+
+    name: str                   # Spec.arch_family's value, FAGEN_ARCH_FAMILY's, a name's suffix
+    templates: str              # its folder under templates/ (the shared templates lie beside it)
+    refusal: Callable           # spec -> why this family cannot render it (naming the field), or None
+    shared_bytes: Callable      # spec -> its forward's dynamic shared memory per block
+    arch: str | None = None     # the one arch whose hardware it needs (its shared memory, its
+                                # instructions), or None: any from sm_80 on
+    target: str | None = None   # the arch-specific NVRTC target it compiles for, or None: the device's
+    target_why: str = ""        # why that target alone (for plain sm_90, ptxas refuses wgmma, TMA, setmaxnreg)
+
+    @property
+    def arch_specific(self) -> bool:
+        """Whether its kernels compile for an arch-specific NVRTC target (sm_XYa), not a portable one."""
+        return self.target is not None
+
+
+SM80 = Family("sm80", templates="sm80", refusal=lambda spec: None,
+              shared_bytes=lambda spec: spec.shared_layout.total_bytes)
+SM90 = Family("sm90", templates="sm90", refusal=sm90_refusal, shared_bytes=lambda spec: sm90_tiles(spec).shared_bytes,
+              arch=SM90_ARCH, target="sm_90a", target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
+# The registry: a new family is one line here (and its passes, one in fagen.kernels.families).
+FAMILIES = {family.name: family for family in (SM80, SM90)}
+ARCH_FAMILIES = tuple(FAMILIES)
+DEFAULT_FAMILY = SM80
+
+
+def family_of(spec) -> Family:
+    """The kernel family of `spec`'s forward (Spec.arch_family)."""
+    return FAMILIES[spec.arch_family]
+
+
+def is_sm90(spec) -> bool:
+    """Whether `spec`'s forward is the sm90 family's (wgmma, TMA: its own tiles, compute capability 9.0)."""
+    return spec.arch_family == SM90.name
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

@@ -23,7 +23,7 @@ import functools
 import logging
 from typing import Iterator
 
-from ..arch_families import narrower_sm90_tiles, sm90_tiles
+from ..arch_families import is_sm90, narrower_sm90_tiles, sm90_tiles
 from ..spec import Spec
 from ..tile_shapes import backward_block_n_choices
 from .compile import compile_source
@@ -52,7 +52,7 @@ def _legal(make) -> Spec | None:
 
 def forward_candidates(spec: Spec) -> Iterator[Spec]:
     """Forward tiles with fewer accumulators per thread, in the order tried."""
-    if spec.arch_family == "sm90":
+    if is_sm90(spec):
         for block_n in narrower_sm90_tiles(spec):
             yield _legal(lambda: spec.replace(sm90_block_n=block_n))
         return
@@ -111,7 +111,7 @@ def spill_free(spec: Spec, arch: str) -> Spec:
 
 
 def _tiles(spec: Spec) -> str:
-    if spec.arch_family == "sm90":
+    if is_sm90(spec):
         return f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}"
     return (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "
             f"bwd_block_n={spec.bwd_block_n}")
