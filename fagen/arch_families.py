@@ -1,10 +1,10 @@
 """Kernel families: which machine instructions a Spec's forward kernel is built from.
 
-  sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/fwd_v1, fwd_v2): runs on
+  sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/sm80/): runs on
          every GPU from sm_80 on, with every fagen feature. The default, but on compute capability
          9.0 for what the sm90 family takes and passed the self-test there (fagen.selftest.gate).
   sm90   Hopper's wgmma, TMA and mbarriers, warp-specialised after FlashAttention-3's design
-         (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
+         (templates/sm90/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
@@ -12,6 +12,13 @@
          512 (past d_v = 256 a block per column slice of O), and decoding against a KV cache
          (contiguous or paged, split-KV, GQA packing, absorbed MLA, packed queries over a paged
          cache); the backward stays the sm80 family's.
+
+Each family is one `Family` object here (`SM80`, `SM90`, registered in `FAMILIES`): its facts
+below the Spec, which the Spec's validation, the compile and the launch read: its refusals, its
+tiles' head dims, its NVRTC target, the arch and compute capability it needs, and its forward's
+shared memory and key tile. Its passes and templates are the kernels layer's
+(`fagen.kernels.families`, `templates/<family>/`). Code elsewhere asks the object
+(`family_of(spec)`), never compares the family's name.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -25,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .tile_shapes import default_tiles
+from .tile_shapes import SPLIT_O_ABOVE, default_tiles
 
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
@@ -247,10 +254,16 @@ class Family:
 
     name: str                   # Spec.arch_family's value, FAGEN_ARCH_FAMILY's, a name's suffix
     templates: str              # its folder under templates/ (the shared templates lie beside it)
+    head_dims: tuple            # the head dims whose forward has tiles of its own (a head dim takes
+                                # the first >= it: the self-test's templates by head dim)
     refusal: Callable           # spec -> why this family cannot render it (naming the field), or None
     shared_bytes: Callable      # spec -> its forward's dynamic shared memory per block
+    key_tile: Callable          # spec -> its forward's keys per K/V tile (decoding's split-KV counts them)
     arch: str | None = None     # the one arch whose hardware it needs (its shared memory, its
                                 # instructions), or None: any from sm_80 on
+    capability: tuple | None = None   # the compute capability it runs on alone (sm90: 9.0), or None: any
+    tensor_maps: bool = False   # q, k and v reach its forward as TMA tensor maps, encoded at each launch
+                                # from the tensors passed (so a view's shape and strides must be its own)
     target: str | None = None   # the arch-specific NVRTC target it compiles for, or None: the device's
     target_why: str = ""        # why that target alone (for plain sm_90, ptxas refuses wgmma, TMA, setmaxnreg)
 
@@ -260,10 +273,12 @@ class Family:
         return self.target is not None
 
 
-SM80 = Family("sm80", templates="sm80", refusal=lambda spec: None,
-              shared_bytes=lambda spec: spec.shared_layout.total_bytes)
-SM90 = Family("sm90", templates="sm90", refusal=sm90_refusal, shared_bytes=lambda spec: sm90_tiles(spec).shared_bytes,
-              arch=SM90_ARCH, target="sm_90a", target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
+SM80 = Family("sm80", templates="sm80", head_dims=(64, 128, SPLIT_O_ABOVE, 512), refusal=lambda spec: None,
+              shared_bytes=lambda spec: spec.shared_layout.total_bytes, key_tile=lambda spec: spec.block_n)
+SM90 = Family("sm90", templates="sm90", head_dims=SM90_HEAD_DIMS, refusal=sm90_refusal,
+              shared_bytes=lambda spec: sm90_tiles(spec).shared_bytes, key_tile=lambda spec: sm90_tiles(spec).block_n,
+              arch=SM90_ARCH, capability=(9, 0), tensor_maps=True, target="sm_90a",
+              target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
 # The registry: a new family is one line here (and its passes, one in fagen.kernels.families).
 FAMILIES = {family.name: family for family in (SM80, SM90)}
 ARCH_FAMILIES = tuple(FAMILIES)

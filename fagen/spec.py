@@ -475,8 +475,9 @@ class Spec:
         return {k: getattr(self, k) for k in ("block_m", "block_n", "num_warps", "num_stages")}
 
     @property
-    def family(self) -> str:
-        """The name without tile sizes: `fa2_d64_causal_bf16`."""
+    def base_name(self) -> str:
+        """The name without tile sizes: `fa2_d64_causal_bf16` (the tuning cache's key; not the
+        kernel family, which is `arch_family`)."""
         parts = [f"fa{self.version}", f"d{self.head_dim}"]
         if self.head_dim_v != self.head_dim:
             parts[1] += f"v{self.head_dim_v}"
@@ -511,7 +512,7 @@ class Spec:
     def name(self) -> str:
         """Stable readable name; tile sizes and the backward pipeline depth appear only
         when they differ from the tables: `fa2_d128_bf16_m128n32w8s2_bwd1`."""
-        parts = [self.family]
+        parts = [self.base_name]
         if self.sm90_block_n is not None:
             parts.append(f"kn{self.sm90_block_n}")
         if self.tiles != default_tiles(self.head_dim, self.version):

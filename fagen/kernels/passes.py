@@ -64,10 +64,16 @@ ROLES = tuple(f.name for f in fields(Entries))
 @dataclass(frozen=True)
 class Pass:
     """One pass of a family: the templates that define its kernels (included in this order), and
-    its kernels by role: `entries(spec, debug)` -> {role of `Entries`: Entry}."""
+    its kernels by role: `entries(spec, debug)` -> {role of `Entries`: Entry}. `includes`: the
+    templates those include in turn, beyond the shared ones (what the self-test's digest reads)."""
 
     templates: tuple[str, ...]
     entries: Callable[[Spec, bool], dict]
+    includes: tuple[str, ...] = ()
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.templates + self.includes
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,12 @@ class KernelFamily:
     @property
     def name(self) -> str:
         return self.facts.name
+
+    @property
+    def passes(self) -> tuple[Pass, ...]:
+        """Every pass it has, each once."""
+        found = (*self.forward.values(), self.backward, *self.decoding.values(), self.combine)
+        return tuple(dict.fromkeys(found))
 
     def passes_of(self, spec: Spec) -> tuple[Pass, ...]:
         """The passes of `spec`'s translation unit: training's forward and backward; decoding's

@@ -245,8 +245,8 @@ def fallback_variants() -> list[tuple[Spec, str]]:
 
 
 @pytest.mark.parametrize(("spec", "arch"), fallback_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
-def test_fallback_tiles_of_each_arch_family(spec, arch):
-    """Each arch family's fallback tiles (Hopper's 128 x 128 at d=128, three stages at d=64,
+def test_fallback_tiles_of_each_arch_class(spec, arch):
+    """Each arch class's fallback tiles (Hopper's 128 x 128 at d=128, three stages at d=64,
     the 99 KB parts' half-height K/V tiles) on a ragged causal shape with several K/V blocks."""
     run_and_check(spec, Shape(1, 150, 270, heads=2, kv_heads=1))
 

@@ -1,4 +1,4 @@
-"""The sm90 family's forward (templates/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
+"""The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
 warpgroups) rendered from Specs and run by the emulator, then the sm80 family's backward on its O
 and L: against the float64 oracle under FlashAttention-2's rule (kernel_cases.run_and_check), with
 every output buffer poisoned; under the schedules that reorder producer and consumers, with the

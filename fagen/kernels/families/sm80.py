@@ -34,7 +34,7 @@ def _backward_entries(spec, debug: bool) -> dict:
 
 FORWARD_V1 = Pass(("sm80/fwd_v1.cu.j2",), _forward_entries)
 FORWARD_V2 = Pass(("sm80/fwd_v2.cu.j2",), _forward_entries)
-BACKWARD = Pass(("sm80/bwd.cu.j2",), _backward_entries)   # it includes sm80/bwd_dq.cu.j2
+BACKWARD = Pass(("sm80/bwd.cu.j2",), _backward_entries, includes=("sm80/bwd_dq.cu.j2",))
 
 FAMILY = KernelFamily(SM80, forward={1: FORWARD_V1, 2: FORWARD_V2}, backward=BACKWARD,
                       decoding={2: FORWARD_V2}, combine=COMBINE)

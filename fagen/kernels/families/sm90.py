@@ -23,10 +23,12 @@ def _forward_entries(spec, debug: bool) -> dict:
 
 def _context(spec) -> dict:
     """What its templates read beyond the Spec: the forward's geometry (`sm90.block_n`, ...)."""
-    return {"sm90": sm90_tiles(spec)}
+    return dict(sm90=sm90_tiles(spec))
 
 
-FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries)   # it imports the other sm90/hopper_*.j2
+FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
+               includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "epilogue", "variant_steps", "producer",
+                                                                     "softmax", "tile_span")))
 
 FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=sm80.BACKWARD, decoding={2: FORWARD}, combine=COMBINE,
                       headers=HEADERS, context=_context)
