@@ -259,6 +259,9 @@ class Family:
     refusal: Callable           # spec -> why this family cannot render it (naming the field), or None
     shared_bytes: Callable      # spec -> its forward's dynamic shared memory per block
     key_tile: Callable          # spec -> its forward's keys per K/V tile (decoding's split-KV counts them)
+    narrower: Callable          # spec -> makers of its forward's tiles with fewer registers a thread, in the
+                                # order to try where a mod's spill (kernels.spill_free); a maker may raise ValueError
+    tiles_text: Callable        # spec -> its forward's tiles and the backward's key tile, as a log line says them
     arch: str | None = None     # the one arch whose hardware it needs (its shared memory, its
                                 # instructions), or None: any from sm_80 on
     capability: tuple | None = None   # the compute capability it runs on alone (sm90: 9.0), or None: any
@@ -273,10 +276,32 @@ class Family:
         return self.target is not None
 
 
+SM80_MAX_WARPS = 8
+
+
+def _sm80_narrower(spec):
+    """More warps over the same rows (fewer rows per warp, fewer accumulators per thread), then
+    half the rows."""
+    if spec.num_warps * 2 <= SM80_MAX_WARPS and spec.block_m >= 16 * spec.num_warps * 2:
+        yield lambda: spec.replace(num_warps=spec.num_warps * 2)
+    yield lambda: spec.replace(block_m=spec.block_m // 2)
+
+
+def _sm90_narrower(spec):
+    """Its warpgroups and rows are fixed: fewer keys per K/V tile (Spec.sm90_block_n), 16 at a time."""
+    for block_n in narrower_sm90_tiles(spec):
+        yield lambda block_n=block_n: spec.replace(sm90_block_n=block_n)
+
+
 SM80 = Family("sm80", templates="sm80", head_dims=(64, 128, SPLIT_O_ABOVE, 512), refusal=lambda spec: None,
-              shared_bytes=lambda spec: spec.shared_layout.total_bytes, key_tile=lambda spec: spec.block_n)
+              shared_bytes=lambda spec: spec.shared_layout.total_bytes, key_tile=lambda spec: spec.block_n,
+              narrower=_sm80_narrower,
+              tiles_text=lambda spec: (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "
+                                       f"bwd_block_n={spec.bwd_block_n}"))
 SM90 = Family("sm90", templates="sm90", head_dims=SM90_HEAD_DIMS, refusal=sm90_refusal,
               shared_bytes=lambda spec: sm90_tiles(spec).shared_bytes, key_tile=lambda spec: sm90_tiles(spec).block_n,
+              narrower=_sm90_narrower,
+              tiles_text=lambda spec: f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}",
               arch=SM90_ARCH, capability=(9, 0), tensor_maps=True, target="sm_90a",
               target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
 # The registry: a new family is one line here (and its passes, one in fagen.kernels.families).
@@ -288,11 +313,6 @@ DEFAULT_FAMILY = SM80
 def family_of(spec) -> Family:
     """The kernel family of `spec`'s forward (Spec.arch_family)."""
     return FAMILIES[spec.arch_family]
-
-
-def is_sm90(spec) -> bool:
-    """Whether `spec`'s forward is the sm90 family's (wgmma, TMA: its own tiles, compute capability 9.0)."""
-    return spec.arch_family == SM90.name
 
 
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"

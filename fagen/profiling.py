@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import run as attention_kernels
+from .kernels import attention_kernels
 from .kernels.render import source_for
 from .emulate import LaunchReport, collect_counters
 from .reference import fa1_backward, fa1_forward, fa2_backward, fa2_forward

@@ -57,6 +57,12 @@ class Entries:
     def all(self) -> tuple[Entry, ...]:
         return tuple(e for e in (getattr(self, f.name) for f in fields(self)) if e is not None)
 
+    @property
+    def backward(self) -> tuple[Entry, ...]:
+        """The backward pass's kernels in launch order: the preprocess (D, after which the caller
+        may adjust it), the main kernel, then dQ's pass (whichever the spec has)."""
+        return tuple(e for e in (self.bwd_preprocess, self.bwd_main, self.bwd_dq, self.bwd_dq_convert) if e is not None)
+
 
 ROLES = tuple(f.name for f in fields(Entries))
 

@@ -14,7 +14,7 @@ the caches' version counters, as torch's in-place ops do. A head_dim that is not
 runs on padded copies (PaddedHeadDim).
 No host sync: the index values (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are
 checked by the kernels' guards, which refuse a value out of range (an append that would leave the
-cache is not written at all), and the step raises lazily from their flag (kernels.run
+cache is not written at all), and the step raises lazily from their flag (kernels.attention_kernels
 .raise_flagged); FAGEN_CHECK_VALUES=1 checks them on the host first. Under torch.compile the step
 is one custom op (fagen::flash_attn_with_kvcache) that declares its writes to the caches.
 A serving loop calls this with one signature (shapes, strides, dtypes, devices, options) step
@@ -33,8 +33,8 @@ import torch
 from ..arch_families import ARCH_FAMILY_ENV, family_of
 from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
-from ..kernels import run as attention_kernels
-from ..kernels import run_kv_cache as kv_kernels
+from ..kernels import attention_kernels
+from ..kernels import kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec

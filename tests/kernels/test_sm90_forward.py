@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fagen.arch_families import sm90_refusal, sm90_tiles
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.spec import Spec
 import kernel_checks as checks
 from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
@@ -32,7 +32,7 @@ SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dt
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import Source, include_dir, render
 from fagen.emulate import EmulationError
 from fagen.arch_families import chosen_decoding_spec
@@ -66,7 +66,8 @@ class KernelMutant:
 def killed_by(mutant: KernelMutant) -> str | None:
     """The first check that fails on the mutant (its name and the failure), or None."""
     source = mutant.source()
-    with mock.patch.object(ops, "_empty", poisoned_empty), mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+    with mock.patch.object(attention_kernels, "_empty", poisoned_empty), \
+            mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
         for check in mutant.checks:
             try:
                 check(mutant.spec, source)
