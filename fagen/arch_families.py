@@ -260,7 +260,7 @@ class Family:
     shared_bytes: Callable      # spec -> its forward's dynamic shared memory per block
     key_tile: Callable          # spec -> its forward's keys per K/V tile (decoding's split-KV counts them)
     narrower: Callable          # spec -> makers of its forward's tiles with fewer registers a thread, in the
-                                # order to try where a mod's spill (kernels.spill_free); a maker may raise ValueError
+                                # order to try where a mod spills (kernels.spill_free); a maker may raise ValueError
     tiles_text: Callable        # spec -> its forward's tiles and the backward's key tile, as a log line says them
     arch: str | None = None     # the one arch whose hardware it needs (its shared memory, its
                                 # instructions), or None: any from sm_80 on
@@ -329,10 +329,10 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
     the templates the spec uses, so that no kernel serves a call on hardware it has not run on."""
     if requested not in ("", *ARCH_FAMILIES):
         raise ValueError(f"{ARCH_FAMILY_ENV}={requested!r}: expected one of {', '.join(ARCH_FAMILIES)}, or unset")
-    wanted = requested or spec.arch_family
-    if wanted == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
-        return "sm90"
-    return "sm80"
+    wanted = FAMILIES[requested or spec.arch_family]
+    if wanted.refusal(spec) is None and capability in (None, wanted.capability or capability):
+        return wanted.name
+    return DEFAULT_FAMILY.name
 
 
 def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | None):
@@ -340,6 +340,7 @@ def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | Non
     family's tiles (Spec.for_kv_cache fits them to the page size and the GPU's shared memory)
     mean nothing to the forward, nor to the combine and the append: they go back to the defaults,
     so that one spec, and one name, serves every page size."""
-    if chosen_family(spec, requested, capability) != "sm90":
+    chosen = chosen_family(spec, requested, capability)
+    if chosen == DEFAULT_FAMILY.name:
         return spec
-    return spec.replace(arch_family="sm90", **default_tiles(spec.head_dim, spec.version))
+    return spec.replace(arch_family=chosen, **default_tiles(spec.head_dim, spec.version))
