@@ -7,7 +7,7 @@
 Modules, in pipeline order:
 
   device    DeviceLimits (from the driver, or a preset per arch) and DeviceIdentity
-  fallback  the untuned tile table by arch family and head dim
+  fallback  the untuned tile table by arch class (shared memory per block) and head dim
   space     candidate tiles, pruning by limits and the ptxas report, parallel compile
   measure   the output check against the float64 reference, CUDA-event timing
   cache     the per-GPU JSON cache and its in-memory index
