@@ -5,7 +5,7 @@ instrumented against plain, measured in one run.
 
 Builds are made before timing (the instrumented build is a separate, cached
 module). Times are medians of `--repeats` runs of a FlashAttention-2 forward and
-backward (d = 64, causal, bf16) through `fagen.kernels.run` on CPU tensors.
+backward (d = 64, causal, bf16) through `fagen.kernels.attention_kernels` on CPU tensors.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fagen.kernels import run as attention_kernels
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import source_for
 from fagen.emulate import collect_counters
 from fagen.spec import Spec

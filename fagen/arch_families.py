@@ -1,10 +1,10 @@
 """Kernel families: which machine instructions a Spec's forward kernel is built from.
 
-  sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/fwd_v1, fwd_v2): runs on
+  sm80   mma.sync tensor cores, cp.async copies, every warp alike (templates/sm80/): runs on
          every GPU from sm_80 on, with every fagen feature. The default, but on compute capability
          9.0 for what the sm90 family takes and passed the self-test there (fagen.selftest.gate).
   sm90   Hopper's wgmma, TMA and mbarriers, warp-specialised after FlashAttention-3's design
-         (templates/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
+         (templates/sm90/hopper_fwd.cu.j2): one producer warpgroup loads Q once and K/V tiles through a
          ring of shared-memory stages, two consumer warpgroups compute. Its cubins are
          arch-specific (sm_90a): they run on compute capability 9.0 only. So far a forward for
          plain, causal and windowed attention, with softcap, ALiBi, sinks, score_mod and mask_mod
@@ -12,6 +12,13 @@
          512 (past d_v = 256 a block per column slice of O), and decoding against a KV cache
          (contiguous or paged, split-KV, GQA packing, absorbed MLA, packed queries over a paged
          cache); the backward stays the sm80 family's.
+
+Each family is one `Family` object here (`SM80`, `SM90`, registered in `FAMILIES`): its facts
+below the Spec, which the Spec's validation, the compile and the launch read: its refusals, its
+tiles' head dims, its NVRTC target, the arch and compute capability it needs, and its forward's
+shared memory and key tile. Its passes and templates are the kernels layer's
+(`fagen.kernels.families`, `templates/<family>/`). Code elsewhere asks the object
+(`family_of(spec)`), never compares the family's name.
 
 What the sm90 family does not take yet is refused by name (`sm90_refusal`), so that a Spec never
 silently drops a feature. The geometry of its forward (`Sm90Tiles`) is computed here once, for
@@ -23,10 +30,10 @@ Imports nothing of the pipeline: the Spec's validation uses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from .tile_shapes import default_tiles
+from .tile_shapes import SPLIT_O_ABOVE, default_tiles
 
-ARCH_FAMILIES = ("sm80", "sm90")
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
@@ -43,27 +50,21 @@ BOX_COLUMNS = 64
 SWIZZLE_PERIOD = 1024   # bytes after which the 128B swizzle repeats: the tiles' alignment
 
 
-# A family built on instructions that exist on one compute capability compiles for that one arch-specific
-# target, and why (for plain sm_90, ptxas refuses wgmma, TMA and setmaxnreg). A family not listed (sm80)
-# compiles for any arch from sm_80 on.
-FAMILY_TARGETS = {"sm90": ("sm_90a", "its wgmma, TMA and setmaxnreg exist on sm_90a alone")}
-
-
 def family_archs(family: str, archs: list[str] | None) -> list[str] | None:
     """The archs a command compiles a `family` forward for, given the user's --arch (`archs`; None
     where none was given): the family's own target by default (sm90: sm_90a; None for a family
     without one, which takes the command's defaults), else `archs`, which must all be archs the
     family can use. One it cannot use is refused in one line naming both (a ValueError: the command
     line prints it and exits 2)."""
-    if family not in FAMILY_TARGETS:
+    target = FAMILIES[family].target
+    if target is None:
         return archs
-    target, why = FAMILY_TARGETS[family]
     if archs is None:
         return [target]
     refused = [arch for arch in archs if arch != target]
     if refused:
         raise ValueError(f"--arch {','.join(refused)}: the {family} arch family compiles for {target} only "
-                         f"({why}); give --arch {target} or leave --arch out")
+                         f"({FAMILIES[family].target_why}); give --arch {target} or leave --arch out")
     return archs
 
 
@@ -246,6 +247,74 @@ def page_box_rows(block_n: int, page_size: int) -> int:
     return block_n if page_size % block_n == 0 else PAGE_BOX_ROWS
 
 
+@dataclass(frozen=True)
+class Family:
+    """A kernel family's facts below the Spec: what its validation, its compile and its launch need.
+    Its passes (templates and kernels) are the kernels layer's: `fagen.kernels.families`."""
+
+    name: str                   # Spec.arch_family's value, FAGEN_ARCH_FAMILY's, a name's suffix
+    templates: str              # its folder under templates/ (the shared templates lie beside it)
+    head_dims: tuple            # the head dims whose forward has tiles of its own (a head dim takes
+                                # the first >= it: the self-test's templates by head dim)
+    refusal: Callable           # spec -> why this family cannot render it (naming the field), or None
+    shared_bytes: Callable      # spec -> its forward's dynamic shared memory per block
+    key_tile: Callable          # spec -> its forward's keys per K/V tile (decoding's split-KV counts them)
+    narrower: Callable          # spec -> makers of its forward's tiles with fewer registers a thread, in the
+                                # order to try where a mod spills (kernels.spill_free); a maker may raise ValueError
+    tiles_text: Callable        # spec -> its forward's tiles and the backward's key tile, as a log line says them
+    arch: str | None = None     # the one arch whose hardware it needs (its shared memory, its
+                                # instructions), or None: any from sm_80 on
+    capability: tuple | None = None   # the compute capability it runs on alone (sm90: 9.0), or None: any
+    tensor_maps: bool = False   # q, k and v reach its forward as TMA tensor maps, encoded at each launch
+                                # from the tensors passed (so a view's shape and strides must be its own)
+    target: str | None = None   # the arch-specific NVRTC target it compiles for, or None: the device's
+    target_why: str = ""        # why that target alone (for plain sm_90, ptxas refuses wgmma, TMA, setmaxnreg)
+
+    @property
+    def arch_specific(self) -> bool:
+        """Whether its kernels compile for an arch-specific NVRTC target (sm_XYa), not a portable one."""
+        return self.target is not None
+
+
+SM80_MAX_WARPS = 8
+
+
+def _sm80_narrower(spec):
+    """More warps over the same rows (fewer rows per warp, fewer accumulators per thread), then
+    half the rows."""
+    if spec.num_warps * 2 <= SM80_MAX_WARPS and spec.block_m >= 16 * spec.num_warps * 2:
+        yield lambda: spec.replace(num_warps=spec.num_warps * 2)
+    yield lambda: spec.replace(block_m=spec.block_m // 2)
+
+
+def _sm90_narrower(spec):
+    """Its warpgroups and rows are fixed: fewer keys per K/V tile (Spec.sm90_block_n), 16 at a time."""
+    for block_n in narrower_sm90_tiles(spec):
+        yield lambda block_n=block_n: spec.replace(sm90_block_n=block_n)
+
+
+SM80 = Family("sm80", templates="sm80", head_dims=(64, 128, SPLIT_O_ABOVE, 512), refusal=lambda spec: None,
+              shared_bytes=lambda spec: spec.shared_layout.total_bytes, key_tile=lambda spec: spec.block_n,
+              narrower=_sm80_narrower,
+              tiles_text=lambda spec: (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "
+                                       f"bwd_block_n={spec.bwd_block_n}"))
+SM90 = Family("sm90", templates="sm90", head_dims=SM90_HEAD_DIMS, refusal=sm90_refusal,
+              shared_bytes=lambda spec: sm90_tiles(spec).shared_bytes, key_tile=lambda spec: sm90_tiles(spec).block_n,
+              narrower=_sm90_narrower,
+              tiles_text=lambda spec: f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}",
+              arch=SM90_ARCH, capability=(9, 0), tensor_maps=True, target="sm_90a",
+              target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
+# The registry: a new family is one line here (and its passes, one in fagen.kernels.families).
+FAMILIES = {family.name: family for family in (SM80, SM90)}
+ARCH_FAMILIES = tuple(FAMILIES)
+DEFAULT_FAMILY = SM80
+
+
+def family_of(spec) -> Family:
+    """The kernel family of `spec`'s forward (Spec.arch_family)."""
+    return FAMILIES[spec.arch_family]
+
+
 ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
 
 
@@ -260,10 +329,10 @@ def chosen_family(spec, requested: str, capability: tuple[int, int] | None) -> s
     the templates the spec uses, so that no kernel serves a call on hardware it has not run on."""
     if requested not in ("", *ARCH_FAMILIES):
         raise ValueError(f"{ARCH_FAMILY_ENV}={requested!r}: expected one of {', '.join(ARCH_FAMILIES)}, or unset")
-    wanted = requested or spec.arch_family
-    if wanted == "sm90" and sm90_refusal(spec) is None and capability in (None, (9, 0)):
-        return "sm90"
-    return "sm80"
+    wanted = FAMILIES[requested or spec.arch_family]
+    if wanted.refusal(spec) is None and capability in (None, wanted.capability or capability):
+        return wanted.name
+    return DEFAULT_FAMILY.name
 
 
 def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | None):
@@ -271,6 +340,7 @@ def chosen_decoding_spec(spec, requested: str, capability: tuple[int, int] | Non
     family's tiles (Spec.for_kv_cache fits them to the page size and the GPU's shared memory)
     mean nothing to the forward, nor to the combine and the append: they go back to the defaults,
     so that one spec, and one name, serves every page size."""
-    if chosen_family(spec, requested, capability) != "sm90":
+    chosen = chosen_family(spec, requested, capability)
+    if chosen == DEFAULT_FAMILY.name:
         return spec
-    return spec.replace(arch_family="sm90", **default_tiles(spec.head_dim, spec.version))
+    return spec.replace(arch_family=chosen, **default_tiles(spec.head_dim, spec.version))

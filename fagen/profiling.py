@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import run as attention_kernels
+from .kernels import attention_kernels
 from .kernels.render import source_for
 from .dtypes import TORCH_DTYPE
 from .emulate import LaunchReport, collect_counters

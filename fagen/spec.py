@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .arch_families import ARCH_FAMILIES, SM90_ARCH, sm90_block_n_problem, sm90_refusal, sm90_tiles
+from .arch_families import ARCH_FAMILIES, DEFAULT_FAMILY, family_of, sm90_block_n_problem
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                     BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles, smaller_kv_cache_tiles)
@@ -140,8 +140,8 @@ class Spec:
     v_from_k     kv_cache only: V's rows are the first head_dim_v columns of K's (absorbed MLA
                  decoding, head_dim=576, head_dim_v=512): the kernels read each cache row once
                  and the append writes it once
-    arch_family  the forward's kernel family (fagen.arch_families): "sm80" (mma.sync, any GPU
-                 from sm_80) or "sm90" (wgmma and TMA, Hopper only); the backward is sm80's
+    arch_family  the forward's kernel family's name (fagen.arch_families.FAMILIES): sm80 (mma.sync,
+                 any GPU from sm_80; the default) or sm90 (wgmma and TMA, Hopper only); the backward is sm80's
     sm90_block_n the sm90 forward's keys per K/V tile; unset takes arch_families.sm90_tiles' rule
                  (a narrower one keeps a heavy mod from spilling: kernels.spill_free)
     """
@@ -193,8 +193,9 @@ class Spec:
         self._check_kv_cache()
         if self.arch_family not in ARCH_FAMILIES:
             raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
-        if self.arch_family == "sm90" and sm90_refusal(self):
-            raise ValueError(sm90_refusal(self))
+        refusal = family_of(self).refusal(self)
+        if refusal:
+            raise ValueError(refusal)
         if self.sm90_block_n is not None and sm90_block_n_problem(self):
             raise ValueError(sm90_block_n_problem(self))
         if self.coord_offsets and not self.dropout:
@@ -344,9 +345,10 @@ class Spec:
         the table's value, so a GPU whose arch the table lacks still runs.
         """
         allowed = smem_limit(arch) if shared_limit is None else shared_limit
-        if self.arch_family == "sm90" and base_arch(arch) != SM90_ARCH:   # wgmma, TMA: sm_90a cubins
-            raise ValueError(f"{self.name} (arch_family='sm90') runs on sm_90 only, not on {arch}")
-        needed = sm90_tiles(self).shared_bytes if self.arch_family == "sm90" else self.shared_layout.total_bytes
+        family = family_of(self)
+        if family.arch is not None and base_arch(arch) != family.arch:   # sm90: wgmma, TMA in sm_90a cubins
+            raise ValueError(f"{self.name} (arch_family={family.name!r}) runs on {family.arch} only, not on {arch}")
+        needed = family.shared_bytes(self)
         if needed > allowed:
             raise ValueError(
                 f"{self.name} needs {needed} bytes of shared memory per block "
@@ -473,8 +475,9 @@ class Spec:
         return {k: getattr(self, k) for k in ("block_m", "block_n", "num_warps", "num_stages")}
 
     @property
-    def family(self) -> str:
-        """The name without tile sizes: `fa2_d64_causal_bf16`."""
+    def base_name(self) -> str:
+        """The name without tile sizes: `fa2_d64_causal_bf16` (the tuning cache's key; not the
+        kernel family, which is `arch_family`)."""
         parts = [f"fa{self.version}", f"d{self.head_dim}"]
         if self.head_dim_v != self.head_dim:
             parts[1] += f"v{self.head_dim_v}"
@@ -509,7 +512,7 @@ class Spec:
     def name(self) -> str:
         """Stable readable name; tile sizes and the backward pipeline depth appear only
         when they differ from the tables: `fa2_d128_bf16_m128n32w8s2_bwd1`."""
-        parts = [self.family]
+        parts = [self.base_name]
         if self.sm90_block_n is not None:
             parts.append(f"kn{self.sm90_block_n}")
         if self.tiles != default_tiles(self.head_dim, self.version):
@@ -566,7 +569,7 @@ class Spec:
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
                  "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
-                 "sm90": ("arch_family", "sm90"),
+                 **{family: ("arch_family", family) for family in ARCH_FAMILIES if family != DEFAULT_FAMILY.name},
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None
         if tiles:

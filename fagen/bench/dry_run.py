@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from ..arch_families import SM90
 from .correctness import child_env, find_compute_sanitizer, run_capped
 from .plan import Plan
 from .plan_text import describe
@@ -219,7 +220,7 @@ def _selftest_compile(recorded: dict) -> str:
 
     if "recorded" not in recorded:
         raise RuntimeError("no kernels recorded (see above)")
-    spec = [s for s in recorded["recorded"].specs if s.arch_family == "sm90"][-1]
+    spec = [s for s in recorded["recorded"].specs if s.arch_family == SM90.name][-1]
     info = compile_spec(spec, DRY_RUN_ARCH, use_cache=False)
     spilled = sum(v["spill_bytes"] for v in info["resources"].values())
     return (f"{info['name']} for {info['arch']} in {info['seconds']:.2f} s ({len(info['resources'])} kernels, "

@@ -56,7 +56,7 @@ DECODE_GRAPH_CASE = (dict(new=1, page=16, seed=5), dict(num_splits=2))
 
 # -- tests/gpu/test_gpu_sm90_features.py: the sm90 family past d = 256, and paged varlen -------------
 
-# The forward's Specs (with arch_family="sm90"): O in two 256-column slices at 32-key tiles, and
+# The forward's Specs (with arch_family=SM90.name): O in two 256-column slices at 32-key tiles, and
 # d_v = 320 in two 192-column slices at 64-key tiles.
 SM90_WIDE_SPECS = [dict(head_dim=512, dtype="bf16", mask="causal"), dict(head_dim=320, dtype="fp16", key_padding=True)]
 # A d = 512 decoding step (DECODE_CASES' form, the cache d wide) and absorbed MLA's layouts

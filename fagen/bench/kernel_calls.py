@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..arch_families import SM90
 from . import gpu_cases as cases
 from .sizes import random_lengths
 from .speed.config import FAGEN_SYSTEMS
@@ -294,11 +295,11 @@ def _sm90_feature_test_calls() -> list:
 
     from .peers import in_family
 
-    calls = [(f"sm90 wide {fields}", Spec(**fields, arch_family="sm90")) for fields in cases.SM90_WIDE_SPECS]
-    calls.append(("sm90 wide decode", functools.partial(in_family, "sm90", _decode_case, *cases.SM90_WIDE_DECODE)))
+    calls = [(f"sm90 wide {fields}", Spec(**fields, arch_family=SM90.name)) for fields in cases.SM90_WIDE_SPECS]
+    calls.append(("sm90 wide decode", functools.partial(in_family, SM90.name, _decode_case, *cases.SM90_WIDE_DECODE)))
     layout = next(iter(cases.SM90_MLA_LAYOUTS.values()))
-    calls.append(("sm90 absorbed MLA", functools.partial(in_family, "sm90", _mla_case, **layout)))
-    calls.append(("sm90 paged varlen", functools.partial(in_family, "sm90", _varlen_paged_case)))
+    calls.append(("sm90 absorbed MLA", functools.partial(in_family, SM90.name, _mla_case, **layout)))
+    calls.append(("sm90 paged varlen", functools.partial(in_family, SM90.name, _varlen_paged_case)))
     return calls
 
 

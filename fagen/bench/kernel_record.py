@@ -67,8 +67,8 @@ def identity_for(arch: str):
 # (which would hold the do-nothing kernels), the ops' per-shape Source memo (which would hold the
 # recorded arch's tiles for CPU calls) and the decode step's loaded set. Recording swaps in
 # empty ones, so that every call loads its kernels again and nothing recorded outlives it.
-_CACHES = (("fagen.kernels.run", "_plans"), ("fagen.ops.call", "_call_sources"), ("fagen.ops.dense", "_calls"),
-           ("fagen.ops.kvcache", "_loaded"))
+_CACHES = (("fagen.kernels.attention_kernels", "_plans"), ("fagen.ops.call", "_call_sources"),
+           ("fagen.ops.dense", "_calls"), ("fagen.ops.kvcache", "_loaded"))
 
 
 @contextlib.contextmanager

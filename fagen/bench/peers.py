@@ -16,6 +16,7 @@ import os
 from typing import Callable
 from unittest import mock
 
+from ..arch_families import SM90
 from .speed.config import SYSTEM_LABELS
 
 
@@ -57,7 +58,7 @@ def fagen_attention_func() -> Callable:
 
 
 class FagenSystem(System):
-    """fagen's flash_attn_func, FlashAttention `version` 1 or 2; with `family` "sm90", version 2's
+    """fagen's flash_attn_func, FlashAttention `version` 1 or 2; with `family` sm90 (arch_families.SM90), version 2's
     forward on the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each call: the backward, which
     autograd runs later, is the sm80 family's)."""
 
@@ -77,7 +78,7 @@ class FagenSystem(System):
             import cupy  # noqa: F401 - fagen launches through CuPy on a GPU
         except Exception as exc:  # noqa: BLE001
             return f"cupy does not import: {type(exc).__name__}: {exc}"
-        return sm90_unavailable() if self.family == "sm90" else None
+        return sm90_unavailable() if self.family == SM90.name else None
 
     def forward(self, q, k, v, causal: bool):
         return self.call(q, k, v, causal=causal, version=self.version)
@@ -221,7 +222,7 @@ class FlexSystem(System):
 
 def make_system(name: str) -> System:
     if name == "fagen_sm90":
-        return FagenSystem(2, family="sm90")
+        return FagenSystem(2, family=SM90.name)
     if name.startswith("fagen_v"):
         return FagenSystem(int(name[len("fagen_v"):]))
     if name in SDPA_BACKENDS:

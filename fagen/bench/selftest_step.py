@@ -24,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..arch_families import FAMILIES
 from .correctness import child_env, run_capped
 from .markdown import md as _md
 
@@ -40,7 +41,7 @@ COMMAND_MARGIN_S = 8.0
 STARTUP_S, RECORD_S_PER_TEMPLATE, COMPILE_S_PER_KERNEL, RUN_S_PER_TEMPLATE = 7.0, 0.15, 1.5, 0.3
 COMPILE_THREADS = 16
 # The families a compute capability 9.0 GPU takes, as the check's GPUs (H100, H200) are.
-HOPPER_FAMILIES = ("sm80", "sm90")
+HOPPER_FAMILIES = tuple(family.name for family in FAMILIES.values() if family.capability in (None, (9, 0)))
 
 STATUSES = ("passed", "failed", "timed_out", "not_run")
 _TEMPLATE = r"(sm\d+\.\w+)"

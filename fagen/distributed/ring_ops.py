@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ..kernels import run as attention_kernels
+from ..kernels import attention_kernels
 from ..kernels.render import source_for
 from ..ops.common import aligned_rows
 from ..spec import Spec

@@ -47,7 +47,7 @@ def manifest(source: Source, compiled: dict[str, CompiledKernel]) -> dict:
     return {
         "format": MANIFEST_FORMAT,
         "name": spec.name,
-        "family": spec.family,
+        "family": spec.base_name,   # the manifest's key for the name without tiles
         "spec": spec.to_dict(),
         "source": f"{spec.name}.cu",
         "source_sha256": source.hash,

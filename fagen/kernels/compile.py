@@ -30,6 +30,7 @@ from pathlib import Path
 from .render import Source, include_dir
 from ..cache_files import cache_dir, write_atomic
 from ..arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch
+from ..arch_families import family_of
 
 CACHE_FORMAT = 1
 MIN_COMPUTE_CAPABILITY = 80  # cp.async and bf16 mma.sync
@@ -175,7 +176,7 @@ def spec_target(spec, device_arch: str) -> str:
     """The NVRTC target a spec's kernels compile for on a GPU of `device_arch`: the arch-specific
     form for the sm90 family (its wgmma, TMA and setmaxnreg exist only in sm_90a), else
     `nvrtc_target`'s. What `launch` loads and the GPU check's precompile builds."""
-    return nvrtc_target(device_arch, arch_specific=spec.arch_family == "sm90")
+    return nvrtc_target(device_arch, arch_specific=family_of(spec).arch_specific)
 
 
 def _arch_specific_target(device_arch: str, number: int, supported: tuple[int, ...]) -> str:

@@ -72,7 +72,7 @@ def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
 
 
 def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
-    """The sm90 family's forward (templates/hopper_fwd.cu.j2): q, k and v as TMA tensor maps passed
+    """The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2): q, k and v as TMA tensor maps passed
     by value, each box one 64-column box of a tile's rows, (1, rows, 1, 64) of (B, N, H, d); O,
     and L in natural log. Decoding (kv_cache) adds the cache's rows and the split-KV partials, k
     and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""

@@ -23,14 +23,13 @@ import functools
 import logging
 from typing import Iterator
 
-from ..arch_families import narrower_sm90_tiles, sm90_tiles
+from ..arch_families import family_of
 from ..spec import Spec
 from ..tile_shapes import backward_block_n_choices
 from .compile import compile_source
 from .render import source_for
 
 logger = logging.getLogger("fagen")
-MAX_WARPS = 8
 
 
 def spilled_bytes(spec: Spec, arch: str) -> dict[str, int]:
@@ -51,14 +50,10 @@ def _legal(make) -> Spec | None:
 
 
 def forward_candidates(spec: Spec) -> Iterator[Spec]:
-    """Forward tiles with fewer accumulators per thread, in the order tried."""
-    if spec.arch_family == "sm90":
-        for block_n in narrower_sm90_tiles(spec):
-            yield _legal(lambda: spec.replace(sm90_block_n=block_n))
-        return
-    if spec.num_warps * 2 <= MAX_WARPS and spec.block_m >= 16 * spec.num_warps * 2:
-        yield _legal(lambda: spec.replace(num_warps=spec.num_warps * 2))
-    yield _legal(lambda: spec.replace(block_m=spec.block_m // 2))
+    """Forward tiles with fewer accumulators per thread, in the order tried (its family's rule,
+    `Family.narrower`)."""
+    for make in family_of(spec).narrower(spec):
+        yield _legal(make)
 
 
 def backward_candidates(spec: Spec) -> Iterator[Spec]:
@@ -111,7 +106,4 @@ def spill_free(spec: Spec, arch: str) -> Spec:
 
 
 def _tiles(spec: Spec) -> str:
-    if spec.arch_family == "sm90":
-        return f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}"
-    return (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "
-            f"bwd_block_n={spec.bwd_block_n}")
+    return family_of(spec).tiles_text(spec)

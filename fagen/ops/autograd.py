@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import run as attention_kernels
+from ..kernels import attention_kernels
 from .call import CallOptions, CallValues, params_tensor, source_for_call, unpack
 from .common import aligned_rows, refuse_graph_capture
 
@@ -31,7 +31,7 @@ def _varlen_sizes(options: CallOptions, tensors: list, ints: list):
 class Prepared:
     """What a call's forward and backward share: its options and values, its kernel arguments
     (`unpack`), its kernels (`source_for_call`) and, for a call without tensors of its own, the
-    memo of its launch plans (`run.Memo`). Found once per eager call, or kept with a reusable
+    memo of its launch plans (`attention_kernels.Memo`). Found once per eager call, or kept with a reusable
     call's signature (dense.DenseCall)."""
 
     __slots__ = ("options", "tensors", "floats", "ints", "params", "args", "source", "memo", "kernel_args")
@@ -42,7 +42,7 @@ class Prepared:
         self.args = unpack(options, values.tensors, values.floats, values.ints, values.params)
         self.source = source_for_call(options, q, k, _varlen_sizes(options, values.tensors, values.ints))
         self.memo = memo
-        # What both passes give `run.forward` / `run.backward` (dropout's Philox pair aside), as
+        # What both passes give `attention_kernels.forward` / `.backward` (dropout's Philox pair aside), as
         # keywords built once: a warm call passes them in one step.
         args = self.args
         self.kernel_args = dict(softmax_scale=args["softmax_scale"], seqlens_k=args["seqlens_k"],

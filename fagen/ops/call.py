@@ -203,7 +203,7 @@ def params_tensor(params: list) -> torch.Tensor:
 
 def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params) -> dict:
     """The kernels' view of a call's values: seqlens_k, rng, varlen, softmax_scale, dropout_p
-    and the variant's arguments by kernel parameter name (`run.forward`'s keywords)."""
+    and the variant's arguments by kernel parameter name (`attention_kernels.forward`'s keywords)."""
     seqlens_k, rng, cu_q, cu_k, *variant_tensors = tensors
     softmax_scale, dropout_p, *variant_floats = floats
     max_q, max_k, *variant_ints = ints

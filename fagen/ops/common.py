@@ -197,7 +197,7 @@ def values_checked(t: torch.Tensor) -> bool:
     checked before the launch, with messages that name the entry and its value: only with
     FAGEN_CHECK_VALUES=1 (a device sync per call) and where values can be read. By default
     the kernels' guards refuse an out-of-range index and the call raises lazily from their
-    error flag (fagen.kernels.run.raise_flagged)."""
+    error flag (fagen.kernels.attention_kernels.raise_flagged)."""
     if not values_checkable(t):   # first: under torch.compile the environment is never read
         return False
     value = setting(CHECK_VALUES_ENV)

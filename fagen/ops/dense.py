@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..kernels import sources as generated_sources
-from ..kernels.run import Memo
+from ..kernels.attention_kernels import Memo
 from ..spec import Spec, check_dropout_p
 from . import autograd
 from .call import CallOptions, CallValues, kernels_state, options_for, values_of
@@ -64,7 +64,7 @@ class DenseCall:
         return (out, lse) if self.return_lse else out
 
     def _prepared(self, q, k) -> autograd.Prepared:
-        """The call's kernels, arguments and launch plans (run.Memo), kept with its signature
+        """The call's kernels, arguments and launch plans (attention_kernels.Memo), kept with its signature
         until a new tuning result or another kernel family asked for."""
         generation = kernels_state(self.cuda)   # the memo's keys hold neither kernels nor backend
         if self.prepared is None or self.prepared[0] != generation:

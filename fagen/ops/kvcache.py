@@ -14,7 +14,7 @@ the caches' version counters, as torch's in-place ops do. A head_dim that is not
 runs on padded copies (PaddedHeadDim).
 No host sync: the index values (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are
 checked by the kernels' guards, which refuse a value out of range (an append that would leave the
-cache is not written at all), and the step raises lazily from their flag (kernels.run
+cache is not written at all), and the step raises lazily from their flag (kernels.attention_kernels
 .raise_flagged); FAGEN_CHECK_VALUES=1 checks them on the host first. Under torch.compile the step
 is one custom op (fagen::flash_attn_with_kvcache) that declares its writes to the caches.
 A serving loop calls this with one signature (shapes, strides, dtypes, devices, options) step
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arch_families import ARCH_FAMILY_ENV, sm90_tiles
+from ..arch_families import ARCH_FAMILY_ENV, family_of
 from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
-from ..kernels import run as attention_kernels
-from ..kernels import run_kv_cache as kv_kernels
+from ..kernels import attention_kernels
+from ..kernels import kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
 from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
@@ -269,7 +269,8 @@ class StepPlan:
             # and out themselves where the views start at their first elements (q not copied). Not
             # on the sm90 family: its q is a tensor map, encoded at each launch from the tensor
             # passed, whose shape and strides must then be the view's.
-            self.packs_in_place = q_kernel.data_ptr() == q.data_ptr() and self.source.spec.arch_family != "sm90"
+            self.packs_in_place = (q_kernel.data_ptr() == q.data_ptr()
+                                   and not family_of(self.source.spec).tensor_maps)
         if group is None or seqlen_q == 1:
             return out, lse
         return _unpack(out_kernel, lse, q.shape)
@@ -319,7 +320,7 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         forward = source.kernels.forward
         row_blocks = batch * (kv_heads if spec.pack_gqa else heads) * forward.slices * \
             -(-packed_rows // forward.rows_per_block)
-        key_tile = sm90_tiles(spec).block_n if spec.arch_family == "sm90" else spec.block_n
+        key_tile = family_of(spec).key_tile(spec)
         num_splits = choose_splits(row_blocks, -(-cache.capacity // key_tile), processor_count(q.device))
     given = tuple(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
     return StepPlan(source, cache, given, rotary_interleaved, return_softmax_lse, scale,

@@ -8,7 +8,7 @@ cache_leftpad, cache_batch_idx, block_table) are checked here only with FAGEN_CH
 (one device sync per call, messages that name the entry and its value; never under
 torch.compile or CUDA graph capture). By default the kernels' guards check them on the device:
 a value out of range is refused there, nothing written outside the cache, and the call raises
-lazily (fagen.kernels.run.raise_flagged).
+lazily (fagen.kernels.attention_kernels.raise_flagged).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, run_forward_only
-from ..kernels import run_kv_cache as kv_kernels
+from ..kernels import kv_kernels
 from ..kernels.render import source_for
 from ..selftest.gate import serving_spec
 from ..spec import Spec

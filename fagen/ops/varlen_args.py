@@ -9,7 +9,7 @@ dtypes and devices are always checked; the values of cu_seqlens and the block ta
 FAGEN_CHECK_VALUES=1 (a device sync per call; never under torch.compile or CUDA graph capture).
 By default the kernels' guards check them on the device (macros.j2 varlen_views, page_sources):
 a sequence or page out of range is refused, nothing read or written outside the tensors, and
-the call raises lazily (fagen.kernels.run.raise_flagged).
+the call raises lazily (fagen.kernels.attention_kernels.raise_flagged).
 """
 
 from __future__ import annotations

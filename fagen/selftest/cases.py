@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ..arch_families import SM90_HEAD_DIMS
+from ..arch_families import ARCH_FAMILIES, FAMILIES
 from .decoding import Decoding, PagedPacked, check_decoding, check_paged_packed
-from .templates import SM80_HEAD_DIM_BUCKETS, all_templates
+from .templates import all_templates, backward_family
 from .training import Packed, Training, check_packed, check_training
 
 
@@ -41,8 +41,9 @@ def _training(**fields):
 
 
 def _features(family: str) -> dict:
-    """Each feature's case in `family`. The sm90 family checks its forward (backward=False)."""
-    backward = family == "sm80"
+    """Each feature's case in `family`. A family that runs another's backward (sm90 runs sm80's)
+    checks its forward alone (backward=False): the other's cases check that backward."""
+    backward = backward_family(family) == family
     train = partial(_training, backward=backward)
     return {
         "causal": train(causal=True, shape=(1, 170, 140, 2, 1), dtype="bf16"),   # rows with no key
@@ -67,16 +68,16 @@ def _features(family: str) -> dict:
 
 
 def _head_dims(family: str) -> dict:
-    dims = SM90_HEAD_DIMS if family == "sm90" else SM80_HEAD_DIM_BUCKETS
+    dims = FAMILIES[family].head_dims
     names = all_templates(family)[:len(dims)]
-    return {name: _training(head_dim=d, backward=family == "sm80", dtype="bf16" if d % 128 else "fp16")
+    return {name: _training(head_dim=d, backward=backward_family(family) == family, dtype="bf16" if d % 128 else "fp16")
             for name, d in zip(names, dims)}
 
 
 def cases() -> dict:
     """{template: Case} for both families."""
     found = {}
-    for family in ("sm80", "sm90"):
+    for family in ARCH_FAMILIES:
         runs = {**_head_dims(family), **{f"{family}.{name}": run for name, run in _features(family).items()}}
         for template in all_templates(family):
             if template in runs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..arch_families import ARCH_FAMILIES
 from .templates import all_templates
 
 DEFAULT_BUDGET_S = 600.0
@@ -29,7 +30,7 @@ def add_selftest_parser(subparsers) -> argparse.ArgumentParser:
                     "with the float64 oracle by flash-attn's tolerance rule, and store the verdicts that decide "
                     "which family serves each call.")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the emulator; slow) (default cuda)")
-    parser.add_argument("--family", choices=("sm80", "sm90"), action="append",
+    parser.add_argument("--family", choices=ARCH_FAMILIES, action="append",
                         help="only this family (repeatable; default: every family the device takes)")
     parser.add_argument("--template", action="append", help="only this template, e.g. sm90.softcap (repeatable)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,

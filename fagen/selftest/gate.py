@@ -27,7 +27,7 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 
-from ..arch_families import ARCH_FAMILY_ENV, chosen_decoding_spec, chosen_family
+from ..arch_families import ARCH_FAMILY_ENV, FAMILIES, chosen_decoding_spec, chosen_family
 from ..environment import setting
 from ..version import __version__
 from .templates import all_templates, sources_digest, templates_of
@@ -56,7 +56,7 @@ class DeviceFacts:
     @property
     def families(self) -> tuple[str, ...]:
         """The families the self-test proves on this device: sm80 on every GPU, sm90 on 9.0."""
-        return ("sm80", "sm90") if self.capability == HOPPER else ("sm80",)
+        return tuple(family.name for family in FAMILIES.values() if family.capability in (None, self.capability))
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,20 @@ def serving_spec(spec, device, *, decoding: bool = False, tuned: bool = False):
         return choose(spec, requested, capability)
     verdicts = verdicts_for(facts)
     chosen = choose(spec, requested, capability)
-    if not requested and not tuned and capability == HOPPER:
-        candidate = choose(spec, "sm90", capability)
-        if candidate.arch_family == "sm90" and _proven(candidate, verdicts["sm90"], facts):
-            chosen = candidate
+    if not requested and not tuned:
+        for family in _made_for(capability):
+            candidate = choose(spec, family.name, capability)
+            if candidate.arch_family == family.name and _proven(candidate, verdicts[family.name], facts):
+                chosen = candidate
+                break
     _refuse_broken(chosen, verdicts["sm80"], facts)
     return chosen
+
+
+def _made_for(capability) -> list:
+    """The families made for this compute capability alone (sm90 on 9.0): where they take a spec
+    and passed the self-test, they serve it by default."""
+    return [family for family in FAMILIES.values() if family.capability is not None and family.capability == capability]
 
 
 def _in_chosen_family(spec, requested: str, capability):
@@ -153,13 +161,14 @@ def _in_chosen_family(spec, requested: str, capability):
 
 
 def _proven(spec, verdict: Verdict, facts: DeviceFacts) -> bool:
-    """Whether every sm90 template `spec` uses passed; warns once per template that did not."""
-    unproven = verdict.unproven([t for t in templates_of(spec) if t.startswith("sm90.")])
+    """Whether every template of its own family (sm90's) `spec` uses passed; warns once per
+    template that did not."""
+    unproven = verdict.unproven([t for t in templates_of(spec) if t.startswith(spec.arch_family + ".")])
     for template in unproven:
         if template not in _warned:
             _warned.add(template)
             result = verdict.results.get(template)
-            warnings.warn(f"fagen: the sm90 kernel template {template} {_status_text(verdict, template)} on this GPU "
+            warnings.warn(f"fagen: the {spec.arch_family} kernel template {template} {_status_text(verdict, template)} on this GPU "
                           f"({facts.gpu}){': ' + result.detail if result and result.detail else ''}; the calls it "
                           f"would serve run on the sm80 family. Log: {verdict.log}. Rerun it with `fagen selftest "
                           f"--verbose`.", RuntimeWarning, stacklevel=4)

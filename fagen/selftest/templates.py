@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..arch_families import ARCH_FAMILIES, SM90_HEAD_DIMS
-from ..tile_shapes import SPLIT_O_ABOVE
+from ..arch_families import ARCH_FAMILIES, FAMILIES as FAMILY_FACTS, SM80
+from ..kernels.families import KERNEL_FAMILIES
 
 FAMILIES = ARCH_FAMILIES
 # The sm80 family's head-dim buckets: its tile table's (tile_shapes.default_tiles), each named
 # after its widest head dim.
-SM80_HEAD_DIM_BUCKETS = (64, 128, SPLIT_O_ABOVE, 512)
+SM80_HEAD_DIM_BUCKETS = SM80.head_dims
 
 # Features, in a fixed order: (template suffix, families that have it, whether `spec` uses it).
 FEATURES = (
@@ -51,28 +51,35 @@ FEATURES = (
 
 
 def head_dim_template(family: str, head_dim: int) -> str:
-    """The template of a family's forward at `head_dim`: sm90's head dims each have their own
-    tiles (arch_families.sm90_tiles); sm80's fall in its tile table's buckets."""
-    if family == "sm90":
-        return f"sm90.d{head_dim}"
-    return f"sm80.d{next(b for b in SM80_HEAD_DIM_BUCKETS if head_dim <= b)}"
+    """The template of a family's forward at `head_dim`: the first of its head dims with tiles of
+    their own (`Family.head_dims`: each of sm90's, arch_families.sm90_tiles; sm80's tile table's
+    buckets) at or above it."""
+    return f"{family}.d{next(b for b in FAMILY_FACTS[family].head_dims if head_dim <= b)}"
 
 
 def all_templates(family: str) -> tuple[str, ...]:
     """Every template of `family`, in the order the self-test runs them (head dims first)."""
-    dims = SM90_HEAD_DIMS if family == "sm90" else SM80_HEAD_DIM_BUCKETS
+    dims = FAMILY_FACTS[family].head_dims
     return tuple([head_dim_template(family, d) for d in dims] +
                  [f"{family}.{name}" for name, families, _ in FEATURES if family in families])
 
 
 def templates_of(spec) -> tuple[str, ...]:
     """The templates whose kernels `spec`'s source holds: its family's forward (head dim and
-    features), and for the sm90 family's training Specs the sm80 templates of the same features,
-    whose backward it runs."""
+    features), and for a training Spec of a family that runs another's backward (sm90 runs
+    sm80's) that family's templates of the same features."""
     found = list(_family_templates(spec, spec.arch_family))
-    if spec.arch_family == "sm90" and spec.kv_cache is None:
-        found += _family_templates(spec, "sm80")
+    backward = backward_family(spec.arch_family)
+    if backward != spec.arch_family and spec.kv_cache is None:
+        found += _family_templates(spec, backward)
     return tuple(found)
+
+
+def backward_family(family: str) -> str:
+    """The family whose templates `family`'s backward pass is rendered from: the one whose folder
+    holds them (its own, or the sm80 family's where it has no backward yet)."""
+    folder = KERNEL_FAMILIES[family].backward.templates[0].partition("/")[0]
+    return next(facts.name for facts in FAMILY_FACTS.values() if facts.templates == folder)
 
 
 def _family_templates(spec, family: str) -> list[str]:
@@ -81,20 +88,29 @@ def _family_templates(spec, family: str) -> list[str]:
     return found + [f"{family}.{name}" for name, families, uses in FEATURES if family in families and uses(spec)]
 
 
-# What each family's kernels are rendered from: its templates, and what every render shares. A
-# change to any of these invalidates the family's verdicts (fagen.selftest.verdicts).
-SHARED_TEMPLATES = ("translation_unit.cu.j2", "macros.j2", "attention.j2", "combine.cu.j2", "cache_update.cu.j2",
-                    "bwd.cu.j2", "bwd_dq.cu.j2")
-FAMILY_TEMPLATES = {"sm80": ("fwd_v1.cu.j2", "fwd_v2.cu.j2"), "sm90": ("hopper_*.j2",)}
+# What each family's kernels are rendered from: its templates (its folder's, and those of the
+# family whose backward it runs), and what every render shares. A change to any of these
+# invalidates the family's verdicts (fagen.selftest.verdicts).
+SHARED_TEMPLATES = ("translation_unit.cu.j2", "macros.j2", "attention.j2", "combine.cu.j2", "cache_update.cu.j2")
+
+
+def family_templates(family: str) -> tuple[str, ...]:
+    """The glob patterns, under templates/, of the templates `family`'s kernels are made from
+    beyond the shared ones: its folder, and those of its passes that lie in another's (sm90's
+    backward, sm80's)."""
+    folder = FAMILY_FACTS[family].templates
+    borrowed = [name for found in KERNEL_FAMILIES[family].passes for name in found.sources
+                if "/" in name and not name.startswith(folder + "/")]
+    return (f"{folder}/*.j2", *dict.fromkeys(borrowed))
 # The host code that renders and launches them: launch geometry and arguments matter as much.
-HOST_SOURCES = ("kernels/*.py", "variants/*.py", "arch_families.py", "tile_shapes.py", "spec.py", "arch.py")
+HOST_SOURCES = ("kernels/*.py", "kernels/families/*.py", "variants/*.py", "arch_families.py", "tile_shapes.py", "spec.py", "arch.py")
 
 
 def sources_digest(family: str, template_dir: Path, package_dir: Path) -> str:
     """A hash of everything `family`'s kernels are made from: its templates and the shared ones,
     the static CUDA headers, and the host code that renders and launches them."""
     paths = []
-    for pattern in SHARED_TEMPLATES + FAMILY_TEMPLATES[family] + ("include/fagen/*.cuh",):
+    for pattern in SHARED_TEMPLATES + family_templates(family) + ("include/fagen/*.cuh",):
         paths += sorted(template_dir.glob(pattern))
     for pattern in HOST_SOURCES:
         paths += sorted(package_dir.glob(pattern))

@@ -2,11 +2,11 @@
 
 Key. A tuning is valid for one GPU model and toolchain (`DeviceIdentity`:
 GPU name, compute capability, driver version, NVRTC version), one kernel
-variant (`Spec.family`, the name without tiles, e.g. `fa2_d64_causal_fp16`)
+variant (`Spec.base_name`, the name without tiles, e.g. `fa2_d64_causal_fp16`)
 and one shape bucket (`ShapeBucket`: seqlen_q, seqlen_k and batch*heads, each
 rounded up to a power of two).
 
-Files. `<cache dir>/tune/<family>.<bucket>.<identity digest>.json`, e.g.
+Files. `<cache dir>/tune/<base_name>.<bucket>.<identity digest>.json`, e.g.
 `fa2_d64_causal_fp16.q4096_k4096_bh64.3f9a0c1e22b7.json`, where the cache
 dir is `fagen.cache_files.cache_dir()` ($FAGEN_CACHE_DIR, else
 $XDG_CACHE_HOME/fagen, else ~/.cache/fagen). One file per key means
@@ -88,7 +88,7 @@ class TuneEntry:
     """One cached winner and how it was found."""
 
     identity: DeviceIdentity
-    family: str
+    base_name: str
     bucket: ShapeBucket
     tiles: dict
     median_ms: float | None = None        # the winner's median time on the tuned shape
@@ -99,15 +99,17 @@ class TuneEntry:
 
     @property
     def path(self) -> Path:
-        return entry_path(self.identity, self.family, self.bucket)
+        return entry_path(self.identity, self.base_name, self.bucket)
 
     def spec(self, base: Spec) -> Spec:
         return base.replace(**self.tiles)
 
     def to_json(self) -> dict:
+        # The key's "family" is the spec's base name (Spec.base_name): the name of the files' format,
+        # kept so that caches written before the rename still read.
         return {"format": CACHE_FORMAT, "key": {"gpu": self.identity.name, "arch": self.identity.arch,
                                                 "driver": self.identity.driver, "nvrtc": self.identity.nvrtc,
-                                                "family": self.family, "bucket": asdict(self.bucket)},
+                                                "family": self.base_name, "bucket": asdict(self.bucket)},
                 "tiles": dict(self.tiles), "median_ms": self.median_ms, "fallback_ms": self.fallback_ms,
                 "shape": self.shape, "counts": self.counts, "tuned_at": self.tuned_at}
 
@@ -119,8 +121,8 @@ class TuneEntry:
                                   driver=_text(key["driver"]), nvrtc=_text(key["nvrtc"]))
         bucket = ShapeBucket(**{k: int(key["bucket"][k]) for k in ("seqlen_q", "seqlen_k", "batch_heads")})
         tiles = {k: data["tiles"][k] for k in TILE_KEYS}
-        Spec.from_name(key["family"]).replace(**tiles)   # the family parses and the tiles are legal
-        return cls(identity=identity, family=key["family"], bucket=bucket, tiles=tiles,
+        Spec.from_name(key["family"]).replace(**tiles)   # the name parses and the tiles are legal
+        return cls(identity=identity, base_name=key["family"], bucket=bucket, tiles=tiles,
                    median_ms=data.get("median_ms"), fallback_ms=data.get("fallback_ms"),
                    shape=dict(data.get("shape", {})), counts=dict(data.get("counts", {})),
                    tuned_at=str(data.get("tuned_at", "")))
@@ -132,8 +134,8 @@ def _text(value) -> str:
     return value
 
 
-def entry_path(identity: DeviceIdentity, family: str, bucket: ShapeBucket) -> Path:
-    return tune_dir() / f"{family}.{bucket.label}.{identity.digest}.json"
+def entry_path(identity: DeviceIdentity, base_name: str, bucket: ShapeBucket) -> Path:
+    return tune_dir() / f"{base_name}.{bucket.label}.{identity.digest}.json"
 
 
 def now_utc() -> str:
@@ -167,16 +169,16 @@ class TuneIndex:
         for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
             entry = read_entry(path)
             if entry is not None:
-                entries.setdefault((entry.identity.key, entry.family), {})[entry.bucket] = entry
+                entries.setdefault((entry.identity.key, entry.base_name), {})[entry.bucket] = entry
         return entries
 
-    def find(self, identity: DeviceIdentity, family: str, bucket: ShapeBucket) -> TuneEntry | None:
+    def find(self, identity: DeviceIdentity, base_name: str, bucket: ShapeBucket) -> TuneEntry | None:
         """The entry for this bucket, else the one of the nearest tuned bucket, else None.
 
         A tuning made for a neighbouring shape on the same GPU beats the
         static table: tile choice changes slowly with shape."""
         self._ensure_loaded()
-        tuned = self._entries.get((identity.key, family))
+        tuned = self._entries.get((identity.key, base_name))
         if not tuned:
             return None
         if bucket in tuned:
@@ -193,7 +195,7 @@ class TuneIndex:
         spec = self._specs.get(memo_key)
         if spec is None:
             optin = shared_per_block_optin
-            entry = self.find(identity, base.family, bucket)
+            entry = self.find(identity, base.base_name, bucket)
             spec = (fit_backward_to(entry.spec(base), identity.arch, optin) if entry is not None
                     else fallback_spec(base, identity.arch, optin))
             self._specs[memo_key] = spec
@@ -204,7 +206,7 @@ class TuneIndex:
         path = entry.path
         write_atomic(path, (json.dumps(entry.to_json(), indent=2) + "\n").encode())
         with self._lock:
-            self._entries.setdefault((entry.identity.key, entry.family), {})[entry.bucket] = entry
+            self._entries.setdefault((entry.identity.key, entry.base_name), {})[entry.bucket] = entry
             self._specs = {}
             self.generation += 1
         return path
@@ -271,17 +273,17 @@ def clear_cache() -> int:
 def show_cache() -> str:
     """A table of every cached tuning, for `fagen tune --show`."""
     directory = tune_dir()
-    entries = sorted(INDEX.all_entries(), key=lambda e: (e.identity.key, e.family, e.bucket))
+    entries = sorted(INDEX.all_entries(), key=lambda e: (e.identity.key, e.base_name, e.bucket))
     if not entries:
         return f"no tunings in {directory}"
     lines = [f"tunings in {directory}:",
-             f"{'spec family':<30} {'shape bucket':<22} {'tiles':<14} {'ms':>8} {'vs fallback':>11}  gpu"]
+             f"{'spec (no tiles)':<30} {'shape bucket':<22} {'tiles':<14} {'ms':>8} {'vs fallback':>11}  gpu"]
     for e in entries:
         t = e.tiles
         tiles = f"m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}"
         ms = f"{e.median_ms:.4f}" if isinstance(e.median_ms, (int, float)) else "?"
         speedup = (f"{e.fallback_ms / e.median_ms:.2f}x" if isinstance(e.median_ms, (int, float))
                    and isinstance(e.fallback_ms, (int, float)) and e.median_ms > 0 else "?")
-        lines.append(f"{e.family:<30} {e.bucket.label:<22} {tiles:<14} {ms:>8} {speedup:>11}  "
+        lines.append(f"{e.base_name:<30} {e.bucket.label:<22} {tiles:<14} {ms:>8} {speedup:>11}  "
                      f"{e.identity.key}")
     return "\n".join(lines)

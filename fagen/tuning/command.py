@@ -87,7 +87,7 @@ def cmd_tune(args) -> int:
     for spec in specs:
         for seqlen in args.seqlen or DEFAULT_SEQLENS:
             batch = args.batch or max(1, TOKENS_PER_BATCH // seqlen)
-            print(f"\n{spec.family}: batch {batch}, heads {heads}, seqlen {seqlen}"
+            print(f"\n{spec.base_name}: batch {batch}, heads {heads}, seqlen {seqlen}"
                   + (f", seqlen_k {args.seqlen_k}" if args.seqlen_k else ""), flush=True)
             result = tune(spec, seqlen_q=seqlen, seqlen_k=args.seqlen_k, batch=batch, heads=heads,
                           workers=args.workers)

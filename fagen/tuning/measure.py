@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..dtypes import TORCH_DTYPE
-from ..kernels import run as attention_kernels
+from ..kernels import attention_kernels
 from ..kernels.render import source_for
 from ..spec import Spec
 from .device import cuda_index

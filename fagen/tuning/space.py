@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from ..arch import base_arch
-from ..arch_families import SM90_ARCH, sm90_refusal
+from ..arch_families import SM90
 from ..kernels.render import kernel_entries, render
 from ..kernels.compile import CompileError, ResourceReport, compile_source, spec_target
 from ..spec import Spec
@@ -87,9 +87,9 @@ def candidates(spec: Spec, limits: DeviceLimits, grid: TileGrid = DEFAULT_GRID) 
 def _sm90_candidate(spec: Spec, limits: DeviceLimits, fallback: Spec) -> Spec | None:
     """The sm90 family's forward on a compute capability 9.0 device, beside the fallback's tiles
     for the backward (which stays the sm80 family's), where that family takes `spec`."""
-    if base_arch(limits.arch) != SM90_ARCH or spec.arch_family != "sm80" or sm90_refusal(spec) is not None:
+    if base_arch(limits.arch) != SM90.arch or spec.arch_family != "sm80" or SM90.refusal(spec) is not None:
         return None
-    return fallback.replace(arch_family="sm90")
+    return fallback.replace(arch_family=SM90.name)
 
 
 def prune(specs: Iterable[Spec], limits: DeviceLimits, resources: Mapping[Spec, Resources] | None = None

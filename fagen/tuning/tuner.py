@@ -107,7 +107,7 @@ def tune(spec_or_fields, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
     generated = candidates(base, limits, grid)
     fallback = generated[0]
     kept, pruned = prune(generated, limits)
-    say(f"tuning {base.family} for {bucket.label} on {identity.key}: {len(generated)} candidates")
+    say(f"tuning {base.base_name} for {bucket.label} on {identity.key}: {len(generated)} candidates")
 
     # 2. compile in parallel, then prune by the resource report
     progress = ProgressLine("compiling", len(kept), enabled=verbose)
@@ -154,7 +154,7 @@ def tune(spec_or_fields, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
         say(f"  rejected {spec.name}: {reason}")
     if not timings:
         first = (rejected or pruned or [(base, "no candidates")])[0]
-        raise TuningError(f"no candidate of {base.family} survived tuning ({len(pruned)} pruned, "
+        raise TuningError(f"no candidate of {base.base_name} survived tuning ({len(pruned)} pruned, "
                           f"{len(rejected)} rejected); first: {first[0].name}: {first[1]}")
 
     # 5. the fastest correct candidate wins (ties: the earlier, i.e. the fallback first)
@@ -163,7 +163,7 @@ def tune(spec_or_fields, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
     # The kernel family is chosen too (space.candidates: sm90 on compute capability 9.0); it is
     # stored with the tiles only where it is not the default, so sm80 entries read as before.
     tiles = {**winner.tiles, **({"arch_family": winner.arch_family} if winner.arch_family != "sm80" else {})}
-    entry = TuneEntry(identity=identity, family=base.family, bucket=bucket, tiles=tiles,
+    entry = TuneEntry(identity=identity, base_name=base.base_name, bucket=bucket, tiles=tiles,
                       median_ms=winner_ms, fallback_ms=next((ms for s, ms in timings if s == fallback), None),
                       shape={"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k},
                       counts={"generated": len(generated), "pruned": len(pruned), "rejected": len(rejected),
@@ -173,7 +173,7 @@ def tune(spec_or_fields, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
         try:
             path = INDEX.store(entry)
         except OSError as exc:   # an unwritable cache must not throw away the measurements
-            warnings.warn(f"could not cache the tuning of {base.family}: {exc}", stacklevel=2)
+            warnings.warn(f"could not cache the tuning of {base.base_name}: {exc}", stacklevel=2)
         else:
             say(f"winner {winner.name}: {winner_ms:.4f} ms (cached in {path})")
     return TuneResult(winner=winner, entry=entry, timings=timings, pruned=pruned, rejected=rejected)
@@ -223,7 +223,7 @@ def is_tuned(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: i
     if not _is_cuda(device):
         return False
     bucket = ShapeBucket.of(seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch, heads=heads)
-    return INDEX.find(DeviceIdentity.from_device(device), spec.family, bucket) is not None
+    return INDEX.find(DeviceIdentity.from_device(device), spec.base_name, bucket) is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -74,7 +74,7 @@ def _check_against_oracle(got, causal, window_size=(-1, -1)):
 
 def _check_dropout(layout, monkeypatch_pair):
     """Ring dropout against the single-device kernels with the same Philox pair."""
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from fagen.kernels.render import render
     from fagen.distributed import ring
     from fagen.spec import Spec
@@ -84,8 +84,9 @@ def _check_dropout(layout, monkeypatch_pair):
     got = _ring_case(layout, True, dropout_p=p)
     q, k, v, dout = _inputs()
     source = render(Spec(D, mask="causal", dropout=True))
-    out, stats = ops.forward(source, q, k, v, dropout_p=p, seed=seed, philox_offset=offset)
-    dq, dk, dv = ops.backward(source, q, k, v, out, stats, dout, dropout_args=ops.dropout_args(p, seed, offset))
+    out, stats = attention_kernels.forward(source, q, k, v, dropout_p=p, seed=seed, philox_offset=offset)
+    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout,
+                                            dropout_args=attention_kernels.dropout_args(p, seed, offset))
     for mine, single in zip((got[0], *got[2:]), (out, dq, dk, dv)):
         # One mask: a rounding apart (block partials merged in fp32); another mask would be O(1) off.
         assert (mine.float() - single.float()).abs().max().item() < 2e-2
@@ -217,7 +218,7 @@ def test_the_sharded_dropout_mask_is_the_single_device_mask(layout, world):
     """Every chunk pair a ring computes, run with its global coordinates (Spec.coord_offsets) and
     its keep mask recorded, forward and backward: put together they are the single-device mask
     (fagen.reference's NumPy Philox, which the unsharded kernels match), bit for bit."""
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from fagen.kernels.render import render
     from fagen.reference import dropout_keep_mask
     from fagen.spec import Spec
@@ -239,14 +240,16 @@ def test_the_sharded_dropout_mask_is_the_single_device_mask(layout, world):
                     args = dict(dropout_p=p, seed=seed, philox_offset=offset,
                                 coord_offsets=(b.q_chunk * chunk, b.k_chunk * chunk))
                     debug = {"tiles_visited": torch.zeros(64, dtype=torch.int32), "keep_mask": mask}
-                    out, stats = ops.forward(source_code, q[:, rows], k[:, cols], v[:, cols],
-                                             debug=debug if direction == "forward" else
-                                             {"tiles_visited": torch.zeros(64, dtype=torch.int32),
-                                              "keep_mask": torch.empty_like(mask)}, **args)
+                    out, stats = attention_kernels.forward(source_code, q[:, rows], k[:, cols], v[:, cols],
+                                                           debug=debug if direction == "forward" else
+                                                           {"tiles_visited": torch.zeros(64, dtype=torch.int32),
+                                                            "keep_mask": torch.empty_like(mask)}, **args)
                     if direction == "backward":
-                        ops.backward(source_code, q[:, rows], k[:, cols], v[:, cols], out, stats, dout[:, rows],
-                                     dropout_args=ops.dropout_args(p, seed, offset), debug={"keep_mask": mask},
-                                     coord_offsets=args["coord_offsets"])
+                        attention_kernels.backward(source_code, q[:, rows], k[:, cols], v[:, cols], out, stats,
+                                                   dout[:, rows],
+                                                   dropout_args=attention_kernels.dropout_args(p, seed, offset),
+                                                   debug={"keep_mask": mask},
+                                                   coord_offsets=args["coord_offsets"])
                     gathered[:, :, rows, cols] = mask
         visible = torch.ones(total, total, dtype=torch.bool).tril()
         assert torch.equal(gathered[..., visible], expected[..., visible]), direction

@@ -54,12 +54,12 @@ def ring_run(q, k, v, dout, layout, dropout_p):
 
 def plain_out(q, k, v, dropout_p):
     """The plain kernel's output for the same Philox pair (as the test renders it)."""
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from fagen.kernels.render import render
     from fagen.spec import Spec
 
     source = render(Spec(q.shape[-1], dtype="bf16", mask="causal", dropout=dropout_p > 0))
-    return ops.forward(source, q, k, v, dropout_p=dropout_p, seed=PAIR[0], philox_offset=PAIR[1])[0]
+    return attention_kernels.forward(source, q, k, v, dropout_p=dropout_p, seed=PAIR[0], philox_offset=PAIR[1])[0]
 
 
 @pytest.mark.parametrize("layout", RING_LAYOUTS)

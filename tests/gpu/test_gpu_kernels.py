@@ -55,13 +55,13 @@ def flash_attn_func():
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every buffer fagen's kernels write starts as the CPU tests' sentinel NaN
-    (fagen.emulate.poison_, where ops allocates through `_empty`), so an element the
+    (fagen.emulate.poison_, where attention_kernels allocates through `_empty`), so an element the
     kernel never wrote fails the test (assert_written names it) instead of passing on
     whatever memory held."""
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from kernel_cases import poisoned_empty
 
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def inputs(shape, dtype, head_dim, *, seed=0, requires_grad=False):
@@ -192,7 +192,7 @@ def mask_from_output(out, seqlen_k):
 def test_dropout_mask_matches_numpy_philox(version, dtype, head_dim):
     """The kernel-level launch with an explicit seed and offset keeps exactly
     the elements fagen.reference.dropout_keep_mask keeps."""
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from fagen.kernels.render import render
     from fagen.spec import Spec
 
@@ -202,7 +202,7 @@ def test_dropout_mask_matches_numpy_philox(version, dtype, head_dim):
     q, k = q * 0.5, k * 0.5  # keep every P_ij well above fp16's underflow
     v = one_hot_values(batch, nk, heads, head_dim, dtype)
     spec = Spec(head_dim=head_dim, dtype=dtype, version=version, dropout=True)
-    out, _ = ops.forward(render(spec), q, k, v, dropout_p=DROPOUT_P, seed=seed, philox_offset=offset)
+    out, _ = attention_kernels.forward(render(spec), q, k, v, dropout_p=DROPOUT_P, seed=seed, philox_offset=offset)
     kept = mask_from_output(out, nk)
     expected = dropout_keep_mask(seed, offset, batch, heads, nq, nk, DROPOUT_P)
     assert kept.shape == expected.shape

@@ -1,4 +1,4 @@
-"""The sm90 family's forward (templates/hopper_fwd.cu.j2, Spec.arch_family='sm90') on a compute
+"""The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2, Spec.arch_family='sm90') on a compute
 capability 9.0 GPU, with the sm80 backward after it: the emulator's cases
 (tests/kernels/test_sm90_forward.py) and larger ones, against the same float64 oracle by the same
 rule (kernel_cases.run_and_check), the launch path's tensor maps encoded by the driver. Marked `gpu`
@@ -89,7 +89,7 @@ def test_sm90_forward_on_packed_sequences_equals_the_sm80_familys(monkeypatch):
     assert (outs["sm90"].float() - outs["sm80"].float()).abs().max().item() < 2e-2
 
 
-# Decoding on the sm90 family (templates/hopper_kv_cache.j2): the emulator's cases
+# Decoding on the sm90 family (templates/sm90/hopper_kv_cache.j2): the emulator's cases
 # (tests/ops/test_kvcache_sm90.py) against the float64 oracle on the GPU, each step asserted to
 # have run sm90 (FAGEN_ARCH_FAMILY=sm90; what it does not take runs on sm80).
 SM90_DECODE_CASES = {

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 import kernel_mutants as km
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from kernel_cases import poisoned_empty
 
 BY_NAME = {m.name: m for m in km.MUTANTS}
@@ -30,7 +30,8 @@ def test_the_mutants_cover_what_the_issue_lists_and_their_edits_apply():
 
 @pytest.mark.parametrize("spec, check", CHECKS, ids=[f"{s.name}-{c.__name__}" for s, c in CHECKS])
 def test_every_check_passes_on_the_unmutated_kernel(spec, check):
-    with mock.patch.object(ops, "_empty", poisoned_empty), mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+    with mock.patch.object(attention_kernels, "_empty", poisoned_empty), \
+            mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
         check(spec, None)
 
 

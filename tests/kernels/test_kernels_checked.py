@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels import launch
 from fagen.kernels.render import render
 from fagen.emulate import EmulationError
@@ -38,7 +38,7 @@ CASES = [
 @pytest.fixture(autouse=True)
 def checked(monkeypatch):
     monkeypatch.setenv(launch.CHECKED_ENV, "1")
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("spec, shape", CASES, ids=[f"{spec.name}-{shape}" for spec, shape in CASES])
@@ -56,7 +56,7 @@ def test_a_planted_out_of_bounds_write_is_caught():
         store, "lse[((long long)batch * heads + head) * seqlen_q + row + 1] ="))
     q = torch.randn(1, 16, 1, 64, dtype=torch.float16)
     with pytest.raises(EmulationError, match="heap-buffer-overflow"):
-        ops.forward(bad, q, q, q)
+        attention_kernels.forward(bad, q, q, q)
 
 
 def test_checked_switch_rejects_other_values(monkeypatch):

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.spec import Spec
 import kernel_checks as checks
@@ -26,7 +26,7 @@ VERSIONS_AND_DTYPES = list(itertools.product((1, 2), ("fp16", "bf16")))
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
@@ -59,7 +59,7 @@ def test_rows_without_keys_carry_the_exact_contract(version):
     """L = +inf, never -inf or NaN (FA-1: m = -inf, l = 0): the backward's exp(S - L) = 0 needs it."""
     spec = Spec(64, version=version, mask="causal")
     q, k, v, _, _ = make_inputs(spec, Shape(1, 70, 20, heads=1, kv_heads=1))
-    _, stats = ops.forward(render(spec), q, k, v)
+    _, stats = attention_kernels.forward(render(spec), q, k, v)
     if version == 2:
         assert torch.equal(stats[0][0, 0, :50], torch.full((50,), float("inf")))   # rows i < Nq - Nk
         assert torch.isfinite(stats[0][0, 0, 50:]).all()

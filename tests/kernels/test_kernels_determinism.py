@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernel_checks as checks
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.build import default_specs
 from fagen.kernels.render import Source, render
 from fagen.kernels.compile import compile_source
@@ -52,7 +52,7 @@ def deterministic_variants() -> list[Spec]:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def test_no_deterministic_variant_calls_an_atomic():
@@ -107,12 +107,12 @@ def test_block_order_reverses_only_the_atomic_sums(monkeypatch):
     spec = Spec(64, mask="causal")
     source = render(spec)
     q, k, v, dout, _ = make_inputs(spec, checks.REPEAT_SHAPE)
-    out, stats = ops.forward(source, q, k, v)
+    out, stats = attention_kernels.forward(source, q, k, v)
     monkeypatch.setenv("FAGEN_EMULATE_THREADS", "1")
     grads = {}
     for order in ("forward", "reverse"):
         monkeypatch.setenv("FAGEN_EMULATE_BLOCK_ORDER", order)
-        grads[order] = ops.backward(source, q, k, v, out, stats, dout)
+        grads[order] = attention_kernels.backward(source, q, k, v, out, stats, dout)
     (dq, dk, dv), (dq_r, dk_r, dv_r) = grads["forward"], grads["reverse"]
     assert torch.equal(dk, dk_r) and torch.equal(dv, dv_r)
     assert not torch.equal(dq, dq_r)
@@ -126,4 +126,4 @@ def test_a_bad_block_order_is_named(monkeypatch):
     spec = Spec(64)
     q, k, v, _, _ = make_inputs(spec, Shape(1, 16, 16))
     with pytest.raises(EmulationError, match="FAGEN_EMULATE_BLOCK_ORDER='sideways'"):
-        ops.forward(render(spec), q, k, v)
+        attention_kernels.forward(render(spec), q, k, v)

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.reference import dropout_keep_mask
 from fagen.spec import Spec
@@ -53,7 +53,7 @@ def matrix_spec(version, mask, dropout, dtype, head_dim) -> Spec:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 # forward: warps advance in lockstep; warp-serial-reverse: the last warp runs a whole barrier
@@ -171,7 +171,7 @@ def test_causal_skips_masked_tiles_and_launches_the_heaviest_blocks_first():
         q, k, v, _, _ = make_inputs(spec, Shape(1, seqlen_q, seqlen_k, heads=1, kv_heads=1))
         blocks = -(-seqlen_q // 64)
         visited = torch.full((blocks,), -1, dtype=torch.int32)
-        ops.forward(source, q, k, v, debug={"tiles_visited": visited})  # by launch slot
+        attention_kernels.forward(source, q, k, v, debug={"tiles_visited": visited})  # by launch slot
         # Block i's last row is 64(i+1) - 1; it sees keys j <= 64(i+1) - 1 + Nk - Nq.
         by_block = [max(0, min(seqlen_k, 64 * (i + 1) + seqlen_k - seqlen_q) + 31) // 32
                     for i in range(blocks)]
@@ -186,8 +186,8 @@ def test_without_causal_blocks_launch_in_order():
     source = render(spec, debug=True)
     q, k, v, _, _ = make_inputs(spec, Shape(2, 200, 90, heads=1, kv_heads=1))
     visited = torch.full((2 * 4,), -1, dtype=torch.int32)
-    ops.forward(source, q, k, v, seqlens_k=torch.tensor([90, 40], dtype=torch.int32),
-                debug={"tiles_visited": visited})
+    attention_kernels.forward(source, q, k, v, seqlens_k=torch.tensor([90, 40], dtype=torch.int32),
+                              debug={"tiles_visited": visited})
     assert visited.tolist() == [3] * 4 + [2] * 4   # (batch, head, slot): every block sees its keys
 
 
@@ -196,7 +196,7 @@ def test_fa1_causal_skips_masked_pairs():
     source = render(spec, debug=True)
     q, k, v, _, _ = make_inputs(spec, Shape(1, 256, 256, heads=1, kv_heads=1))
     visited = torch.full((1,), -1, dtype=torch.int32)
-    ops.forward(source, q, k, v, debug={"tiles_visited": visited})
+    attention_kernels.forward(source, q, k, v, debug={"tiles_visited": visited})
     assert visited.item() == 4 + 3 + 2 + 1  # K/V block j meets Q blocks j..3
 
 
@@ -210,9 +210,10 @@ def test_dropout_mask_is_philox_forward_and_backward(version):
     fwd_mask = torch.full(mask_shape, 7, dtype=torch.uint8)
     bwd_mask = torch.full(mask_shape, 7, dtype=torch.uint8)
     debug = {"tiles_visited": torch.zeros(64, dtype=torch.int32), "keep_mask": fwd_mask}
-    out, stats = ops.forward(source, q, k, v, dropout_p=0.4, seed=SEED, philox_offset=OFFSET, debug=debug)
-    ops.backward(source, q, k, v, out, stats, dout, dropout_args=ops.dropout_args(0.4, SEED, OFFSET),
-                 debug={"keep_mask": bwd_mask})
+    out, stats = attention_kernels.forward(source, q, k, v, dropout_p=0.4, seed=SEED, philox_offset=OFFSET, debug=debug)
+    attention_kernels.backward(source, q, k, v, out, stats, dout,
+                               dropout_args=attention_kernels.dropout_args(0.4, SEED, OFFSET),
+                               debug={"keep_mask": bwd_mask})
     expected = dropout_keep_mask(SEED, OFFSET, *mask_shape, 0.4).to(torch.uint8)
     visible = torch.ones(shape.seqlen_q, shape.seqlen_k, dtype=torch.bool).tril(shape.seqlen_k - shape.seqlen_q)
     # Kernels draw bits only for tiles they visit; every visible element must match.
@@ -245,8 +246,8 @@ def fallback_variants() -> list[tuple[Spec, str]]:
 
 
 @pytest.mark.parametrize(("spec", "arch"), fallback_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
-def test_fallback_tiles_of_each_arch_family(spec, arch):
-    """Each arch family's fallback tiles (Hopper's 128 x 128 at d=128, three stages at d=64,
+def test_fallback_tiles_of_each_arch_class(spec, arch):
+    """Each arch class's fallback tiles (Hopper's 128 x 128 at d=128, three stages at d=64,
     the 99 KB parts' half-height K/V tiles) on a ragged causal shape with several K/V blocks."""
     run_and_check(spec, Shape(1, 150, 270, heads=2, kv_heads=1))
 

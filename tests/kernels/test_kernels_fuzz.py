@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.emulate import EmulationError
 from fagen.reference import attention_forward, dropout_keep_mask, fa2_backward
@@ -105,7 +105,7 @@ def visible_scores(spec: Spec, shape: Shape) -> int:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def stratified_case(stratum: dict, rng: random.Random) -> tuple[Spec, Shape, str]:
@@ -185,7 +185,7 @@ def test_tiny_problems_meet_the_error_bounds(shape, version, mask, dropout, dtyp
     p = DROPOUT_P if dropout else 0.0
     keep = dropout_keep_mask(SEED, OFFSET, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
                              p) if dropout else None
-    out, stats = ops.forward(source, q, k, v, dropout_p=p, seed=SEED, philox_offset=OFFSET)
+    out, stats = attention_kernels.forward(source, q, k, v, dropout_p=p, seed=SEED, philox_offset=OFFSET)
     flags = dict(causal=spec.causal, dropout_p=p, keep_mask=keep)
     exact, lse = attention_forward(q, k, v, **flags)
     weighted_abs_v, _ = attention_forward(q, k, v.abs(), **flags)
@@ -193,8 +193,8 @@ def test_tiny_problems_meet_the_error_bounds(shape, version, mask, dropout, dtyp
     excess = (out.double() - exact).abs() - bound
     assert excess.max().item() <= 0, f"{spec.name} {shape}: out exceeds its bound by {excess.max().item():.3g}"
 
-    dq, dk, dv = ops.backward(source, q, k, v, out, stats, dout,
-                              dropout_args=ops.dropout_args(p, SEED, OFFSET) if dropout else None)
+    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout,
+                              dropout_args=attention_kernels.dropout_args(p, SEED, OFFSET) if dropout else None)
     # The executable spec of the backward (fagen.reference, float64), fed the kernel's own O.
     expected = fa2_backward(q, k, v, out, dout, lse, spec, dropout_p=p, keep_mask=keep)[:3]
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):

@@ -41,7 +41,7 @@ def test_mla_decoding_is_race_free():
 
 @pytest.fixture(autouse=True)
 def racecheck(monkeypatch):
-    from fagen.kernels import run as attention_kernels
+    from fagen.kernels import attention_kernels
 
     monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")

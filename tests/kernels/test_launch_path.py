@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fagen import cache_files
-from fagen.kernels import run as attention_kernels, compile as compiler, launch
+from fagen.kernels import attention_kernels, compile as compiler, launch
 from fagen.kernels.render import render
 from fagen.arch import SMEM_LIMIT_BYTES, base_arch, smem_limit
 from fagen.spec import Spec

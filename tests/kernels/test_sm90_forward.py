@@ -1,4 +1,4 @@
-"""The sm90 family's forward (templates/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
+"""The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
 warpgroups) rendered from Specs and run by the emulator, then the sm80 family's backward on its O
 and L: against the float64 oracle under FlashAttention-2's rule (kernel_cases.run_and_check), with
 every output buffer poisoned; under the schedules that reorder producer and consumers, with the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fagen.arch_families import sm90_refusal, sm90_tiles
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.spec import Spec
 import kernel_checks as checks
 from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
@@ -32,7 +32,7 @@ SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dt
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fagen.arch_families import Sm90Tiles, sm90_refusal, sm90_tiles
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.arch_families import chosen_decoding_spec
@@ -44,7 +44,7 @@ def _default_first(items, count=1):
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def test_the_geometry_fits_an_sm90_block():

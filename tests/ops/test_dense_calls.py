@@ -40,7 +40,7 @@ def test_a_warm_call_equals_a_fresh_one_forward_and_backward(checks, head_dim):
 
 @pytest.mark.parametrize("kv_heads, version", [(2, 2), (1, 2), (2, 1)], ids=["mha", "gqa", "fa1"])
 def test_a_warm_backward_without_a_gradient_of_l_equals_a_fresh_one(checks, kv_heads, version):
-    """The warm path of a plain call (run.Memo.forward / Memo.backward: kept plans, no gradient of
+    """The warm path of a plain call (attention_kernels.Memo.forward / Memo.backward: kept plans, no gradient of
     L), with GQA's dK and dV summed over each group and FlashAttention-1's statistics, against the
     general path of a call checked afresh."""
     results = []
@@ -121,7 +121,7 @@ def test_calls_with_tensors_of_their_own_are_not_kept(checks):
 def test_one_signature_aligned_then_copied_into_alignment_and_back(checks):
     """Views with one signature (shape, strides, dtype) whose rows start aligned or not: a
     misaligned one reaches the kernels as an aligned copy with other strides (common.aligned_rows),
-    so the call's kept launch plans (run.Memo) must tell them apart. Each call equals the same
+    so the call's kept launch plans (attention_kernels.Memo) must tell them apart. Each call equals the same
     call on contiguous copies, forward and backward, bit for bit."""
     gen = torch.Generator().manual_seed(5)
     base = [torch.randn(1 * 40 * 2 * 72 + 8, generator=gen).half() for _ in range(3)]

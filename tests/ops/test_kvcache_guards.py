@@ -13,8 +13,8 @@ import torch
 
 import fagen
 from fagen.errors import InputError
-from fagen.kernels import run as ops
-from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.kernels import attention_kernels
+from fagen.kernels import kv_kernels
 from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.spec import Spec
@@ -52,10 +52,10 @@ def test_given_a_flag_the_forward_sets_it_and_reads_page_0_for_a_page_outside_th
     in_arena(case)
     spec = kvcache.decode_spec(D, torch.float16, False, 16, {})
     table = bad_index(case, append=False)["block_table"]
-    flag = ops.error_flag(case.q.device)
+    flag = attention_kernels.error_flag(case.q.device)
     keys = case.seqlens.clone()
-    out, lse = kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
-                                    block_table=table, num_splits=2, flag=flag)
+    out, lse = kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys,
+                                           seqlen_k=case.capacity, block_table=table, num_splits=2, flag=flag)
     assert flag.tolist() == [1] and bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse[B - 1]).all())
     with pytest.raises(InputError, match="block_table"):
         kv_kernels.forward_kv_cache(render(spec), case.q, case.k_cache, case.v_cache, keys, seqlen_k=case.capacity,
@@ -66,7 +66,7 @@ def test_a_padded_step_refused_on_a_gpu_leaves_the_callers_cache_before_its_rais
     """On a GPU the raise is asynchronous and the step goes on to copy the appended rows back into
     the caller's (head_dim 59) cache: where the flag is set each row gets its old value back. The
     raise is switched off here to run that path on the CPU."""
-    monkeypatch.setattr(ops, "raise_flagged", lambda flag, message: None)
+    monkeypatch.setattr(attention_kernels, "raise_flagged", lambda flag, message: None)
     case = Case(new=2, head_dim=59, page=16, seed=42)
     before = case.k_cache.clone(), case.v_cache.clone()
     _step(case, cache_seqlens=torch.tensor([37, 0, 127], dtype=torch.int32))
@@ -214,9 +214,9 @@ def test_the_packed_backward_kernels_refuse_too():
     q, k, v = _packed()
     source = render(Spec(D, varlen=True, mask="causal"))
     good, bad = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 9], dtype=torch.int32)
-    out, stats = ops.forward(source, q, k, v, varlen=(good, good, 5, 5))
+    out, stats = attention_kernels.forward(source, q, k, v, varlen=(good, good, 5, 5))
     with pytest.raises(InputError, match="cu_seqlens_q or cu_seqlens_k"):
-        ops.backward(source, q, k, v, out, stats, torch.ones_like(out), varlen=(good, bad, 5, 6))
+        attention_kernels.backward(source, q, k, v, out, stats, torch.ones_like(out), varlen=(good, bad, 5, 6))
 
 
 def test_with_FAGEN_CHECK_VALUES_packed_sequences_keep_their_exact_messages(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.kernels import kv_kernels
 from fagen.kernels.render import render
 from fagen.kernels.compile import compile_source
 from fagen.ops import kvcache

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.kernels import kv_kernels
 from fagen.ops.variant_args import variant_call
 from kvcache_cases import D, Case, check_call
 

@@ -1,5 +1,5 @@
 """Decoding on the sm90 family (issue 29): `flash_attn_with_kvcache` with FAGEN_ARCH_FAMILY=sm90
-runs the Hopper forward (templates/hopper_fwd.cu.j2, hopper_kv_cache.j2) over the cache: a
+runs the Hopper forward (templates/sm90/hopper_fwd.cu.j2, hopper_kv_cache.j2) over the cache: a
 contiguous cache through cache_batch_idx / cache_leftpad, a paged one by TMA boxes (a tile per box
 where the pages hold whole tiles, else a box per 16 keys), split-KV partials merged by the sm80
 family's combine, GQA packing. Each step is checked as the sm80

@@ -17,7 +17,7 @@ import torch
 
 import fagen
 from fagen.kernels import launch
-from fagen.kernels import run as attention_kernels
+from fagen.kernels import attention_kernels
 from kernel_cases import poisoned_empty
 
 B, NQ, H, HK, D = 2, 5, 4, 2, 64

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as attention_kernels
+from fagen.kernels import attention_kernels
 from fagen.ops import autograd, call, common, dense
 from fagen.reference import attention_backward, attention_forward, attention_gradients, attention_same_dtype
 from kernel_cases import poisoned_empty
@@ -193,7 +193,7 @@ def test_heads_and_a_batch_past_the_grid_limit_launch_in_chunks(monkeypatch):
     expected = (whole, *torch.autograd.grad(whole, (q, k, v), dout))
     monkeypatch.setattr(launch, "GRID_YZ_LIMIT", 5)
     monkeypatch.setattr(attention_kernels, "_plans", {})
-    monkeypatch.setattr(dense, "_calls", {})   # and the plans a warm call keeps (run.Memo)
+    monkeypatch.setattr(dense, "_calls", {})   # and the plans a warm call keeps (attention_kernels.Memo)
     real_chunks, counts = launch.grid_chunks, []
 
     def counted(grid, limit=None):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as kernels
+from fagen.kernels import attention_kernels
 
 
 def packed(*shape, dtype=torch.float16, seed=0):
@@ -23,13 +23,13 @@ def packed(*shape, dtype=torch.float16, seed=0):
 def kernel_inputs(monkeypatch):
     """The storage each forward kernel launch reads q, k and v from."""
     seen = []
-    forward = kernels.forward
+    forward = attention_kernels.forward
 
     def spy(source, q, k, v, **kwargs):
         seen.append([t.untyped_storage().data_ptr() for t in (q, k, v)])
         return forward(source, q, k, v, **kwargs)
 
-    monkeypatch.setattr(kernels, "forward", spy)
+    monkeypatch.setattr(attention_kernels, "forward", spy)
     return seen
 
 

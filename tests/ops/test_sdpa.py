@@ -163,10 +163,11 @@ def test_three_and_two_dim_inputs():
 def test_leading_batch_dims_flatten_into_views(monkeypatch):
     """(2, 3, H, N, d): the kernels read query, key and value where they are (no copy), and a
     mask that varies along one leading dim broadcasts over the other, as SDPA's does."""
-    from fagen.kernels import run as kernels
+    from fagen.kernels import attention_kernels
     q, k, v = (t.reshape(2, 3, *t.shape[1:]) for t in inputs(batch=6, heads=4, kv_heads=2, nq=24, nk=32))
-    seen, forward = [], kernels.forward
-    monkeypatch.setattr(kernels, "forward", lambda source, *qkv, **kw: seen.append(qkv) or forward(source, *qkv, **kw))
+    seen, forward = [], attention_kernels.forward
+    monkeypatch.setattr(attention_kernels, "forward",
+                        lambda source, *qkv, **kw: seen.append(qkv) or forward(source, *qkv, **kw))
     mask = torch.rand(3, 1, 24, 32, generator=torch.Generator().manual_seed(2)) > 0.4
     mask[..., 0] = True
     assert check(q, k, v, attn_mask=mask, enable_gqa=True).shape == (2, 3, 4, 24, 32)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from fagen.spec import Spec
@@ -71,9 +71,9 @@ def test_kernels_per_sequence(version, causal, deterministic):
                 dtype="bf16" if causal else "fp16")
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
-    out, stats = ops.forward(source, q, k, v, varlen=varlen)
+    out, stats = attention_kernels.forward(source, q, k, v, varlen=varlen)
     dlse = torch.randn(len(LENGTHS_Q), 4, max(LENGTHS_Q))
-    dq, dk, dv = ops.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
+    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
     lse = stats[0] if version == 2 else stats[0] + torch.log(stats[1])
     check_sequences({"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, q, k, v, dout, dlse, causal)
     assert torch.equal(dk[cu(LENGTHS_K)[1]:cu(LENGTHS_K)[2]], torch.zeros_like(dk[:40]))  # keys nobody queries
@@ -93,9 +93,9 @@ def test_the_sm90_forward_per_sequence(spec):
     q, k, v, dout = packed(dtype, d=spec.head_dim, d_v=spec.head_dim_v or spec.head_dim)
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
-    out, stats = ops.forward(source, q, k, v, varlen=varlen)
+    out, stats = attention_kernels.forward(source, q, k, v, varlen=varlen)
     dlse = torch.randn(len(LENGTHS_Q), 4, max(LENGTHS_Q))
-    dq, dk, dv = ops.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
+    dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
     check_sequences({"out": out, "lse": stats[0], "dq": dq, "dk": dk, "dv": dv}, q, k, v, dout, dlse, spec.causal)
 
 
@@ -106,10 +106,11 @@ def test_dropout_is_keyed_on_each_sequences_own_coordinates(family):
     spec = Spec(64, varlen=True, mask="causal", dropout=True, arch_family=family)
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
-    out, stats = ops.forward(source, q, k, v, varlen=varlen, dropout_p=DROPOUT_P, seed=SEED, philox_offset=OFFSET)
+    out, stats = attention_kernels.forward(source, q, k, v, varlen=varlen, dropout_p=DROPOUT_P, seed=SEED,
+                                           philox_offset=OFFSET)
     dlse = torch.zeros(len(LENGTHS_Q), 4, max(LENGTHS_Q))
-    grads = ops.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse,
-                         dropout_args=ops.dropout_args(DROPOUT_P, SEED, OFFSET))
+    grads = attention_kernels.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse,
+                                       dropout_args=attention_kernels.dropout_args(DROPOUT_P, SEED, OFFSET))
     keep = dropout_keep_mask(SEED, OFFSET, len(LENGTHS_Q), 4, max(LENGTHS_Q), max(LENGTHS_K), DROPOUT_P)
     check_sequences({"out": out, "lse": stats[0], "dq": grads[0], "dk": grads[1], "dv": grads[2]}, q, k, v, dout,
                     dlse, True, keep=keep)
@@ -239,9 +240,9 @@ def test_packed_kernels_are_race_free(spec, monkeypatch):
     source = render(spec)
     varlen = (cu(LENGTHS_Q), cu(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
     drop = dict(dropout_p=DROPOUT_P, seed=SEED, philox_offset=OFFSET) if spec.dropout else {}
-    out, stats = ops.forward(source, q, k, v, varlen=varlen, **drop)
-    ops.backward(source, q, k, v, out, stats, dout, varlen=varlen,
-                 dropout_args=ops.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None)
+    out, stats = attention_kernels.forward(source, q, k, v, varlen=varlen, **drop)
+    attention_kernels.backward(source, q, k, v, out, stats, dout, varlen=varlen,
+                 dropout_args=attention_kernels.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None)
 
 
 def test_packed_names_round_trip():

@@ -4,7 +4,7 @@ output and L against the float64 oracle on that sequence's keys gathered from it
 (FlashAttention-2's rule), with ragged and empty sequences, pages of 16 and 48 rows in a
 shuffled table, causal bottom-right per sequence, GQA, window / softcap / ALiBi, score_mod /
 mask_mod, and the bad inputs. The oracle tests run on both kernel families (FAGEN_ARCH_FAMILY: the
-sm90 forward reads a page's keys by TMA boxes, templates/hopper_kv_cache.j2)."""
+sm90 forward reads a page's keys by TMA boxes, templates/sm90/hopper_kv_cache.j2)."""
 
 import pytest
 import torch

@@ -19,8 +19,8 @@ from unittest import mock
 
 import torch
 
-from fagen.kernels import run as ops
-from fagen.kernels import run_kv_cache as kv_kernels
+from fagen.kernels import attention_kernels
+from fagen.kernels import kv_kernels
 from fagen.kernels.render import Source, render
 from fagen.emulate import EmulationError
 from fagen.spec import Spec
@@ -115,9 +115,10 @@ def run_variant(source: Source, shape: Shape) -> list[torch.Tensor]:
         return run_kv_cache(source, shape)
     q, k, v, dout, seqlens_k = make_inputs(spec, shape)
     p = DROPOUT_P if spec.dropout else 0.0
-    out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED, philox_offset=OFFSET)
-    drop = ops.dropout_args(p, SEED, OFFSET) if spec.dropout else None
-    grads = ops.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop)
+    out, stats = attention_kernels.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
+                                           philox_offset=OFFSET)
+    drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
+    grads = attention_kernels.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop)
     return [out, *stats, *grads]
 
 
@@ -142,7 +143,7 @@ def verdict(mutant: Mutant) -> str | None:
     correct = render(spec)
     code = correct.code[:mutant.start] + "/* deleted by the mutation test */" + correct.code[mutant.end:]
     broken = Source(spec=spec, code=code, kernels=correct.kernels)
-    with mock.patch.object(ops, "_empty", poisoned_empty):
+    with mock.patch.object(attention_kernels, "_empty", poisoned_empty):
         for run in RUNS:
             with mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1", **run}):
                 for shape in SCENARIOS:

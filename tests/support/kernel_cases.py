@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fagen.dtypes import TORCH_DTYPE
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.emulate import assert_written, poison_
 from fagen.reference import (attention_backward, attention_forward, attention_same_dtype,
@@ -61,7 +61,7 @@ class Shape:
 
 
 def poisoned_empty(*shape, dtype, device):
-    """ops._empty for tests: every kernel-written buffer starts as NaN sentinels."""
+    """attention_kernels._empty for tests: every kernel-written buffer starts as NaN sentinels."""
     return poison_(torch.empty(*shape, dtype=dtype, device=device))
 
 
@@ -138,8 +138,8 @@ def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True, device: st
     if spec.deterministic:
         assert_no_atomic_calls(source)
     p = DROPOUT_P if spec.dropout else 0.0
-    out, stats = ops.forward(source, *on[:3], softmax_scale=softmax_scale, seqlens_k=on[4], dropout_p=p,
-                             seed=SEED, philox_offset=OFFSET)
+    out, stats = attention_kernels.forward(source, *on[:3], softmax_scale=softmax_scale, seqlens_k=on[4], dropout_p=p,
+                                           seed=SEED, philox_offset=OFFSET)
     out, stats = out.cpu(), tuple(s.cpu() for s in stats)
     for name, t in (("out", out), *((f"stat{i}", s) for i, s in enumerate(stats))):
         assert_written(t, name)
@@ -155,9 +155,9 @@ def run_and_check(spec: Spec, shape: Shape, *, backward: bool = True, device: st
     lse_error = max_error(lse[finite], ref_lse[finite])
     assert lse_error < 1e-3, f"{spec.name} {shape}: L error {lse_error:.3g} (oracle's logsumexp)"
     if backward:
-        drop = ops.dropout_args(p, SEED, OFFSET) if spec.dropout else None
-        grads = ops.backward(source, *on[:3], out.to(device), tuple(s.to(device) for s in stats), on[3],
-                             softmax_scale=softmax_scale, seqlens_k=on[4], dropout_args=drop)
+        drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
+        grads = attention_kernels.backward(source, *on[:3], out.to(device), tuple(s.to(device) for s in stats), on[3],
+                                           softmax_scale=softmax_scale, seqlens_k=on[4], dropout_args=drop)
         grads = tuple(g.cpu() for g in grads)
         for name, t in zip(("dq", "dk", "dv"), grads):
             assert_written(t, name)

@@ -12,7 +12,7 @@ from unittest import mock
 
 import torch
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import Source, render
 from fagen.spec import Spec
 from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, assert_no_atomic_calls, make_inputs,
@@ -76,7 +76,8 @@ def packed_forward_check(spec: Spec, source: Source | None = None) -> None:
     q = torch.randn(sum(lengths_q), 4, spec.head_dim, generator=gen).to(dtype)
     k, v = (torch.randn(sum(lengths_k), 2, spec.head_dim, generator=gen).to(dtype) for _ in range(2))
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lengths_q, lengths_k))
-    out, stats = ops.forward(source or render(spec), q, k, v, varlen=(cu_q, cu_k, max(lengths_q), max(lengths_k)))
+    out, stats = attention_kernels.forward(source or render(spec), q, k, v,
+                                           varlen=(cu_q, cu_k, max(lengths_q), max(lengths_k)))
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
         if lq == 0:
             continue
@@ -130,13 +131,13 @@ def repeat_check(spec: Spec, source: Source | None = None) -> None:
     opposite orders: a variant that accumulates dq with atomics fails it every time."""
     source = render(spec) if source is None else source
     q, k, v, dout, _ = make_inputs(spec, REPEAT_SHAPE)
-    drop = ops.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None
-    out, stats = ops.forward(source, q, k, v, dropout_p=DROPOUT_P if spec.dropout else 0.0, seed=SEED,
-                             philox_offset=OFFSET)
+    drop = attention_kernels.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None
+    out, stats = attention_kernels.forward(source, q, k, v, dropout_p=DROPOUT_P if spec.dropout else 0.0, seed=SEED,
+                                           philox_offset=OFFSET)
     runs = []
     for run in REPEAT_RUNS:
         with mock.patch.dict(os.environ, run):
-            runs.append(ops.backward(source, q, k, v, out, stats, dout, dropout_args=drop))
+            runs.append(attention_kernels.backward(source, q, k, v, out, stats, dout, dropout_args=drop))
     for run, grads in zip(REPEAT_RUNS[1:], runs[1:]):
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
             assert torch.equal(first.view(torch.int16), again.view(torch.int16)), (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 from unittest import mock
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import Source, include_dir, render
 from fagen.emulate import EmulationError
 from fagen.arch_families import chosen_decoding_spec
@@ -66,7 +66,8 @@ class KernelMutant:
 def killed_by(mutant: KernelMutant) -> str | None:
     """The first check that fails on the mutant (its name and the failure), or None."""
     source = mutant.source()
-    with mock.patch.object(ops, "_empty", poisoned_empty), mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+    with mock.patch.object(attention_kernels, "_empty", poisoned_empty), \
+            mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
         for check in mutant.checks:
             try:
                 check(mutant.spec, source)
@@ -252,7 +253,7 @@ MUTANTS += [
                        "if (col < kHeadDimV - 8)\n            *reinterpret_cast<float2*>(o_partial"),),
                  (checks.kv_cache_check,)),
 ]
-# The sm90 family's forward (templates/hopper_fwd.cu.j2): its pipeline's barriers and its registers' layouts.
+# The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2): its pipeline's barriers and its registers' layouts.
 SM90 = Spec(64, dtype="fp16", arch_family="sm90")
 FULL_WAIT = "    fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(j / kStages) & 1);\n"
 MUTANTS += [KernelMutant(f"sm90: {name}", SM90, (Edit(old, new),), (checks.sm90_pipeline_check,))
@@ -303,7 +304,7 @@ MUTANTS.append(KernelMutant("sm90: a mask_mod's tiles taken as full", _documents
                             (Edit("fagen_variant::kFullTile;\n  }", "fagen_variant::kFullTile && false;\n  }"),),
                             (checks.variant_check,)))
 
-# Decoding on the sm90 family (templates/hopper_kv_cache.j2): where a tile's keys lie in the cache,
+# Decoding on the sm90 family (templates/sm90/hopper_kv_cache.j2): where a tile's keys lie in the cache,
 # the splits, and packed rows' diagonal: 128-key tiles, from pages of 48 rows (a box per 16 keys),
 # over entries of up to 94 keys (kv_cache_check) or of 450 and 300 (long_cache_check).
 SM90_PAGED = chosen_decoding_spec(DECODE_PAGED, "sm90", None)

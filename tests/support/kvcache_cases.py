@@ -273,7 +273,7 @@ def packed_guard_check(spec, source=None) -> None:
     from unittest import mock
 
     from fagen.errors import InputError
-    from fagen.kernels import run as ops
+    from fagen.kernels import attention_kernels
     from fagen.kernels.render import render
 
     source = render(spec) if source is None else source
@@ -289,12 +289,13 @@ def packed_guard_check(spec, source=None) -> None:
         raise AssertionError(f"{what}: cu_seqlens past the packed rows were not refused")
 
     with mock.patch.dict(os.environ, {"FAGEN_EMULATE_CHECKED": "1"}):
-        refused("forward, cu_seqlens_q", lambda: ops.forward(source, q, k, v, varlen=(bad, good, 6, 5)))
-        refused("forward, cu_seqlens_k", lambda: ops.forward(source, q, k, v, varlen=(good, bad, 5, 6)))
+        refused("forward, cu_seqlens_q", lambda: attention_kernels.forward(source, q, k, v, varlen=(bad, good, 6, 5)))
+        refused("forward, cu_seqlens_k", lambda: attention_kernels.forward(source, q, k, v, varlen=(good, bad, 5, 6)))
         if source.kernels.bwd_main is not None:
-            out, stats = ops.forward(source, q, k, v, varlen=(good, good, 5, 5))
-            refused("backward, cu_seqlens_k", lambda: ops.backward(source, q, k, v, out, stats, torch.ones_like(out),
-                                                                   varlen=(good, bad, 5, 6)))
+            out, stats = attention_kernels.forward(source, q, k, v, varlen=(good, good, 5, 5))
+            refused("backward, cu_seqlens_k",
+                    lambda: attention_kernels.backward(source, q, k, v, out, stats, torch.ones_like(out),
+                                                       varlen=(good, bad, 5, 6)))
 
 
 # -- a block table's width (issue 42): an entry's keys past the pages its row lists -------------
@@ -338,12 +339,12 @@ def column_of_two(table: torch.Tensor, strided: bool) -> torch.Tensor:
 
 
 def forward_past_the_table(spec, source, strided: bool = True) -> None:
-    """The forward alone (run_kv_cache.forward_kv_cache: no host check of the table's width) over
+    """The forward alone (kv_kernels.forward_kv_cache: no host check of the table's width) over
     a one-column table of pages of 48, told of more keys than the table holds (two pages: a
     decoding step's seqlen_k, packed sequences' max_seqlen_k): the last entry's 49 keys must be
     refused by the guard of the table's width (max_pages). A packed spec with a window takes
     paged_varlen_check's variant (window, softcap and ALiBi)."""
-    from fagen.kernels import run_kv_cache as kv_kernels
+    from fagen.kernels import kv_kernels
 
     case = one_column(48, seed=47)
     table, seqlens, told = column_of_two(case.block_table, strided), table_seqlens(case, 1), 2 * case.capacity

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fagen.kernels import run as ops
+from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype, dropout_keep_mask
 from fagen.spec import Spec
@@ -36,8 +36,8 @@ def run_variant_case(base: Spec, shape: Shape, variant: dict, *, captures=(), le
         source = render(spec, debug=debug is not None)
     assert source.spec == spec, f"the source is {source.spec.name}'s, the case {spec.name}'s"
     p = DROPOUT_P if spec.dropout else 0.0
-    out, stats = ops.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED, philox_offset=OFFSET,
-                             variant=call.values, debug=debug)
+    out, stats = attention_kernels.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
+                                           philox_offset=OFFSET, variant=call.values, debug=debug)
     keep = dropout_keep_mask(SEED, OFFSET, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, p) \
         if spec.dropout else None
     kwargs = dict(causal=spec.causal, seqlens_k=seqlens_k, dropout_p=p, keep_mask=keep, **variant)
@@ -54,9 +54,9 @@ def run_variant_case(base: Spec, shape: Shape, variant: dict, *, captures=(), le
     errors = {"out": (max_error(out, ref["out"]), max_error(pt_out, ref["out"]))}
     if backward:
         extras: dict = {}
-        drop = ops.dropout_args(p, SEED, OFFSET) if spec.dropout else None
-        grads = ops.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop,
-                             variant=call.values, dlse=dlse, extras=extras)
+        drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
+        grads = attention_kernels.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop,
+                                           variant=call.values, dlse=dlse, extras=extras)
         for name, got, pt in zip(("dq", "dk", "dv"), grads, (pt_dq, pt_dk, pt_dv)):
             errors[name] = (max_error(got, ref[name]), max_error(pt, ref[name]))
         if spec.sinks:

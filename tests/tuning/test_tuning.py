@@ -17,7 +17,8 @@ from fagen.tuning import (DeviceIdentity, DeviceLimits, ReferenceCheck, ShapeBuc
                             TuningError, add_tune_parser, candidates, cmd_tune, fallback_spec, fallback_tiles,
                             lookup, prune, tune)
 from fagen.tuning import cache as tune_cache
-from fagen.tuning.fallback import ARCH_FAMILIES, FALLBACK_OVERRIDES, arch_family, head_dim_bucket
+from fagen.tuning.fallback import (ARCH_CLASSES, FALLBACK_OVERRIDES, SMEM_99K, SMEM_163K, SMEM_227K, arch_class,
+                                   head_dim_bucket)
 from fagen.tuning.measure import CHECK_DROPOUT_P, rotation_sets
 from fagen.tuning.space import ProgressLine, compile_all, nvrtc_resources
 from fagen.kernels.render import kernel_entries
@@ -83,7 +84,7 @@ def test_candidates_cover_the_legal_grid_and_start_with_the_fallback(head_dim, a
     if arch == "sm_90":   # one more: the sm90 family's forward, the fallback's tiles for the backward
         assert found[-1] == found[0].replace(arch_family="sm90")
         found = found[:-1]
-    assert {s.family for s in found} == {base.family}
+    assert {s.base_name for s in found} == {base.base_name}
     legal = set()
     for tiles in autotune.DEFAULT_GRID.combinations():
         try:
@@ -344,7 +345,7 @@ def test_cache_file_holds_the_key_and_the_winner(cache):
     assert path.name == f"fa2_d64_causal_bf16.q4096_k4096_bh16.{FAKE_GPU.digest}.json"
     data = json.loads(path.read_text())
     assert data["key"] == {"gpu": FAKE_GPU.name, "arch": "sm_90", "driver": FAKE_GPU.driver,
-                           "nvrtc": FAKE_GPU.nvrtc, "family": base.family,
+                           "nvrtc": FAKE_GPU.nvrtc, "family": base.base_name,
                            "bucket": {"seqlen_q": 4096, "seqlen_k": 4096, "batch_heads": 16}}
     assert data["tiles"] == result.winner.tiles and result.winner.block_m == 128
     assert data["shape"] == {"batch": 2, "heads": 8, "seqlen_q": 3000, "seqlen_k": 3000}
@@ -420,7 +421,7 @@ def _store_in_child(cache_dir, barrier, identity_name, block_n):
 
     def entry(name, seqlen):
         return child_cache.TuneEntry(
-            identity=ChildIdentity(name, "sm_90", "555.42.06", "12.9"), family="fa2_d64_fp16",
+            identity=ChildIdentity(name, "sm_90", "555.42.06", "12.9"), base_name="fa2_d64_fp16",
             bucket=child_cache.ShapeBucket.of(seqlen_q=seqlen), median_ms=1.0,
             tiles={"block_m": 128, "block_n": block_n, "num_warps": 4, "num_stages": 2})
 
@@ -467,7 +468,7 @@ def test_show_and_clear(cache):
 
 def test_fallback_tiles_fit_every_arch_and_head_dim():
     """Forward and backward: an untuned spec trains on every arch fagen lists."""
-    for arch, version, head_dim in itertools.product(ARCH_FAMILIES, (1, 2), range(8, 513, 8)):
+    for arch, version, head_dim in itertools.product(ARCH_CLASSES, (1, 2), range(8, 513, 8)):
         if version == 1 and head_dim > 256:   # FlashAttention-1 stops at 256
             continue
         for deterministic in (False, True):
@@ -495,7 +496,7 @@ def test_tuned_entries_and_candidates_get_a_backward_that_fits(cache):
     identity = DeviceIdentity(name="GeForce test", arch="sm_89", driver="1", nvrtc="12.9")
     base = Spec(128, mask="causal")
     bucket = ShapeBucket.of(seqlen_q=1024)
-    entry = TuneEntry(identity=identity, family=base.family, bucket=bucket,
+    entry = TuneEntry(identity=identity, base_name=base.base_name, bucket=bucket,
                       tiles={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
                       median_ms=1.0, fallback_ms=2.0)
     tune_cache.INDEX.store(entry)
@@ -507,10 +508,10 @@ def test_tuned_entries_and_candidates_get_a_backward_that_fits(cache):
 def test_fallback_table_entries_are_used_as_written():
     """No override is silently replaced by the base: each one is legal for its whole bucket."""
     archs_of = {}
-    for arch, family in ARCH_FAMILIES.items():
-        archs_of.setdefault(family, []).append(arch)
-    for (family, bucket), overrides in FALLBACK_OVERRIDES.items():
-        for arch, version in itertools.product(archs_of[family], (1, 2)):
+    for arch, arch_class_ in ARCH_CLASSES.items():
+        archs_of.setdefault(arch_class_, []).append(arch)
+    for (arch_class_, bucket), overrides in FALLBACK_OVERRIDES.items():
+        for arch, version in itertools.product(archs_of[arch_class_], (1, 2)):
             for head_dim in (d for d in range(8, 513, 8) if head_dim_bucket(d) == bucket):
                 if version == 1 and head_dim > 256:
                     continue
@@ -521,11 +522,11 @@ def test_fallback_table_entries_are_used_as_written():
 def test_fallback_is_the_base_on_sm80_and_places_unknown_archs_by_shared_memory():
     for head_dim, version in itertools.product(range(8, 513, 8), (1, 2)):
         assert fallback_tiles(head_dim, version, "sm_80") == default_tiles(head_dim, version)
-    assert arch_family("sm_75", 65536) == "sm86"
-    assert arch_family("sm_107", 232448) == "sm90"   # NVRTC 13 knows sm_107; the guide gives no limit
-    assert arch_family("sm_130", 166912) == "sm80"
-    assert arch_family("sm_88") == "sm86" and arch_family("sm_103") == "sm90"   # listed archs
-    assert arch_family("sm_100a") == arch_family("sm_100f") == "sm90"          # arch-specific forms
+    assert arch_class("sm_75", 65536) == SMEM_99K
+    assert arch_class("sm_107", 232448) == SMEM_227K   # NVRTC 13 knows sm_107; the guide gives no limit
+    assert arch_class("sm_130", 166912) == SMEM_163K
+    assert arch_class("sm_88") == SMEM_99K and arch_class("sm_103") == SMEM_227K   # listed archs
+    assert arch_class("sm_100a") == arch_class("sm_100f") == SMEM_227K          # arch-specific forms
 
 
 # -- fagen tune ----------------------------------------------------------------

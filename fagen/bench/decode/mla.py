@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...arch_families import SM90
 from ..measure import torch_attention, torch_dtype
 from ..peers import FlexSystem, NotAvailable, failure_reason, in_family, is_out_of_memory, sm90_unavailable
 from .config import MLA_DIM, MLA_DIM_V, DecodeConfig
 
 PAGE = 64   # FlashMLA's page size
-FAGEN_FAMILIES = {"fagen_mla": "", "fagen_sm90_mla": "sm90"}   # fagen's systems, and their kernel family
+FAGEN_FAMILIES = {"fagen_mla": "", "fagen_sm90_mla": SM90.name}   # fagen's systems, and their kernel family
 
 
 @dataclass
@@ -76,7 +77,7 @@ def mla_step(name: str, inputs: MlaInputs, flex: FlexSystem | None = None):
 
 def unavailable(name: str) -> str | None:
     """Why system `name` cannot run on this device, or None."""
-    return sm90_unavailable() if FAGEN_FAMILIES.get(name) == "sm90" else None
+    return sm90_unavailable() if FAGEN_FAMILIES.get(name) == SM90.name else None
 
 
 def measure_mla(name: str, inputs: MlaInputs, config: DecodeConfig, timer, timer_kwargs, *, batch: int) -> dict:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ...arch_families import SM90
 from ..measure import GUARD_REASON, context_lost, free_memory, measure_system
 from ..peers import failure_reason
 from ..timing import Deadline, Timing, measure_copy_bandwidth, time_cuda
@@ -77,8 +78,8 @@ def default_factories() -> dict[str, Callable[[], object]]:
     """Per system name, a function making the system (varlen ones get their Documents later)."""
     factories: dict[str, Callable[[], object]] = {
         "fagen": lambda: FagenDecode(paged=False), "fagen_paged": lambda: FagenDecode(paged=True),
-        "fagen_sm90": lambda: FagenDecode(paged=False, family="sm90"),
-        "fagen_sm90_paged": lambda: FagenDecode(paged=True, family="sm90"),
+        "fagen_sm90": lambda: FagenDecode(paged=False, family=SM90.name),
+        "fagen_sm90_paged": lambda: FagenDecode(paged=True, family=SM90.name),
         "flex": FlexDecode, "fagen_varlen": FagenVarlen, "fagen_padded": FagenPadded, "sdpa_padded": SdpaPadded}
     for name in ("sdpa_math", "sdpa_efficient", "sdpa_flash"):
         factories[name] = lambda name=name: SdpaDecode(name)

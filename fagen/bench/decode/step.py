@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...arch_families import SM90
 from ..measure import context_lost, torch_attention, torch_dtype
 from ..peers import (SDPA_BACKENDS, FlexSystem, NotAvailable, failure_reason, in_family, is_out_of_memory,
                      sm90_unavailable)
@@ -86,7 +87,7 @@ class DecodeSystem:
 
 
 class FagenDecode(DecodeSystem):
-    """flash_attn_with_kvcache on the contiguous cache or the paged one; with `family` "sm90", on
+    """flash_attn_with_kvcache on the contiguous cache or the paged one; with `family` sm90 (arch_families.SM90), on
     the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each step; compute capability 9.0 only)."""
 
     def __init__(self, paged: bool, family: str = ""):
@@ -98,7 +99,7 @@ class FagenDecode(DecodeSystem):
             fagen_decode_functions()
         except Exception as exc:  # noqa: BLE001 - report any import failure
             return f"cannot import fagen's decode functions: {type(exc).__name__}: {exc}"
-        return sm90_unavailable() if self.family == "sm90" else None
+        return sm90_unavailable() if self.family == SM90.name else None
 
     def prepare(self, inputs, config):
         decode = fagen_decode_functions()[0]

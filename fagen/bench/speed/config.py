@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...arch_families import SM90
 # Every system the speed sweep knows, in table order. fagen first, then the
 # peers (PyTorch's scaled_dot_product_attention pinned to one backend each,
 # then FlexAttention). fagen_sm90 is fagen v2's forward on the Hopper family
@@ -41,7 +42,7 @@ SYSTEM_LABELS = {
 # Column headings of the printed table (kept narrow so the whole table fits in
 # the last 12,000 characters of output the device tool returns).
 SYSTEM_SHORT = {
-    "fagen_v2": "v2", "fagen_sm90": "sm90", "fagen_v1": "v1", "sdpa_flash": "flsh", "sdpa_cudnn": "cdnn",
+    "fagen_v2": "v2", "fagen_sm90": SM90.name, "fagen_v1": "v1", "sdpa_flash": "flsh", "sdpa_cudnn": "cdnn",
     "sdpa_efficient": "eff", "sdpa_math": "math", "flex": "flex",
 }
 # The short table's column headings: at most 3 characters, as its columns are 4 wide (the full

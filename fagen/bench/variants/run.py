@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...arch_families import SM90
 from ..measure import FLEX_FIRST_COMPILE_S, GUARD_REASON, add_gradient_errors, context_lost, make_inputs, measure_system
 from ..peers import FagenSystem, FlexSystem, NotAvailable, SdpaSystem, System, failure_reason
 from ..sizes import short_seqlen
@@ -198,7 +199,7 @@ def make_case(name: str, config: VariantsConfig, *, batch: int, seqlen: int, hea
 # -- the systems ---------------------------------------------------------------------------
 
 class FagenVariant(FagenSystem):
-    """fagen v2 with the case's variant; with `family` "sm90", its forward on the Hopper family
+    """fagen v2 with the case's variant; with `family` sm90 (arch_families.SM90), its forward on the Hopper family
     (FagenSystem's: FAGEN_ARCH_FAMILY around each call, compute capability 9.0 only)."""
 
     def __init__(self, case: VariantCase, family: str = ""):
@@ -248,7 +249,7 @@ class Renamed(System):
 def default_factories() -> dict[str, Callable]:
     """Per system: a function of the case (None for the no-mod peers) giving the System."""
     shared_flex = FlexSystem()
-    return {"fagen_v2": lambda case: FagenVariant(case), "fagen_sm90": lambda case: FagenVariant(case, "sm90"),
+    return {"fagen_v2": lambda case: FagenVariant(case), "fagen_sm90": lambda case: FagenVariant(case, SM90.name),
             "flex": lambda case: FlexVariant(case, shared_flex),
             "sdpa_flash": lambda case: SdpaSystem("sdpa_flash"),
             "fagen_v2_nomod": lambda case: Renamed(FagenSystem(2), "fagen_v2_nomod")}

@@ -509,5 +509,5 @@ def _backward_plan(source: Source, q, k, v, out, dout, softmax_scale, drop, vari
     values.update(debug or {})
     loaded = launch.load(source, device)
     launches = [loaded.bind(entry, entry.grid(batch, heads, seqlen_q, seqlen_k), values, PER_CALL_SCALARS)
-                for entry in (kernels.bwd_preprocess, kernels.bwd_main, kernels.bwd_dq or kernels.bwd_dq_convert)]
+                for entry in kernels.backward]
     return Plan(launches, buffers, results=("dq", dk_name, dv_name), fixed=unused_ones, group=heads // kv_heads)

@@ -7,10 +7,10 @@ plan, `fagen.ops.kvcache.StepPlan`) can bind once and then only pass tensors:
   - `bind_*`: the bound launches (`launch.BoundLaunch`: every scalar and stride converted once)
     for tensors of those shapes and strides;
   - `update_kv_cache` / `forward_kv_cache`: both, for one call, with the launches memoized per
-    call signature in `run`'s plans.
+    call signature in `attention_kernels`' plans.
 Inputs are assumed valid; `fagen.ops` checks them. The index values (cache_seqlens,
 cache_batch_idx, cache_leftpad, block tables) are checked by the kernels' guards, which set
-the error flag (`run.error_flag`) that the caller raises from lazily.
+the error flag (`attention_kernels.error_flag`) that the caller raises from lazily.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import launch, run
+from . import attention_kernels, launch
 from .render import Source
 
 DECODE_REFUSED = ("an index value is out of range in cache_seqlens, cache_batch_idx, cache_leftpad or block_table "
@@ -29,10 +29,10 @@ DECODE_REFUSED = ("an index value is out of range in cache_seqlens, cache_batch_
 
 def _flagged(tensors: dict, flag, device) -> None:
     """A decoding launch's error flag: the caller's (one flag for a whole step, raised by the
-    caller after its last launch), else its own, raised by `run.launch_planned` after the launch."""
+    caller after its last launch), else its own, raised by `attention_kernels.launch_planned` after the launch."""
     if flag is None:
-        flag = run.error_flag(device)
-        tensors[run.REFUSAL] = DECODE_REFUSED
+        flag = attention_kernels.error_flag(device)
+        tensors[attention_kernels.REFUSAL] = DECODE_REFUSED
     tensors["error_flag"] = flag
 
 
@@ -50,7 +50,7 @@ def _cache_rows(tensors: dict, cache_rows, block_table) -> None:
 def cache_update_arguments(q, q_rot, k_new, v_new, k_cache, v_cache, cache_seqlens, rotary_cos, rotary_sin, flag, *,
                            cache_rows=None, block_table=None) -> dict:
     """The cache update kernel's tensors: without rotary, q_rot is q and the tables are
-    0-element (`run.unused`)."""
+    0-element (`attention_kernels.unused`)."""
     tensors = {"q": q, "k_new": k_new, "v_new": v_new, "q_rot": q_rot, "k_cache": k_cache, "v_cache": v_cache,
                "cache_seqlens": cache_seqlens, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
                "error_flag": flag}
@@ -64,13 +64,15 @@ def bind_cache_update(source: Source, tensors: dict, *, interleaved: bool,
     per (token, head, batch entry)."""
     q, k_new, k_cache, block_table = tensors["q"], tensors["k_new"], tensors["k_cache"], tensors.get("block_table")
     batch, seqlen_q, heads, _ = q.shape
-    rotary_dim = 2 * tensors["rotary_cos"].shape[1] if tensors["rotary_cos"].dim() == 2 else 0   # else run.unused
+    # Without rotary its tables are attention_kernels.unused: 0 elements.
+    rotary_dim = 2 * tensors["rotary_cos"].shape[1] if tensors["rotary_cos"].dim() == 2 else 0
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     values = {**tensors, "rotary_dim": rotary_dim, "rotary_interleaved": int(interleaved),
               "q_positions_step": int(q_positions_step), "new_tokens": k_new.shape[1], "seqlen_q": seqlen_q,
               "heads": heads, "kv_heads": k_cache.shape[2], "batch_size": batch, "capacity": capacity,
               "cache_entries": k_cache.shape[0]}
-    run.strides_of(values, q=q, kn=k_new, vn=tensors["v_new"], qr=tensors["q_rot"], k=k_cache, v=tensors["v_cache"])
+    attention_kernels.strides_of(values, q=q, kn=k_new, vn=tensors["v_new"], qr=tensors["q_rot"], k=k_cache,
+                                 v=tensors["v_cache"])
     if block_table is not None:
         values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1])
     tokens = max(k_new.shape[1], seqlen_q if rotary_dim else 0)
@@ -88,10 +90,10 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
     before any is written: one value out of range refuses the whole append and sets `flag`
     (as forward_kv_cache's)."""
     cos, sin, interleaved = rotary or (None, None, False)
-    q_rot = q if rotary is None else run.new_output(q)
+    q_rot = q if rotary is None else attention_kernels.new_output(q)
     if block_table is None and cache_start is None:
         cache_start = torch.zeros_like(cache_seqlens)
-    nothing = run.unused(q.device, q.dtype)
+    nothing = attention_kernels.unused(q.device, q.dtype)
     tensors = cache_update_arguments(q, q_rot, k_new, v_new, k_cache, v_cache, cache_seqlens,
                                      nothing if cos is None else cos, nothing if sin is None else sin, None,
                                      cache_rows=(cache_batch, cache_start), block_table=block_table)
@@ -103,7 +105,7 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
                 None if cos is None else cos.shape, interleaved, q_positions_step,
                 None if block_table is None else block_table.shape)
 
-    run.launch_planned(key, lambda: bind_cache_update(source, tensors, interleaved=interleaved,
+    attention_kernels.launch_planned(key, lambda: bind_cache_update(source, tensors, interleaved=interleaved,
                                             q_positions_step=q_positions_step), tensors, None)
     # The kernel wrote the caches through raw pointers: bump their version counters as torch's
     # own in-place ops do, so that autograd refuses a backward that saved their old values.
@@ -116,7 +118,7 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
 def kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k, o_partial, lse_partial, flag, *, cache_rows=None,
                        block_table=None, variant_tensors=None) -> dict:
     """The attention kernel's tensors (the combine kernel takes the same names); `flag` None:
-    the caller adds one (`_flagged`, or packed sequences' own in `run.packed_sequences`)."""
+    the caller adds one (`_flagged`, or packed sequences' own in `attention_kernels.packed_sequences`)."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
                "o_partial": o_partial, "lse_partial": lse_partial}
     if flag is not None:
@@ -131,10 +133,10 @@ def partials(q, heads: int, seqlen_q: int, num_splits: int, head_dim_v: int) -> 
     """Split-KV's fp32 partial O (B, H, Nq, splits, d_v) and L (B, H, Nq, splits); an unsplit
     launch never touches them (0-element stand-ins)."""
     if num_splits == 1:
-        return run.unused(q.device), run.unused(q.device)
+        return attention_kernels.unused(q.device), attention_kernels.unused(q.device)
     f32 = {"dtype": torch.float32, "device": q.device}
-    return (run.new_buffer(q.shape[0], heads, seqlen_q, num_splits, head_dim_v, **f32),
-            run.new_buffer(q.shape[0], heads, seqlen_q, num_splits, **f32))
+    return (attention_kernels.new_buffer(q.shape[0], heads, seqlen_q, num_splits, head_dim_v, **f32),
+            attention_kernels.new_buffer(q.shape[0], heads, seqlen_q, num_splits, **f32))
 
 
 def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, heads: int, seqlen_k: int,
@@ -145,13 +147,13 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
     q, out = (tensors[name + "_packed"] if name + "_packed" in tensors else tensors[name] for name in ("q", "out"))
     k_cache, v_cache, block_table = tensors["k_cache"], tensors["v_cache"], tensors.get("block_table")
     values = {**tensors, **scalars, "heads": heads, "kv_heads": k_cache.shape[2], "seqlen_q": seqlen_q,
-              "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * run.LOG2E,
+              "seqlen_k": seqlen_k, "softmax_scale": scale, "softmax_scale_log2": scale * attention_kernels.LOG2E,
               "num_splits": num_splits, "new_tokens": new_tokens, "cache_entries": k_cache.shape[0],
               "k_cache_stride_b": k_cache.stride(0),
               "v_cache_stride_b": v_cache.stride(0)}
     if pack_group is not None:
         values["pack_group"] = pack_group
-    run.strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
+    attention_kernels.strides_of(values, q=q, k=k_cache, v=v_cache, o=out)
     values.update(k_stride_b=0, v_stride_b=0)   # each entry's keys come from cache_views
     if block_table is not None:   # max_pages from the table itself: the guard's bound on an entry's pages
         values.update(block_table_stride=block_table.stride(0), page_size=k_cache.shape[1],
@@ -159,7 +161,7 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
     loaded, entries = launch.load(source, q.device), source.kernels
     blocks = -(-seqlen_q // entries.forward.rows_per_block)
     plan = [loaded.bind(entries.forward, (blocks * num_splits * entries.forward.slices, heads, batch), values,
-                        run.PER_CALL_SCALARS)]
+                        attention_kernels.PER_CALL_SCALARS)]
     if num_splits > 1:
         plan.append(loaded.bind(entries.combine, entries.combine.grid(batch, heads, seqlen_q), values))
     return plan
@@ -180,25 +182,27 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     H, d), the cache paged, seqlens_k unused and L (B, H, max_seqlen_q) slots; no splits.
     A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
     The guards refuse index values that reach outside the cache and set `flag` (int32 (1,),
-    `run.error_flag`); without one the call makes its own and raises from it (`run.raise_flagged`).
+    `attention_kernels.error_flag`); without one the call makes its own and raises from it
+    (`attention_kernels.raise_flagged`).
     """
-    batch, seqlen_q, heads, head_dim = run.geometry(q, q, varlen)[:4]
+    batch, seqlen_q, heads, head_dim = attention_kernels.geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
     head_dim_v = v_cache.shape[-1]
-    out = run.new_buffer(*q.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)   # d_v columns
-    lse = run.new_buffer(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    variant_tensors, variant_scalars = run.split_variant(source.spec, variant, scale)
+    out = attention_kernels.new_buffer(*q.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)   # d_v columns
+    lse = attention_kernels.new_buffer(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    variant_tensors, variant_scalars = attention_kernels.split_variant(source.spec, variant, scale)
     tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k,
                                  *partials(q, heads, seqlen_q, num_splits, head_dim_v),
                                  None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors)
-    if varlen is None or flag is not None:   # else run.packed_sequences makes it, naming cu_seqlens in its message
+    # Else attention_kernels.packed_sequences makes it, naming cu_seqlens in its message.
+    if varlen is None or flag is not None:
         _flagged(tensors, flag, q.device)
-    varlen_scalars = run.packed_sequences(tensors, varlen)
+    varlen_scalars = attention_kernels.packed_sequences(tensors, varlen)
 
     def key():
         return ("kvcache", source.hash, launch.backend_key(q.device), q.shape, k_cache.shape, q.stride(),
                 k_cache.stride(), v_cache.stride(), scale, num_splits, new_tokens, seqlen_k, variant_scalars,
-                None if block_table is None else block_table.shape, run.varlen_key(varlen),
+                None if block_table is None else block_table.shape, attention_kernels.varlen_key(varlen),
                 pack_group)
 
     def bind():
@@ -206,5 +210,5 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
                              scale=scale, num_splits=num_splits, pack_group=pack_group, new_tokens=new_tokens,
                              scalars={**dict(variant_scalars), **varlen_scalars})
 
-    run.launch_planned(key, bind, tensors, None)
+    attention_kernels.launch_planned(key, bind, tensors, None)
     return out, lse
