@@ -19,6 +19,7 @@ from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
 
 from ..spec import Spec
+from .builtins import kernel_params
 from .compose import (ALIBI_DISTANCE, ALIBI_SLOPES, KEYS, SEQLEN_Q, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT,
                       VariantMath, variant_math)
 from .language import B, H, KV_IDX, Q_IDX, SCORE
@@ -195,8 +196,9 @@ def _comment(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class VariantCode:
-    """What render hands the templates."""
+class DeviceFunctions:
+    """A variant's device functions and what the templates need to know of them (render hands
+    them to the templates as `variant`; formerly VariantCode)."""
 
     block: str                  # the device functions (namespace fagen_variant)
     params: tuple               # (name, ctype, kind) kernel parameters, every kernel with a Context
@@ -252,15 +254,7 @@ def summary_ctype(math: VariantMath, capture: str) -> str:
 
 
 def _params(spec: Spec, math: VariantMath):
-    params = []
-    if spec.sinks:
-        params.append(("sinks", "const float* __restrict__", "tensor"))
-    if spec.softcap:   # c, and what params.variant_arguments derives: 1 / c, tau / c, c log2(e)
-        params += [(name, "float", "float32") for name in ("softcap", "softcap_inv", "softcap_scale", "softcap_log2")]
-    if spec.window:
-        params += [("window_left", "int", "int32"), ("window_right", "int", "int32")]
-    if spec.alibi:
-        params += [("alibi_slopes", "const float* __restrict__", "tensor"), ("alibi_stride_b", "long long", "int64")]
+    params = kernel_params(spec)   # the built-ins' (builtins.BUILTINS), then the mods'
     # The mods' lifted numbers (closure / global constants): arguments, never part of the kernel.
     params += [(name, "float" if kind == "float" else "int", "float32" if kind == "float" else "int32")
                for name, kind in math.params]
@@ -513,7 +507,7 @@ def _group_functions(math: VariantMath) -> list[str]:
 
 
 @lru_cache(maxsize=256)
-def variant_code(spec: Spec) -> VariantCode | None:
+def variant_code(spec: Spec) -> DeviceFunctions | None:
     """The device functions of `spec`'s variant; None for plain attention (no mods)."""
     if not spec.has_mods:
         return None
@@ -536,8 +530,8 @@ def variant_code(spec: Spec) -> VariantCode | None:
         if spec.pack_gqa:
             lines += _group_functions(math)
     lines += ["}  // namespace fagen_variant"]
-    return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
-                       summaries=bool(summaries(math.mask)), scores=math.score != SCORE, capped=capped(math),
-                       alibi_alone=math.score == ALIBI_SCORE,
-                       mask_loads=any(c.name.startswith("mask_") for c in math.captures),
-                       score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)
+    return DeviceFunctions(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
+                           summaries=bool(summaries(math.mask)), scores=math.score != SCORE, capped=capped(math),
+                           alibi_alone=math.score == ALIBI_SCORE,
+                           mask_loads=any(c.name.startswith("mask_") for c in math.captures),
+                           score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)
