@@ -19,7 +19,7 @@ from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
 
 from ..spec import Spec
-from .builtins import kernel_params
+from .builtins import ALIBI, kernel_params
 from .compose import (ALIBI_DISTANCE, ALIBI_SLOPES, KEYS, SEQLEN_Q, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT,
                       VariantMath, variant_math)
 from .language import B, H, KV_IDX, Q_IDX, SCORE
@@ -30,8 +30,8 @@ CAPTURE_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfl
                   "int64": "long long", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
                   "bool": "bool"}
 NAMES = {SCORE: "score", B: "b", H: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SEQLEN_Q: "ctx.seqlen_q",
-         KEYS: "ctx.keys", SOFTCAP: "ctx.softcap", WINDOW_LEFT: "ctx.window_left",
-         WINDOW_RIGHT: "ctx.window_right", Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
+         KEYS: "ctx.keys", **{value: f"ctx.{value.name}" for value in (SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT)},
+         Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
 
 
 PARAM_NAME = re.compile(r"(score|mask)_par\d+")   # a mod's lifted number (fagen.variants.free_values)
@@ -54,7 +54,8 @@ class CudaPrinter(C99CodePrinter):
         name = expr.func.__name__
         if expr.func == ALIBI_SLOPES:
             b, h = (self._print(a) for a in expr.args)
-            return f"ctx.alibi_slopes[(long long)({b}) * ctx.alibi_stride_b + ({h})]"
+            (slopes, _, _), (stride, _, _) = ALIBI.params
+            return f"ctx.{slopes}[(long long)({b}) * ctx.{stride} + ({h})]"
         if name in self.captures:
             index = " + ".join(f"(long long)({self._print(a)}) * ctx.{name}_stride[{i}]"
                                for i, a in enumerate(expr.args)) or "0"
