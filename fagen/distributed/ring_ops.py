@@ -86,7 +86,8 @@ def pair_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     drop = attention_kernels.dropout_args(dropout_p, seed, offset) if dropout_p > 0 else None
     return attention_kernels.backward(pair_source(kernels, q.device), aligned_rows(q), aligned_rows(k),
                                       aligned_rows(v), aligned_rows(out), (lse.contiguous(),), aligned_rows(dout),
-                                      softmax_scale=scale, dropout_args=drop, coord_offsets=coords, variant_values=variant)
+                                      softmax_scale=scale, dropout_args=drop, coord_offsets=coords,
+                                      variant_values=variant)
 
 
 @pair_backward.register_fake
