@@ -204,14 +204,14 @@ def profile(spec: Spec, *, seqlen_q: int, seqlen_k: int | None = None, batch: in
                             "seqlen_k": seqlen_k})
     with collect_counters() as forward_reports:
         out, stats = attention_kernels.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
-                                               philox_offset=OFFSET, variant=variant)
+                                               philox_offset=OFFSET, variant_values=variant)
     forward_model = (fa2_forward if spec.version == 2 else fa1_forward)(q, k, v, spec, **model_kwargs)
     result.passes.append(PassProfile("forward", list(forward_reports), *_model_bytes(forward_model)))
     if backward:
         drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
         with collect_counters() as backward_reports:
             attention_kernels.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop,
-                                       variant=variant)
+                                       variant_values=variant)
         model = _backward_model(spec, q, k, v, dout, forward_model, model_kwargs)
         result.passes.append(PassProfile("backward", list(backward_reports), *_model_bytes(model)))
     return result

@@ -16,11 +16,13 @@ from pathlib import Path
 from .arch_families import ARCH_FAMILIES
 from .spec import Spec
 from .tile_shapes import default_tiles
+from .variants.builtins import BUILTINS, WINDOW
 
 DEFAULT_VERSION = 2
+# The built-ins but the window (which takes its sizes: `window_sizes`) are flags, one per row.
+_SWITCHES = tuple(row for row in BUILTINS if row is not WINDOW)
 _FLAGS = (("causal", "--causal"), ("key_padding", "--key-padding"), ("dropout", "--dropout"),
-          ("deterministic", "--deterministic"), ("softcap", "--softcap"), ("alibi", "--alibi"),
-          ("sinks", "--sinks"))
+          ("deterministic", "--deterministic"), *((row.flag, row.option[0]) for row in _SWITCHES))
 
 
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +31,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", action="store_true", help="Philox dropout in the kernel")
     parser.add_argument("--deterministic", action="store_true", help="backward without atomics")
     # The variants' values are run-time arguments: a flag builds the kernels that take them.
-    parser.add_argument("--window", nargs="*", type=int, metavar="L R", default=None,
-                        help="flash-attn's sliding window; its sizes LEFT RIGHT (-1: unbounded) are run-time "
-                             "arguments, checked when given (`fagen profile` needs them: it runs the kernel)")
-    parser.add_argument("--softcap", action="store_true", help="logit softcapping c tanh(s / c), c at run time")
-    parser.add_argument("--alibi", action="store_true", help="ALiBi biases, slopes at run time")
-    parser.add_argument("--sinks", action="store_true", help="a learnable sink logit per head")
+    parser.add_argument(WINDOW.option[0], nargs="*", type=int, metavar="L R", default=None, help=WINDOW.option[1])
+    for row in _SWITCHES:
+        parser.add_argument(row.option[0], action="store_true", help=row.option[1])
     parser.add_argument("--dv", "--head-dim-v", dest="head_dim_v", type=int, default=None,
                         help="V's head dim d_v, at most --d (default: --d), e.g. --d 192 --dv 128")
     parser.add_argument("--version", type=int, choices=(1, 2), default=None,
@@ -60,7 +59,7 @@ def spec_fields(args: argparse.Namespace) -> dict:
             "dropout": args.dropout, "deterministic": args.deterministic, "window": window is not None,
             "head_dim_v": getattr(args, "head_dim_v", None),
             "arch_family": getattr(args, "arch_family", None) or "sm80",
-            **{flag: getattr(args, flag, False) for flag in ("softcap", "alibi", "sinks")}}
+            **{row.flag: getattr(args, row.flag, False) for row in _SWITCHES}}
 
 
 def spec_flags_given(args: argparse.Namespace) -> list[str]:

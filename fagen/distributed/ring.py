@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..ops import merge_attention
 from ..ops.common import TORCH_DTYPES, check_flag, check_inputs, check_scale
 from ..spec import check_dropout_p
+from ..variants.builtins import window_pair
 from .layout import check_divisible, check_layout, chunks_of
 from .ring_ops import pair_backward, pair_forward, pair_kernels
 
@@ -276,12 +277,8 @@ def _philox_pair(dropout_p: float, device, group) -> tuple[int, int]:
 
 def _window(window_size, causal: bool, seqlen: int) -> tuple[int, int] | None:
     """flash-attn's (left, right) over the whole sequence, -1 unbounded, causal's right = 0;
-    None when nothing is cut."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or \
-            any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
-        raise InputError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), got "
-                         f"{window_size!r}")
-    left, right = (seqlen if w == -1 else min(w, seqlen) for w in window_size)
+    None when nothing is cut. The argument is checked as every call's is (builtins.window_pair)."""
+    left, right = (seqlen if w == -1 else min(w, seqlen) for w in window_pair(window_size))
     if causal:
         right = 0
     return None if left >= seqlen and right >= seqlen or (causal and left >= seqlen) else (left, right)

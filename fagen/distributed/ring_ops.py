@@ -21,16 +21,24 @@ import torch
 from ..kernels import attention_kernels
 from ..kernels.render import source_for
 from ..ops.common import aligned_rows
+from ..selftest.gate import serving_spec
 from ..spec import Spec
+from ..variants.builtins import WINDOW
 
 
 @functools.lru_cache(maxsize=64)
-def pair_source(kernels: str):
-    """A pair's kernels, built once per kind: every pair of every step asks for one of a few,
-    and a Spec validates itself on construction."""
+def pair_spec(kernels: str) -> Spec:
+    """A pair's Spec, built once per kind: every pair of every step asks for one of a few, and a
+    Spec validates itself on construction."""
     head_dim, dtype, causal, dropout, deterministic, window = _fields(kernels)
-    return source_for(Spec(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", dropout=dropout,
-                           deterministic=deterministic, coord_offsets=dropout, window=window))
+    return Spec(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", dropout=dropout,
+                deterministic=deterministic, coord_offsets=dropout, window=window)
+
+
+def pair_source(kernels: str, device):
+    """A pair's kernels, in the family that serves them on `device`: the self-test's gate
+    (selftest.gate.serving_spec) decides, as for every call of fagen.ops."""
+    return source_for(serving_spec(pair_spec(kernels), device))
 
 
 def pair_kernels(head_dim: int, dtype: str, causal: bool, dropout: bool, deterministic: bool, window: bool) -> str:
@@ -45,7 +53,7 @@ def _fields(kernels: str) -> tuple:
 
 def _unpack(ints, floats, windowed: bool):
     seed, offset, row, col, left, right = ints
-    variant = {"window_left": left, "window_right": right} if windowed else None
+    variant = dict(zip((name for name, _, _ in WINDOW.params), (left, right))) if windowed else None
     return seed, offset, (row, col), variant, floats[0], floats[1]
 
 
@@ -54,9 +62,10 @@ def pair_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ints: list[i
                  kernels: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, L) of q (B, Nq, H, d) against the pair's k, v (B, Nk, Hk, d)."""
     seed, offset, coords, variant, scale, dropout_p = _unpack(ints, floats, _fields(kernels)[5])
-    out, (lse,) = attention_kernels.forward(pair_source(kernels), aligned_rows(q), aligned_rows(k), aligned_rows(v),
+    source = pair_source(kernels, q.device)
+    out, (lse,) = attention_kernels.forward(source, aligned_rows(q), aligned_rows(k), aligned_rows(v),
                                             softmax_scale=scale, dropout_p=dropout_p, seed=seed, philox_offset=offset,
-                                            coord_offsets=coords, variant=variant)
+                                            coord_offsets=coords, variant_values=variant)
     return out, lse
 
 
@@ -75,9 +84,10 @@ def pair_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     exp(S - L), so the pairs' gradients sum to the exact one)."""
     seed, offset, coords, variant, scale, dropout_p = _unpack(ints, floats, _fields(kernels)[5])
     drop = attention_kernels.dropout_args(dropout_p, seed, offset) if dropout_p > 0 else None
-    return attention_kernels.backward(pair_source(kernels), aligned_rows(q), aligned_rows(k), aligned_rows(v),
-                                      aligned_rows(out), (lse.contiguous(),), aligned_rows(dout), softmax_scale=scale,
-                                      dropout_args=drop, coord_offsets=coords, variant=variant)
+    return attention_kernels.backward(pair_source(kernels, q.device), aligned_rows(q), aligned_rows(k),
+                                      aligned_rows(v), aligned_rows(out), (lse.contiguous(),), aligned_rows(dout),
+                                      softmax_scale=scale, dropout_args=drop, coord_offsets=coords,
+                                      variant_values=variant)
 
 
 @pair_backward.register_fake

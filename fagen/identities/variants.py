@@ -26,6 +26,7 @@ import sympy as sp
 from sympy.core.function import AppliedUndef
 
 from fagen.spec import Spec
+from fagen.variants.builtins import ALIBI, SINKS, SOFTCAP
 
 from .core import Identity, _masking, equal, frobenius, gradient, is_zero, matrix, rowsum, softmax_rows
 
@@ -395,16 +396,8 @@ def _always(spec: Spec) -> bool:
     return True
 
 
-def _sinks(spec: Spec) -> bool:
-    return spec.sinks
-
-
-def _softcap(spec: Spec) -> bool:
-    return spec.softcap
-
-
-def _alibi(spec: Spec) -> bool:
-    return spec.alibi
+# The built-ins' rows (fagen.variants.builtins) say which specs use each.
+_sinks, _softcap, _alibi = SINKS.used, SOFTCAP.used, ALIBI.used
 
 
 def _softcap_alone(spec: Spec) -> bool:   # variants.cuda.capped: the chain is the softcap only

@@ -338,15 +338,15 @@ def split_variant(spec, variant: dict | None, softmax_scale: float) -> tuple[dic
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None, variant=None, varlen=None, coord_offsets=(0, 0), memo=None):
+            seed=0, philox_offset=0, debug=None, variant_values=None, varlen=None, coord_offsets=(0, 0), memo=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
-    (lse,) for version 2 and (m, l) for version 1. `variant` holds a variant's run-time
+    (lse,) for version 2 and (m, l) for version 1. `variant_values` holds a variant's run-time
     arguments by kernel parameter name (`variant_arguments`). With `varlen` = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
     and the statistics are (B, H, max_seqlen_q) with each sequence's rows first. `memo`: a
     caller's own plans (`Memo`)."""
-    variant_tensors, variant_scalars = (split_variant(source.spec, variant, _scale(softmax_scale, q)) if variant else
-                                        ({}, ()))
+    variant_tensors, variant_scalars = (split_variant(source.spec, variant_values, _scale(softmax_scale, q))
+                                        if variant_values else ({}, ()))
     key = None
     if memo is not None and not debug:
         key = _memo_forward_key(q, k, v)
@@ -402,7 +402,8 @@ def _forward_plan(source: Source, q, k, v, softmax_scale, dropout_p, variant_sca
 
 
 def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, seqlens_k=None,
-             dropout_args=None, debug=None, variant=None, dlse=None, extras=None, varlen=None, coord_offsets=(0, 0),
+             dropout_args=None, debug=None, variant_values=None, dlse=None, extras=None, varlen=None,
+             coord_offsets=(0, 0),
              memo=None):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype.
 
@@ -415,7 +416,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     """
     spec = source.spec
     drop = dropout_args or {}
-    variant_tensors, variant_scalars = split_variant(spec, variant, _scale(softmax_scale, q)) if variant else ({}, ())
+    variant_tensors, variant_scalars = (split_variant(spec, variant_values, _scale(softmax_scale, q))
+                                        if variant_values else ({}, ()))
     key = None
     if memo is not None and not debug:
         key = _memo_backward_key(q, k, v, dout)
@@ -430,7 +432,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dq, dk, dv = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
     _add_stats(tensors, stats)
-    grads = _capture_gradients(spec, variant_tensors, q.device) if variant else {}
+    grads = _capture_gradients(spec, variant_tensors, q.device) if variant_values else {}
     _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
                  {**variant_tensors, **grads} if grads else variant_tensors, debug)
     delta = tensors["delta"]   # (renamed delta_packed for packed sequences)
@@ -439,7 +441,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     launch_all(plan.launches, tensors, after_first=None if dlse is None else _subtract_dlse(delta, dlse))
     if varlen is not None:
         _raise_refused(tensors)
-    if extras is not None and variant:
+    if extras is not None and variant_values:
         extras.update(grads)
         if spec.sinks:
             extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version,

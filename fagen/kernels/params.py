@@ -5,11 +5,11 @@ use adds no parameter, so its kernels' signatures, and sources, stay as they wer
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from ..arch_families import BOX_COLUMNS, sm90_tiles
 from ..spec import Spec
+from ..variants.builtins import derived_values
 from ..variants.compose import mod_expression
 from ..variants.cuda import variant_code
 from ..variants.tiles import summaries
@@ -240,14 +240,9 @@ def variant_arguments(spec: Spec, variant: dict, softmax_scale: float) -> dict:
     ALiBi slopes, sinks, captured tensors, summaries, lifted numbers) and what follows from its
     tensors (the strides of captured tensors and of their summaries, a summary's group count,
     ALiBi's batch stride), so that callers pass values and nothing derived."""
-    out = dict(variant)
+    out = {**variant, **derived_values(variant, softmax_scale)}   # the built-ins' (variants.builtins)
     for name, value in variant.items():
-        if name == "alibi_slopes":
-            out["alibi_stride_b"] = value.shape[-1] if value.dim() == 2 else 0
-        elif name == "softcap":   # products the kernels would otherwise hold in registers
-            out.update(softcap_inv=1.0 / value, softcap_scale=softmax_scale / value,
-                       softcap_log2=value * math.log2(math.e))
-        elif name.startswith(("score_cap", "mask_cap")) and not name.endswith(("_gmin", "_gmax")):
+        if name.startswith(("score_cap", "mask_cap")) and not name.endswith(("_gmin", "_gmax")):
             out.update({f"{name}_stride{axis}": stride for axis, stride in enumerate(value.stride())})
     for summary in (summaries(mod_expression(spec.mask_mod, "mask")) if spec.mask_mod is not None else ()):
         low = variant[f"{summary.capture}_gmin"]

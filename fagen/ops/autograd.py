@@ -46,7 +46,7 @@ class Prepared:
         # keywords built once: a warm call passes them in one step.
         args = self.args
         self.kernel_args = dict(softmax_scale=args["softmax_scale"], seqlens_k=args["seqlens_k"],
-                                variant=args["variant"], varlen=args["varlen"], memo=memo)
+                                variant_values=args["variant_values"], varlen=args["varlen"], memo=memo)
 
 
 def forward_kernels(prepared: Prepared, q, k, v):
@@ -78,7 +78,7 @@ def backward_kernels(prepared: Prepared, dout, dlse, q, k, v, out, lse, fa1_stat
         dq, dk, dv = prepared.memo.backward(prepared.source, q, k, v, out, stats, dout, args["softmax_scale"])
         return dq, dk, dv, [None] * len(tensors)
     drop = None if args["rng"] is None else attention_kernels.dropout_args(args["dropout_p"], *args["rng"].tolist())
-    extras = {} if args["variant"] else None   # only a variant has gradients beyond dq, dk, dv
+    extras = {} if args["variant_values"] else None   # only a variant has gradients beyond dq, dk, dv
     dq, dk, dv = attention_kernels.backward(prepared.source, q, k, v, out, stats, dout, dropout_args=drop, dlse=dlse,
                                             extras=extras, **prepared.kernel_args)
     if not extras:   # no variant gradients: the common call

@@ -1,5 +1,8 @@
 """A call's options and values: the one place a Spec is built from call arguments, and the flat
 form in which every attention call (dense, variant, packed sequences) reaches the kernels.
+Dense and packed calls build theirs from `CallOptions.spec()`, decoding steps and packed queries
+over a paged cache from `decoding_spec`; both take their kernel family from the self-test's gate
+(fagen.selftest.gate.serving_spec), as the ring's pairs do (fagen.distributed.ring_ops).
 
 `CallOptions` (frozen) holds what selects kernels and nothing else; `spec()` builds the Spec,
 and `source_for_call` adds the tiles the tuning cache (or the fallback table) gives the call's
@@ -104,6 +107,32 @@ def _spec_of(options: CallOptions) -> Spec:
         raise InputError(f"fagen: {exc}") from None
 
 
+def decoding_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: dict, device, *,
+                  shared_limit: int | None = None, varlen: bool = False, served: bool = True,
+                  refusal: str | None = None) -> Spec:
+    """The kv_cache Spec of a decoding step (ops.kvcache) or of packed queries over a paged cache
+    (ops.varlen): Spec.for_kv_cache, its tiles fitted to `shared_limit` (a GPU's shared memory per
+    block), in the family that serves it on `device` (selftest.gate.serving_spec, as every call's);
+    `served` False: before that choice (what the GPU check precompiles). Built once per distinct
+    call: a Spec validates itself, which costs more than the rest of a warm call. With `refusal`, a
+    Spec that refuses its fields raises InputError, the refusal's words after it."""
+    try:
+        spec = _decoding_spec(head_dim, dtype, causal, page_size, tuple(sorted(fields.items())), shared_limit,
+                              varlen)
+    except ValueError as exc:
+        if refusal is None:
+            raise
+        raise InputError(f"fagen: {refusal}{exc}") from None
+    return serving_spec(spec, device, decoding=True) if served else spec
+
+
+@functools.lru_cache(maxsize=256)
+def _decoding_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple,
+                   shared_limit: int | None, varlen: bool) -> Spec:
+    return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, shared_limit=shared_limit,
+                             varlen=varlen, **dict(fields))
+
+
 _call_sources: dict[tuple, tuple[int, Source]] = {}
 MAX_CALL_SHAPES = 4096
 
@@ -203,14 +232,14 @@ def params_tensor(params: list) -> torch.Tensor:
 
 def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params) -> dict:
     """The kernels' view of a call's values: seqlens_k, rng, varlen, softmax_scale, dropout_p
-    and the variant's arguments by kernel parameter name (`attention_kernels.forward`'s keywords)."""
+    and the variant's arguments by kernel parameter name, `variant_values` (`attention_kernels.forward`'s keywords)."""
     seqlens_k, rng, cu_q, cu_k, *variant_tensors = tensors
     softmax_scale, dropout_p, *variant_floats = floats
     max_q, max_k, *variant_ints = ints
     if options.variant_names == NO_NAMES:   # no variant: the common call, kept short
         return dict(seqlens_k=seqlens_k if options.key_padding else None, rng=rng if options.dropout else None,
                     varlen=(cu_q, cu_k, max_q, max_k) if options.varlen else None,
-                    softmax_scale=softmax_scale, dropout_p=dropout_p, variant=None)
+                    softmax_scale=softmax_scale, dropout_p=dropout_p, variant_values=None)
     tensor_names, float_names, int_names, param_names = options.variant_names
     if isinstance(params, torch.Tensor):
         params = params.tolist()   # a CPU tensor: no device sync
@@ -223,7 +252,7 @@ def unpack(options: CallOptions, tensors: list, floats: list, ints: list, params
         variant[name] = int(variant[name]) if kind == "int" else float(variant[name])
     return dict(seqlens_k=seqlens_k if options.key_padding else None, rng=rng if options.dropout else None,
                 varlen=(cu_q, cu_k, max_q, max_k) if options.varlen else None,
-                softmax_scale=softmax_scale, dropout_p=dropout_p, variant=variant or None)
+                softmax_scale=softmax_scale, dropout_p=dropout_p, variant_values=variant or None)
 
 
 def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bool, deterministic: bool,

@@ -37,24 +37,28 @@ from ..kernels import attention_kernels
 from ..kernels import kv_kernels
 from ..kernels.render import source_for
 from ..kernels.splits import MAX_SPLITS, choose_splits, processor_count
-from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
+from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV
 from ..spec import Spec
+from ..variants.builtins import check_softcap
 from ..environment import raw_settings, setting_keys
 from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit,
                      values_checked)
+from .call import decoding_spec
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
 from .variant_args import variant_call
 
+
 def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int | None, fields: dict, *,
-                shared_limit: int | None = None) -> Spec:
-    """The kv_cache spec of a step (Spec.for_kv_cache, its tiles fitted to `shared_limit`, a GPU's
-    shared memory per block), built once per distinct step: a Spec validates itself, which costs
-    more than the rest of a warm call."""
-    return _decode_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, tuple(sorted(fields.items())), shared_limit)
+                shared_limit: int | None = None, device=None) -> Spec:
+    """The kv_cache spec of a step (call.decoding_spec: Spec.for_kv_cache, its tiles fitted to
+    `shared_limit`, a GPU's shared memory per block), in the family that serves it on `device`
+    (None: as built, the sm80 family's)."""
+    return decoding_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, fields, device,
+                         shared_limit=shared_limit, served=device is not None)
 
 
 def step_spec(head_dim: int, dtype: torch.dtype, *, seqlen_q: int, heads: int, kv_heads: int, causal: bool,
-              page_size: int | None, fields: dict, shared_limit: int | None = None) -> Spec:
+              page_size: int | None, fields: dict, shared_limit: int | None = None, device=None) -> Spec:
     """The spec flash_attn_with_kvcache builds for a step (the GPU check precompiles the same):
     one query sees every key whether causal or not, so causal is dropped there unless ALiBi
     measures distances from the diagonal (flash-attn drops it too); with fewer K/V heads than
@@ -62,14 +66,7 @@ def step_spec(head_dim: int, dtype: torch.dtype, *, seqlen_q: int, heads: int, k
     if seqlen_q == 1 and not fields.get("alibi"):
         causal = False
     return decode_spec(head_dim, dtype, causal, page_size, {**fields, "pack_gqa": heads > kv_heads},
-                       shared_limit=shared_limit)
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_spec(head_dim: int, dtype: str, causal: bool, page_size: int | None, fields: tuple,
-                 shared_limit: int | None) -> Spec:
-    return Spec.for_kv_cache(head_dim, dtype, causal=causal, page_size=page_size, shared_limit=shared_limit,
-                             **dict(fields))
+                       shared_limit=shared_limit, device=device)
 
 
 _loaded: set = set()   # (source, device) pairs compiled and loaded once in this process
@@ -311,8 +308,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     if cache.v_from_k:   # V's rows are K's first columns: read and appended once (Spec.v_from_k)
         fields["v_from_k"] = True
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
-                     page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device))
-    spec = serving_spec(spec, q.device, decoding=True)
+                     page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device),
+                     device=q.device)
     source = source_for(spec)
     _load_before_writing(source, q.device)
     if num_splits == 0:
@@ -460,8 +457,7 @@ def _traced_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise InputTypeError(f"under torch.compile, window_size must be a pair of Python ints, got {window_size!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise InputError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
+    check_softcap(softcap)   # the op's schema takes a float: refused here, by the built-in's own check
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     out, lse = _step_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
                         None if seqlens_tensor is not None else cache_seqlens, cache_batch_idx, cache_leftpad,

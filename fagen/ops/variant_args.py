@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
-import operator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
+from ..variants.builtins import BUILTINS, CallShape
 from ..variants.compose import custom_mod, mod_expression
 from ..variants.free_values import describe, has_opaque
 from ..variants.language import ModError, trace_mod, traced_structure
@@ -37,49 +36,8 @@ class VariantCall:
         self.values[name], self.kinds[name] = value, kind
 
 
-def _window_int(w) -> int | None:
-    """An integer-valued scalar as an int: a Python int (the plain path, no graph break under
-    torch.compile), a NumPy integer or a one-element integer tensor, as flash-attn's tests pass
-    them; None for anything else (bools, floats)."""
-    if isinstance(w, int):
-        return None if isinstance(w, bool) else w
-    if isinstance(w, torch.Tensor) and (w.dtype == torch.bool or w.is_floating_point() or w.is_complex()):
-        return None
-    try:
-        return operator.index(w)   # NumPy integers, integer tensors; NumPy bools and floats refuse
-    except (TypeError, RuntimeError):
-        return None
-
-
-def _window(window_size, causal: bool, seqlen_q: int, seqlen_k: int):
-    """flash-attn's (left, right), -1 unbounded; causal means right = 0. None: no window. The
-    pair may be a tuple, a list, or a 2-element tensor or array (flash-attn's tests draw it
-    with torch.randint)."""
-    pair = window_size if isinstance(window_size, (tuple, list)) else \
-        tuple(window_size) if isinstance(window_size, (torch.Tensor, np.ndarray)) and window_size.ndim == 1 else ()
-    ints = [_window_int(w) for w in pair]
-    if len(ints) != 2 or any(w is None or w < -1 for w in ints):
-        raise InputError(f"window_size must be a pair (left, right) of ints >= -1 (-1: unbounded), "
-                         f"got {window_size!r}")
-    left, right = ints
-    if causal:
-        right = 0
-    if left == -1 and right == -1 or (left == -1 and causal):
-        return None
-    unbounded = seqlen_q + seqlen_k   # reaches every key from every row
-    return (unbounded if left == -1 else min(left, unbounded)), (unbounded if right == -1 else min(right, unbounded))
-
-
-def _check_float(name: str, t, q, shapes: tuple) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise InputTypeError(f"{name} must be float32, got {t.dtype}")
-    if tuple(t.shape) not in shapes:
-        raise InputError(f"{name} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
-    if t.device != q.device:
-        raise InputError(f"{name} must be on q's device {q.device}, got {t.device}")
-    return t.contiguous()
+# A built-in's value kind (VariantCall.kinds) by its kernel parameter's launcher kind.
+_KINDS = {"int32": "int", "float32": "float", "tensor": "tensor"}
 
 
 def _captures(prefix: str, tensors, q, call: VariantCall) -> None:
@@ -101,27 +59,18 @@ def variant_call(q, k, *, causal: bool, window_size=(-1, -1), softcap=0.0, alibi
                  score_mod=None, mask_mod=None, sizes=None) -> VariantCall | None:
     """`sizes` = (batch, seqlen_q, heads, seqlen_k) where q and k are not (B, N, H, d) (packed sequences:
     the maxima)."""
-    batch, seqlen_q, heads, seqlen_k = sizes or (*q.shape[:3], k.shape[1])
-    window = _window(window_size, causal, seqlen_q, seqlen_k)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0:
-        raise InputError(f"softcap must be a float >= 0 (0: off), got {softcap!r}")
-    if window is None and not softcap and alibi_slopes is None and sinks is None and score_mod is None \
-            and mask_mod is None:
+    shape = CallShape(q, causal, *(sizes or (*q.shape[:3], k.shape[1])))
+    given = {"window": window_size, "softcap": softcap, "alibi": alibi_slopes, "sinks": sinks}
+    values = {row.flag: row.check(given[row.flag], shape) for row in BUILTINS}   # every argument checked
+    if not any(values.values()) and score_mod is None and mask_mod is None:
         return None
-    call = VariantCall({"window": window is not None, "softcap": bool(softcap), "alibi": alibi_slopes is not None,
-                        "sinks": sinks is not None})
-    if window is not None:
-        call.put("window_left", window[0], "int")
-        call.put("window_right", window[1], "int")
-    if softcap:
-        call.put("softcap", float(softcap), "float")
-    if alibi_slopes is not None:   # its batch stride: call.derived_values
-        call.put("alibi_slopes", _check_float("alibi_slopes", alibi_slopes, q, ((heads,), (batch, heads))), "tensor")
-    if sinks is not None:
-        call.put("sinks", _check_float("sinks", sinks, q, ((heads,),)), "tensor")   # an autograd input
-        if sinks.requires_grad:
-            call.grad_tensors.append(sinks)
-            call.grad_names.append("dsinks")
+    call = VariantCall({row.flag: values[row.flag] is not None for row in BUILTINS})
+    for row in BUILTINS:
+        for name, value in (values[row.flag] or {}).items():
+            call.put(name, value, _KINDS[row.params[[p[0] for p in row.params].index(name)][2]])
+        if row.grad and values[row.flag] is not None and given[row.flag].requires_grad:
+            call.grad_tensors.append(given[row.flag])
+            call.grad_names.append(row.grad)
     if score_mod is not None:
         _mod("score", score_mod, q, call)
     if mask_mod is not None:

@@ -8,10 +8,8 @@ import torch
 from ..errors import InputError, run_forward_only
 from ..kernels import kv_kernels
 from ..kernels.render import source_for
-from ..selftest.gate import serving_spec
-from ..spec import Spec
 from . import autograd
-from .call import options_for, values_of
+from .call import decoding_spec, options_for, values_of
 from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_options, device_shared_limit, padded_head_dim,
                      padded_width, philox_state)
 from .variant_args import variant_call
@@ -75,12 +73,9 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
                          f"dropout_p={dropout_p}, version={version}")
     head_dim, head_dim_v = padded_width(q.shape[2]), padded_width(v.shape[-1])
     fields = {**(call.spec_fields if call else {}), **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {})}
-    try:
-        spec = Spec.for_kv_cache(head_dim, TORCH_DTYPES[q.dtype], causal=causal, page_size=k.shape[1], varlen=True,
-                                 shared_limit=device_shared_limit(q.device), **fields)
-    except ValueError as exc:   # sinks (the decoding kernels take no sinks)
-        raise InputError(f"fagen: with a block_table, {exc}") from None
-    spec = serving_spec(spec, q.device, decoding=True)   # sm90 where asked, or proven on this Hopper GPU
+    # sm90 where asked, or proven on this Hopper GPU; refused: sinks (the decoding kernels take none)
+    spec = decoding_spec(head_dim, TORCH_DTYPES[q.dtype], causal, k.shape[1], fields, q.device,
+                         shared_limit=device_shared_limit(q.device), varlen=True, refusal="with a block_table, ")
 
     def run():
         q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)

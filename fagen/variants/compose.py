@@ -16,14 +16,16 @@ from functools import lru_cache
 import sympy as sp
 
 from ..spec import CustomMod, Spec
+from .builtins import ALIBI, SOFTCAP as BUILTIN_SOFTCAP, WINDOW
 from .language import B, H, KV_IDX, Q_IDX, SCORE, Traced
 
 # Run-time quantities the expressions use besides the language's symbols.
 SEQLEN_Q = sp.Symbol("seqlen_q", integer=True, nonnegative=True)
 KEYS = sp.Symbol("keys", integer=True, nonnegative=True)        # this batch entry's key count
-SOFTCAP = sp.Symbol("softcap", positive=True)
-WINDOW_LEFT, WINDOW_RIGHT = sp.symbols("window_left window_right", integer=True, nonnegative=True)
-ALIBI_SLOPES = sp.Function("alibi_slopes", real=True)
+# The built-ins' values, named as their kernel parameters (builtins: the rows' first params).
+SOFTCAP = sp.Symbol(BUILTIN_SOFTCAP.params[0][0], positive=True)
+WINDOW_LEFT, WINDOW_RIGHT = (sp.Symbol(name, integer=True, nonnegative=True) for name, _, _ in WINDOW.params)
+ALIBI_SLOPES = sp.Function(ALIBI.params[0][0], real=True)
 
 
 def custom_mod(traced: Traced) -> CustomMod:

@@ -19,6 +19,7 @@ from sympy.codegen.ast import float32, real
 from sympy.printing.c import C99CodePrinter
 
 from ..spec import Spec
+from .builtins import ALIBI, kernel_params
 from .compose import (ALIBI_DISTANCE, ALIBI_SLOPES, KEYS, SEQLEN_Q, SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT,
                       VariantMath, variant_math)
 from .language import B, H, KV_IDX, Q_IDX, SCORE
@@ -29,8 +30,8 @@ CAPTURE_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfl
                   "int64": "long long", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
                   "bool": "bool"}
 NAMES = {SCORE: "score", B: "b", H: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", SEQLEN_Q: "ctx.seqlen_q",
-         KEYS: "ctx.keys", SOFTCAP: "ctx.softcap", WINDOW_LEFT: "ctx.window_left",
-         WINDOW_RIGHT: "ctx.window_right", Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
+         KEYS: "ctx.keys", **{value: f"ctx.{value.name}" for value in (SOFTCAP, WINDOW_LEFT, WINDOW_RIGHT)},
+         Q_LO: "q_lo", Q_HI: "q_hi", KV_LO: "kv_lo", KV_HI: "kv_hi"}
 
 
 PARAM_NAME = re.compile(r"(score|mask)_par\d+")   # a mod's lifted number (fagen.variants.free_values)
@@ -53,7 +54,8 @@ class CudaPrinter(C99CodePrinter):
         name = expr.func.__name__
         if expr.func == ALIBI_SLOPES:
             b, h = (self._print(a) for a in expr.args)
-            return f"ctx.alibi_slopes[(long long)({b}) * ctx.alibi_stride_b + ({h})]"
+            (slopes, _, _), (stride, _, _) = ALIBI.params
+            return f"ctx.{slopes}[(long long)({b}) * ctx.{stride} + ({h})]"
         if name in self.captures:
             index = " + ".join(f"(long long)({self._print(a)}) * ctx.{name}_stride[{i}]"
                                for i, a in enumerate(expr.args)) or "0"
@@ -195,8 +197,9 @@ def _comment(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class VariantCode:
-    """What render hands the templates."""
+class DeviceFunctions:
+    """A variant's device functions and what the templates need to know of them (render hands
+    them to the templates as `variant`; formerly VariantCode)."""
 
     block: str                  # the device functions (namespace fagen_variant)
     params: tuple               # (name, ctype, kind) kernel parameters, every kernel with a Context
@@ -252,15 +255,7 @@ def summary_ctype(math: VariantMath, capture: str) -> str:
 
 
 def _params(spec: Spec, math: VariantMath):
-    params = []
-    if spec.sinks:
-        params.append(("sinks", "const float* __restrict__", "tensor"))
-    if spec.softcap:   # c, and what params.variant_arguments derives: 1 / c, tau / c, c log2(e)
-        params += [(name, "float", "float32") for name in ("softcap", "softcap_inv", "softcap_scale", "softcap_log2")]
-    if spec.window:
-        params += [("window_left", "int", "int32"), ("window_right", "int", "int32")]
-    if spec.alibi:
-        params += [("alibi_slopes", "const float* __restrict__", "tensor"), ("alibi_stride_b", "long long", "int64")]
+    params = kernel_params(spec)   # the built-ins' (builtins.BUILTINS), then the mods'
     # The mods' lifted numbers (closure / global constants): arguments, never part of the kernel.
     params += [(name, "float" if kind == "float" else "int", "float32" if kind == "float" else "int32")
                for name, kind in math.params]
@@ -513,7 +508,7 @@ def _group_functions(math: VariantMath) -> list[str]:
 
 
 @lru_cache(maxsize=256)
-def variant_code(spec: Spec) -> VariantCode | None:
+def variant_code(spec: Spec) -> DeviceFunctions | None:
     """The device functions of `spec`'s variant; None for plain attention (no mods)."""
     if not spec.has_mods:
         return None
@@ -536,8 +531,8 @@ def variant_code(spec: Spec) -> VariantCode | None:
         if spec.pack_gqa:
             lines += _group_functions(math)
     lines += ["}  // namespace fagen_variant"]
-    return VariantCode(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
-                       summaries=bool(summaries(math.mask)), scores=math.score != SCORE, capped=capped(math),
-                       alibi_alone=math.score == ALIBI_SCORE,
-                       mask_loads=any(c.name.startswith("mask_") for c in math.captures),
-                       score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)
+    return DeviceFunctions(block="\n".join(lines), params=params, grad_params=grads, masks=math.masks,
+                           summaries=bool(summaries(math.mask)), scores=math.score != SCORE, capped=capped(math),
+                           alibi_alone=math.score == ALIBI_SCORE,
+                           mask_loads=any(c.name.startswith("mask_") for c in math.captures),
+                           score_grad=math.has_score_grad, capture_grads=bool(grads), sinks=spec.sinks)

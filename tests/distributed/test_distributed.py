@@ -267,3 +267,24 @@ def test_sharded_dropout_kernels_compile_without_spills(head_dim, causal, window
     assert "coords" in spec.name and Spec.from_name(spec.name) == spec
     for name, report in compile_source(render(spec), arch).resources.items():
         assert report.spill_bytes == 0 and report.stack_bytes == 0, f"{name} on {arch}: {report}"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_a_pairs_family_comes_from_the_gate_every_call_asks(family, monkeypatch):
+    """The ring's pairs take their kernel family where every call of fagen.ops does
+    (selftest.gate.serving_spec): FAGEN_ARCH_FAMILY chooses it on the emulator."""
+    from fagen.distributed.ring_ops import pair_kernels, pair_source
+
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", family)
+    source = pair_source(pair_kernels(64, "fp16", True, True, False, True), torch.device("cpu"))
+    assert source.spec.arch_family == family
+    assert source.spec.causal and source.spec.coord_offsets and source.spec.window
+
+
+def test_the_ring_checks_window_size_as_every_call_does():
+    from fagen.distributed.ring import _window
+
+    assert _window((-1, -1), False, 64) is None and _window((8, -1), True, 64) == (8, 0)
+    for bad in [(1,), (-2, 0), (True, 1), (1.0, 2)]:
+        with pytest.raises(ValueError, match=r"window_size must be a pair \(left, right\) of ints >= -1"):
+            _window(bad, False, 64)

@@ -193,7 +193,7 @@ def test_tiles_visited_equal_the_dense_count(case, shape):
     spec, call = variant_spec(base, q, k, variant)
     blocks = -(-shape.seqlen_q // spec.block_m)
     visited = torch.full((shape.batch * shape.heads * blocks,), -1, dtype=torch.int32)
-    attention_kernels.forward(render(spec, debug=True), q, k, v, seqlens_k=seqlens_k, variant=call.values,
+    attention_kernels.forward(render(spec, debug=True), q, k, v, seqlens_k=seqlens_k, variant_values=call.values,
                               debug={"tiles_visited": visited})
     expected = _dense_tiles(spec, q, k, v, variant, seqlens_k)
     assert torch.equal(visited.view(shape.batch, shape.heads, blocks), expected)

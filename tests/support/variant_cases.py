@@ -37,7 +37,7 @@ def run_variant_case(base: Spec, shape: Shape, variant: dict, *, captures=(), le
     assert source.spec == spec, f"the source is {source.spec.name}'s, the case {spec.name}'s"
     p = DROPOUT_P if spec.dropout else 0.0
     out, stats = attention_kernels.forward(source, q, k, v, seqlens_k=seqlens_k, dropout_p=p, seed=SEED,
-                                           philox_offset=OFFSET, variant=call.values, debug=debug)
+                                           philox_offset=OFFSET, variant_values=call.values, debug=debug)
     keep = dropout_keep_mask(SEED, OFFSET, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, p) \
         if spec.dropout else None
     kwargs = dict(causal=spec.causal, seqlens_k=seqlens_k, dropout_p=p, keep_mask=keep, **variant)
@@ -56,7 +56,7 @@ def run_variant_case(base: Spec, shape: Shape, variant: dict, *, captures=(), le
         extras: dict = {}
         drop = attention_kernels.dropout_args(p, SEED, OFFSET) if spec.dropout else None
         grads = attention_kernels.backward(source, q, k, v, out, stats, dout, seqlens_k=seqlens_k, dropout_args=drop,
-                                           variant=call.values, dlse=dlse, extras=extras)
+                                           variant_values=call.values, dlse=dlse, extras=extras)
         for name, got, pt in zip(("dq", "dk", "dv"), grads, (pt_dq, pt_dk, pt_dv)):
             errors[name] = (max_error(got, ref[name]), max_error(pt, ref[name]))
         if spec.sinks:
