@@ -125,7 +125,7 @@ def describe(fn) -> tuple[tuple, list]:
         signature = _describe(fn, values, 0)
     except Unreadable:   # only under torch.compile: eagerly every attribute reads
         return record(fn)
-    if has_opaque(signature) and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and has_opaque(signature):   # eagerly: traced as it is
         return record(fn)
     return signature, values
 
