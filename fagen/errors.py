@@ -1,7 +1,7 @@
 """How fagen reports a call it cannot run: `InputError` for a bad argument value and
-`InputTypeError` for an argument of the wrong kind, `assert_lazily` for a bad value found on the
-device (no sync), and `forward_only` for ops that run a forward pass but have no backward
-(decoding, paged caches).
+`InputTypeError` for an argument of the wrong kind, `ModError` for a score_mod or mask_mod it
+cannot trace (fagen.variants), `assert_lazily` for a bad value found on the device (no sync),
+and `forward_only` for ops that run a forward pass but have no backward (decoding, paged caches).
 
 Imports nothing of the pipeline, so every stage can use it.
 """
@@ -25,6 +25,10 @@ class InputError(ValueError, RuntimeError):
 class InputTypeError(TypeError, RuntimeError):
     """An argument of the wrong kind (a dtype, a type, a layout): a TypeError, what Python code
     expects, and a RuntimeError, what flash-attn's dtype and layout checks raise."""
+
+
+class ModError(TypeError):
+    """A mod that cannot be traced; the message says what to write instead."""
 
 
 def assert_lazily(ok: torch.Tensor, message: str) -> None:

@@ -6,6 +6,8 @@ kernels' device functions from the expressions, with flash-attn's window, softca
 ALiBi and gpt-oss's sinks as built-ins through the same mechanism.
 
 - language.py: the proxies (`Sym`), `where`, math functions, tracing, `ModError`;
+- free_values.py: a mod's free values and structure; recording.py: a mod recorded as Dynamo
+  traces it, where fagen cannot read it under torch.compile;
 - compose.py: a Spec's score chain and mask as sympy expressions (`variant_math`);
 - tiles.py: tile classes and loop bounds from the mask's linear atoms;
 - cuda.py: the device functions, their kernel parameters and Context (`variant_code`).

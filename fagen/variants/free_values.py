@@ -15,6 +15,11 @@ graph inputs, and a new closure of the same code (a changed constant, another ca
 has the same signature, so nothing recompiles or re-renders. `rebuild(signature, placeholders)`
 makes an equivalent function from a signature alone, the free values replaced by placeholders
 (symbols, capture slots): what the tracer calls.
+
+Under torch.compile, where Dynamo cannot read what a mod reads (the globals or closure cells of
+a function made inside the compiled region) or fagen cannot describe it (a module, as in
+`lambda ...: score + self.bias[h, kv_idx]`), the mod is recorded as Dynamo traces it instead
+(`recording.py`): its structure is then the record, its free values the tensors it read.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import sys
 import types
 
 import torch
+
+from .recording import record, replayed
 
 MAX_DEPTH = 4   # functions found in a mod's free variables, walked this deep (no recursion loops)
 # Functions of these packages are tools a mod calls (fagen.where, torch.exp), not part of it.
@@ -80,38 +87,47 @@ def _describe(fn, values: list, depth: int) -> tuple:
     return ("function", fn.__code__, fn.__module__, fn.__defaults__, names, cells)
 
 
+class Unreadable(Exception):
+    """Dynamo does not let traced code read a function's globals or closure cells."""
+
+
 def _globals_of(fn) -> dict:
     """The globals a function may read (none when its code names none). Dynamo cannot read the
     `__globals__` of a function made inside the compiled region: as for its closure
-    (`_closure_of`), the trace breaks there once."""
+    (`_closure_of`), the mod is then recorded (`describe`)."""
     if not fn.__code__.co_names:
         return {}
     try:
         return fn.__globals__
     except AttributeError:
-        torch._dynamo.graph_break()
-        return fn.__globals__
+        raise Unreadable from None
 
 
 def _closure_of(fn) -> tuple:
     """A function's closure cells. Dynamo cannot read those of a function made inside the
-    compiled region (a lambda written in the compiled forward): there the trace breaks once,
-    and the call runs eagerly with the real function (fullgraph=True reports it). Mods made
-    outside the compiled function, as FlexAttention's examples make them, and those made inside
-    that read only their arguments and literals, never break it."""
+    compiled region (a lambda written in the compiled forward): the mod is then recorded as
+    Dynamo traces it (`describe`). Mods made outside the compiled function, and those made
+    inside that read only their arguments and literals, are read as they are."""
     if not fn.__code__.co_freevars:
         return ()
     try:
         return fn.__closure__ or ()
     except AttributeError:
-        torch._dynamo.graph_break()
-        return fn.__closure__ or ()
+        raise Unreadable from None
 
 
 def describe(fn) -> tuple[tuple, list]:
-    """(signature, free values) of a mod: the signature is hashable and holds no free value."""
+    """(signature, free values) of a mod: the signature is hashable and holds no free value.
+    Under torch.compile, a mod that Dynamo does not let fagen read, or that keeps an object
+    fagen cannot describe, is recorded as Dynamo traces it (`recording.record`)."""
     values: list = []
-    return _describe(fn, values, 0), values
+    try:
+        signature = _describe(fn, values, 0)
+    except Unreadable:   # only under torch.compile: eagerly every attribute reads
+        return record(fn)
+    if torch.compiler.is_compiling() and has_opaque(signature):   # eagerly: traced as it is
+        return record(fn)
+    return signature, values
 
 
 def rebuild(signature: tuple, placeholders: list):
@@ -137,6 +153,9 @@ def _rebuilt(node, queue: list):
     if kind == "sequence":
         items = [_rebuilt(n, queue) for n in node[2]]
         return tuple(items) if node[1] == "tuple" else items
+    if kind == "recorded":   # recording.record: its captures lead, in order
+        captures = [_rebuilt(n, queue) for n in node[2]]
+        return replayed(node[1], captures, node[3], node[4])
     if kind == "partial":   # describe walks the arguments before the function: so does this
         args = [_rebuilt(n, queue) for n in node[2]]
         keywords = {name: _rebuilt(n, queue) for name, n in node[3]}

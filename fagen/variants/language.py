@@ -21,6 +21,7 @@ from functools import lru_cache
 import sympy as sp
 import torch
 
+from ..errors import ModError
 from .free_values import describe, has_opaque, rebuild
 
 # The symbols of the language. The score is the scaled score tau * q.k (after softcap and
@@ -34,10 +35,6 @@ FLOAT_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 INT_DTYPES = {torch.int32: "int32", torch.int64: "int64", torch.int16: "int16", torch.uint8: "uint8",
               torch.int8: "int8", torch.bool: "bool"}
 CAPTURE_DTYPES = {**FLOAT_DTYPES, **INT_DTYPES}
-
-
-class ModError(TypeError):
-    """A mod that cannot be traced; the message says what to write instead."""
 
 
 CONTROL_FLOW = ("Python control flow on a symbolic value ({what}) cannot be traced: the mod is called "

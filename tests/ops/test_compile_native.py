@@ -8,6 +8,7 @@ Dynamo recompile on every call (test_a_new_closure_is_neither_a_new_kernel_nor_a
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fagen
@@ -80,26 +81,68 @@ def test_flash_attn_func(feature):
     _check(lambda q, k, v: fagen.flash_attn_func(q, k, v, **kwargs), (q, k, v), (q, k, v, *captured))
 
 
-def test_a_mod_written_inside_the_compiled_function():
-    """One that reads only its arguments and literals traces fullgraph. One that reads a global
-    or a closure cell may break the trace once, where Dynamo cannot read those of a function
-    made in the compiled region (that call then runs eagerly): never more, the same result."""
+def test_a_mod_of_its_arguments_written_inside_the_compiled_function():
     q, k, v = _inputs(1, 32, 2, 64)
     _check(lambda q, k, v: fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) * 0.1),
            (q, k, v), (q, k, v))
 
-    def closure(q, k, v):
-        bias = BIAS * 2
-        return fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[j])
 
-    for step in (lambda q, k, v: fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + BIAS[j]),
-                 closure):
-        assert torch._dynamo.explain(step)(q, k, v).graph_break_count <= 1
-        torch._dynamo.reset()
-        eager, compiled = step(q, k, v), torch.compile(step, backend="aot_eager")(q, k, v)
-        assert torch.equal(eager, compiled)
-        for a, b in zip(_grads(eager, (q, k, v, BIAS)), _grads(compiled, (q, k, v, BIAS))):
+# A mod written inside the compiled function that reads a tensor: a global, a closure cell (an
+# argument, or a tensor computed in the function), a module's parameter. Dynamo does not let fagen read such a function's globals or closure, so
+# fagen records the mod as Dynamo traces it (fagen/variants/recording.py): the tensor is a graph
+# input. One expression (one kernel) for the three.
+HEAD_BIAS = torch.randn(2, 32, generator=GEN).half().requires_grad_()
+
+
+def _reads_a_global(q, k, v):
+    return fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + HEAD_BIAS[h, j])
+
+
+def _reads_a_closure(q, k, v, bias):
+    return fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h, j])
+
+
+def _reads_a_tensor_it_computed(q, k, v, bias):
+    doubled = bias * 2   # a closure cell holding a graph value: its gradient flows on to bias
+    return fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + doubled[h, j])
+
+
+class HeadBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(2, 32, generator=GEN).half())
+
+    def forward(self, q, k, v):
+        return fagen.flash_attn_func(q, k, v, score_mod=lambda s, b, h, i, j: s + self.bias[h, j])
+
+
+def _forms():
+    """(the step, its extra arguments, the tensor its mod reads) of each form."""
+    bias, module = torch.randn(2, 32, generator=GEN).half().requires_grad_(), HeadBias()
+    return {"a global": (_reads_a_global, (), HEAD_BIAS), "a closure": (_reads_a_closure, (bias,), bias),
+            "a tensor computed inside": (_reads_a_tensor_it_computed, (bias,), bias),
+            "self.bias": (module, (), module.bias)}
+
+
+@pytest.mark.parametrize("form", ["a global", "a closure", "a tensor computed inside", "self.bias"])
+def test_a_mod_written_inside_the_compiled_function_reads_its_tensors_as_graph_inputs(form):
+    """fullgraph with 0 graph breaks, outputs and gradients (the read tensor's too) equal to
+    eager's bit for bit, and new values of the read tensor run the same graph (no recompile)."""
+    step, extra, bias = _forms()[form]
+    q, k, v = _inputs(1, 32, 2, 64)
+    explained = torch._dynamo.explain(step)(q, k, v, *extra)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=compiles)
+    for _ in range(2):
+        eager, traced = step(q, k, v, *extra), compiled(q, k, v, *extra)
+        assert torch.equal(eager, traced)
+        for a, b in zip(_grads(eager, (q, k, v, bias)), _grads(traced, (q, k, v, bias))):
             assert torch.equal(a, b)
+        with torch.no_grad():   # new values: still the one graph
+            bias.add_(torch.randn(bias.shape, generator=GEN).half())
+    assert compiles.frame_count == 1
 
 
 def test_dropout_and_return_lse():
