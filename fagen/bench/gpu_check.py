@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 import signal
 import subprocess
@@ -130,6 +131,23 @@ class _Run:
         self.log(f"   {name}: {status}" + (f" ({note})" if note else ""))
         self.save()
         return value
+
+    def measure(self, name: str, module: str, function: str, *args, **kwargs) -> None:
+        """A measuring section: `function` of `module` (imported as the section starts, since it
+        imports torch) run on the plan, `args`, the section's deadline and `kwargs`; what it
+        returns goes in results[name]."""
+        def body():
+            runner = getattr(importlib.import_module(module, __package__), function)
+            return runner(self.plan, *args, self.deadline(name), log=self.log, **kwargs)
+
+        self.results[name] = self.section(name, body)
+
+    def checkpoint(self, name: str) -> Callable[[dict], None]:
+        """A section's checkpoint: its partial results saved to results.json as they grow."""
+        def save_partial(partial):
+            self.results[name] = partial
+            self.save()
+        return save_partial
 
     def needs(self) -> dict[str, float]:
         """Seconds each section may take (the speed sweep: its floor), as kept back for it by the
@@ -277,59 +295,15 @@ def _run_sections(run: "_Run") -> int:
 
     systems = {name: make_system(name) for name in dict.fromkeys(plan.systems + plan.memory.systems)}
 
-    def checkpointed(name: str):
-        """A section's checkpoint: its partial results saved to results.json as they grow."""
-        def checkpoint(partial):
-            results[name] = partial
-            run.save()
-        return checkpoint
-
-    def speed_section():
-        from .speed.run import run_speed_sweep
-
-        return run_speed_sweep(plan, [systems[n] for n in plan.systems], run.deadline("speed"), log=log,
-                               checkpoint=checkpointed("speed"))
-
-    results["speed"] = run.section("speed", speed_section)
-
-    def variants_section():
-        from .variants.run import run_variant_sweep
-
-        return run_variant_sweep(plan, run.deadline("variants"), log=log,
-                                 checkpoint=checkpointed("variants"))
-
-    results["variants"] = run.section("variants", variants_section)
-
-    def decode_section():
-        from .decode.run import run_decode_section
-
-        copy = ((results.get("peak") or {}).get("copy") or {}).get("tb_per_s")
-        return run_decode_section(plan, run.deadline("decode"), log=log,
-                                  checkpoint=checkpointed("decode"), copy_tb_per_s=copy)
-
-    results["decode"] = run.section("decode", decode_section)
-
-    def models_section():
-        from .models.run import run_models_section
-
-        return run_models_section(plan, run.deadline("models"), log=log,
-                                  checkpoint=checkpointed("models"))
-
-    results["models"] = run.section("models", models_section)
-
-    def ring_section():
-        from .ring.run import run_ring_section
-
-        return run_ring_section(plan, run.deadline("ring"), log=log)
-
-    results["ring"] = run.section("ring", ring_section)
-
-    def memory_section():
-        from .memory import run_memory_sweep
-
-        return run_memory_sweep(plan, systems, run.deadline("memory"), log=log)
-
-    results["memory"] = run.section("memory", memory_section)
+    run.measure("speed", ".speed.run", "run_speed_sweep", [systems[n] for n in plan.systems],
+                checkpoint=run.checkpoint("speed"))
+    run.measure("variants", ".variants.run", "run_variant_sweep", checkpoint=run.checkpoint("variants"))
+    copy = ((results.get("peak") or {}).get("copy") or {}).get("tb_per_s")
+    run.measure("decode", ".decode.run", "run_decode_section", checkpoint=run.checkpoint("decode"),
+                copy_tb_per_s=copy)
+    run.measure("models", ".models.run", "run_models_section", checkpoint=run.checkpoint("models"))
+    run.measure("ring", ".ring.run", "run_ring_section")
+    run.measure("memory", ".memory", "run_memory_sweep", systems)
 
     results["sections"]["report"] = {"status": "ok", "seconds": 0.0,
                                      "note": f"written to {run.out_dir} at {budget.elapsed():.0f} s"}

@@ -10,14 +10,13 @@ varlen is faster).
 
 from __future__ import annotations
 
-from ..markdown import finite, sanity_text, skip_text
+from ..markdown import cells_in_order, finite, in_order, sanity_table, sanity_text, skip_text, unavailable_lines
 from ..markdown import md as _md
-from ..markdown import sanity_table
 from ..sizes import short_seqlen
 from ..speed.config import PASS_LABELS
+from ..speed.markdown import PASS_SHORT
 from .config import DECODE_LABELS, DECODE_SYSTEMS, VARLEN_SYSTEMS
 
-PASS_SHORT = {"fwd": "fwd", "fwd_bwd": "f+b", "bwd": "bwd"}
 LABEL_WIDTH = 14   # "SDPA efficient"
 
 
@@ -30,12 +29,6 @@ def bandwidth_tb_per_s(nbytes: float, ms: float) -> float:
 
 def _points(section: dict, part: str) -> list[dict]:
     return [p for p in section.get("points", []) if p.get("part") == part]
-
-
-def _ordered(names, order: tuple) -> list[str]:
-    """`names` in the plan's system order (unknown ones last), whatever order they ran in."""
-    names = list(dict.fromkeys(names))
-    return [n for n in order if n in names] + [n for n in names if n not in order]
 
 
 def add_bandwidth(section: dict) -> dict:
@@ -64,6 +57,15 @@ def add_varlen_ratios(section: dict) -> dict:
             if ours is not None and rate and name != "fagen_varlen":
                 point["ratios"][f"fagen_varlen/{name}"] = ours / rate
     return section
+
+
+def _derived(results: dict) -> dict | None:
+    """The section with its bandwidths and varlen ratios, or None when it has neither points nor a
+    graph row."""
+    section = results.get("decode") or {}
+    if not section.get("points") and not section.get("graph"):
+        return None
+    return add_varlen_ratios(add_bandwidth(section))
 
 
 def section_note(section: dict) -> str:
@@ -174,11 +176,9 @@ _VARLEN_CALLS = {
 
 def short_lines(results: dict) -> list[str]:
     """The section's block of the short table: one row per decode system, one per varlen system."""
-    section = results.get("decode") or {}
-    if not section.get("points") and not section.get("graph"):
+    section = _derived(results)
+    if section is None:
         return []
-    add_bandwidth(section)
-    add_varlen_ratios(section)
     graph = section.get("graph")
     return _short_decode(section) + _short_varlen(section) + ([f"-- decode graph: {graph_text(graph)}"]
                                                                if graph else [])
@@ -191,9 +191,7 @@ def _short_decode(section: dict) -> list[str]:
         copy_text = f"copy {copy:.2f} TB/s" if copy else "copy not measured"
         lines += [f"-- decode {point['label']}; {copy_text}; {sanity_text(section, DECODE_LABELS)}",
                   f"{'system':<{LABEL_WIDTH}}     ms GB/step   TB/s of copy"]
-        for name in _ordered(point["results"], DECODE_SYSTEMS):
-            cell = point["results"][name]
-            label = DECODE_LABELS.get(name, name)[:LABEL_WIDTH]
+        for name, label, cell in cells_in_order(point["results"], DECODE_SYSTEMS, DECODE_LABELS, LABEL_WIDTH):
             if finite(cell.get("tb_per_s")) is None:
                 lines.append(f"{label:<{LABEL_WIDTH}} {skip_text(cell, 64)}")
                 continue
@@ -210,7 +208,7 @@ def _short_varlen(section: dict) -> list[str]:
         return []
     passes = list(points)
     first = points[passes[0]]
-    names = _ordered((n for p in points.values() for n in p["results"]), VARLEN_SYSTEMS)
+    names = in_order((n for p in points.values() for n in p["results"]), VARLEN_SYSTEMS)
     lines = [f"-- varlen {first['label']}; TFLOP/s of the documents' causal FLOPs",
              f"{'system':<{LABEL_WIDTH}}" + "".join(f" {PASS_SHORT.get(p, p) + ' ms':>7} TFLOP/s" for p in passes)
              + " | varlen/this " + " ".join(f"{PASS_SHORT.get(p, p):>4}" for p in passes)]
@@ -232,11 +230,9 @@ def _short_varlen(section: dict) -> list[str]:
 # -- results.md --------------------------------------------------------------------------------
 
 def markdown_lines(results: dict) -> list[str]:
-    section = results.get("decode") or {}
-    if not section.get("points") and not section.get("graph"):
+    section = _derived(results)
+    if section is None:
         return []
-    add_bandwidth(section)
-    add_varlen_ratios(section)
     out = ["", "## Decode and varlen training", ""]
     if section.get("note"):
         out += [f"Note: {_md(section['note'])}", ""]
@@ -283,9 +279,7 @@ def _markdown_decode(section: dict) -> list[str]:
                 "expanded beforehand is counted with the expanded bytes.", "",
                 "| system | ms | GB moved | TB/s | of copy | K/V heads read | note |",
                 "|---|---:|---:|---:|---:|---:|---|"]
-        for name in _ordered(point["results"], DECODE_SYSTEMS):
-            cell = point["results"][name]
-            label = DECODE_LABELS.get(name, name)
+        for name, label, cell in cells_in_order(point["results"], DECODE_SYSTEMS, DECODE_LABELS):
             if finite(cell.get("tb_per_s")) is None:
                 out.append(f"| {label} | - | - | - | - | - | {_md(skip_text(cell, 400))} |")
                 continue
@@ -311,9 +305,7 @@ def _markdown_varlen(section: dict) -> list[str]:
            "Ratios are fagen varlen / each (of TFLOP/s).", "",
            "| pass | system | ms | TFLOP/s | fagen varlen / this | note |", "|---|---|---:|---:|---:|---|"]
     for point in points:
-        for name in _ordered(point["results"], VARLEN_SYSTEMS):
-            cell = point["results"][name]
-            label = DECODE_LABELS.get(name, name)
+        for name, label, cell in cells_in_order(point["results"], VARLEN_SYSTEMS, DECODE_LABELS):
             if finite(cell.get("tflops")) is None:
                 out.append(f"| {PASS_SHORT.get(point['pass'], point['pass'])} | {label} | - | - | - | "
                            f"{_md(skip_text(cell, 400))} |")
@@ -327,10 +319,7 @@ def _markdown_varlen(section: dict) -> list[str]:
 
 def _markdown_sanity(section: dict) -> list[str]:
     sanity = section.get("sanity") or {}
-    out = []
-    for name, info in (section.get("systems") or {}).items():
-        if not info.get("available"):
-            out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
+    out = unavailable_lines(section)
     if sanity:
         out += sanity_table("Sanity of fagen's decode and varlen calls (small problem vs fp32 torch)", "system",
                             {DECODE_LABELS.get(name, name): r for name, r in sanity.items()},

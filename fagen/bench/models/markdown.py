@@ -8,9 +8,8 @@ each system (of tokens/s: > 1 means fagen is faster) are derived here (`add_rate
 
 from __future__ import annotations
 
-from ..markdown import finite, sanity_text, skip_text
+from ..markdown import cells_in_order, finite, heading, sanity_table, sanity_text, skip_text
 from ..markdown import md as _md
-from ..markdown import sanity_table
 
 # Labels of transformers' attn_implementation names, in table order.
 MODEL_LABELS = {"fagen": "fagen", "sdpa": "SDPA", "flex_attention": "FlexAttention", "eager": "eager"}
@@ -46,9 +45,10 @@ def tokens_per_s(tokens: float, ms: float) -> float:
     return tokens / (ms * 1e-3)
 
 
-def _ordered(names) -> list[str]:
-    names = list(dict.fromkeys(names))
-    return [n for n in MODEL_LABELS if n in names] + [n for n in names if n not in MODEL_LABELS]
+def _rated(results: dict) -> dict | None:
+    """The section with its rates (add_rates), or None when it has no rows."""
+    section = results.get("models") or {}
+    return add_rates(section) if section.get("rows") else None
 
 
 def add_rates(section: dict) -> dict:
@@ -112,19 +112,16 @@ def plan_lines(c, fagen_kernels: int) -> list[str]:
 
 def short_lines(results: dict) -> list[str]:
     """The section's block of the short table: per row, one line per system."""
-    section = results.get("models") or {}
-    if not section.get("rows"):
+    section = _rated(results)
+    if section is None:
         return []
-    add_rates(section)
     version = section.get("transformers")
     lines = [f"-- models (transformers {version or 'missing'}): {(section.get('config') or {}).get('model', '')}; "
              f"{sanity_text(section)}"]
     for row in section["rows"]:
         unit = "new tok/s" if row["part"] == "decode" else "tokens/s"
         lines += [row["label"], f"  {'system':<{LABEL_WIDTH}}       ms {unit:>9} fagen/this"]
-        for name in _ordered(row["results"]):
-            cell = row["results"][name]
-            label = MODEL_LABELS.get(name, name)[:LABEL_WIDTH]
+        for name, label, cell in cells_in_order(row["results"], MODEL_LABELS, MODEL_LABELS, LABEL_WIDTH):
             if finite(cell.get("tokens_per_s")) is None:
                 lines.append(f"  {label:<{LABEL_WIDTH}} {skip_text(cell, 60)}")
                 continue
@@ -137,24 +134,21 @@ def short_lines(results: dict) -> list[str]:
 # -- results.md --------------------------------------------------------------------------------
 
 def markdown_lines(results: dict) -> list[str]:
-    section = results.get("models") or {}
-    if not section.get("rows"):
+    section = _rated(results)
+    if section is None:
         return []
-    add_rates(section)
     config = section.get("config") or {}
-    out = ["", "## Models (transformers)", "",
-           f"{_md(config.get('model', ''))}: {config.get('parameters', 0):,} parameters, in Hugging Face "
-           f"transformers {section.get('transformers') or '(missing)'} (`AutoModelForCausalLM.from_config`, no "
-           "download). One model, its attention switched with `set_attn_implementation`, so every system runs "
-           "the same weights on the same tokens. Times are the median of CUDA-event timings after a warm-up call "
-           "(which compiles FlexAttention). A training step is forward with labels, the loss and backward "
-           "(gradients set to None first, no optimizer step); tokens/s = tokens per step / step time. Decode "
-           "times a whole greedy `generate` call (prefill included); new tokens/s = prompts × new tokens / call "
-           "time. Generate at this size may be host-bound (transformers' per-token Python), and fagen's path "
-           "unpads the left-padded batch and pads it back in every layer (`flash_attn_varlen_func`). "
-           "Ratios are fagen / this, of tokens/s (> 1: fagen is faster)."]
-    if section.get("note"):
-        out += ["", f"Note: {_md(section['note'])}"]
+    intro = (f"{_md(config.get('model', ''))}: {config.get('parameters', 0):,} parameters, in Hugging Face "
+             f"transformers {section.get('transformers') or '(missing)'} (`AutoModelForCausalLM.from_config`, no "
+             "download). One model, its attention switched with `set_attn_implementation`, so every system runs "
+             "the same weights on the same tokens. Times are the median of CUDA-event timings after a warm-up call "
+             "(which compiles FlexAttention). A training step is forward with labels, the loss and backward "
+             "(gradients set to None first, no optimizer step); tokens/s = tokens per step / step time. Decode "
+             "times a whole greedy `generate` call (prefill included); new tokens/s = prompts × new tokens / call "
+             "time. Generate at this size may be host-bound (transformers' per-token Python), and fagen's path "
+             "unpads the left-padded batch and pads it back in every layer (`flash_attn_varlen_func`). "
+             "Ratios are fagen / this, of tokens/s (> 1: fagen is faster).")
+    out = heading("Models (transformers)", intro, section.get("note"))
     if config.get("prompt_lengths"):
         out += ["", f"Prompt lengths: {', '.join(map(str, config['prompt_lengths']))}."]
     for row in section["rows"]:
@@ -178,9 +172,7 @@ def _markdown_row(row: dict) -> list[str]:
     title = row["label"][:1].upper() + row["label"][1:]
     out = ["", f"### {_md(title)}", "",
            f"| system | ms | {unit} | fagen / this | note |", "|---|---:|---:|---:|---|"]
-    for name in _ordered(row["results"]):
-        cell = row["results"][name]
-        label = MODEL_LABELS.get(name, name)
+    for name, label, cell in cells_in_order(row["results"], MODEL_LABELS, MODEL_LABELS):
         if finite(cell.get("tokens_per_s")) is None:
             out.append(f"| {label} | - | - | - | {_md(skip_text(cell, 400))} |")
             continue

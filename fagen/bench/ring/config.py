@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..sizes import short_seqlen
+
 # Kernel calls of the one ring step at world 1 (causal); the dry run checks these against
 # fagen.distributed's step_blocks. zigzag: chunks 0 and 1 against themselves, the causal
 # halves (0, 0) and (1, 1) and the full block (1, 0); contiguous: the causal whole.
@@ -41,9 +43,8 @@ class RingConfig:
 
     @property
     def label(self) -> str:
-        n = f"{self.seqlen // 1024}k" if self.seqlen % 1024 == 0 else str(self.seqlen)
-        return (f"{self.dtype} B={self.batch} N={n} H={self.heads} Hk={self.kv_heads} d={self.head_dim} "
-                f"{'causal' if self.causal else 'non-causal'}")
+        return (f"{self.dtype} B={self.batch} N={short_seqlen(self.seqlen)} H={self.heads} Hk={self.kv_heads} "
+                f"d={self.head_dim} {'causal' if self.causal else 'non-causal'}")
 
     def chunk(self, world: int) -> int:
         """A zigzag chunk's length at `world` ranks (2 W chunks)."""

@@ -6,7 +6,7 @@ From a config.RingConfig (`plan_lines`, which plan_text.describe calls) or the s
 
 from __future__ import annotations
 
-from ..markdown import finite, skip_text
+from ..markdown import finite, heading, skip_text
 from ..markdown import md as _md
 from .config import PAIRS_AT_WORLD_ONE, RingConfig
 
@@ -20,6 +20,12 @@ def add_ratios(section: dict) -> dict:
             if ms is not None and plain:
                 cell[f"{key}/plain"] = ms / plain
     return section
+
+
+def _with_ratios(results: dict) -> dict | None:
+    """The section with its ratios (add_ratios), or None when it did not run."""
+    section = results.get("ring")
+    return add_ratios(section) if section else None
 
 
 def section_note(section: dict) -> str:
@@ -94,10 +100,9 @@ def _model_lines(model: dict) -> list[str]:
 
 
 def short_lines(results: dict) -> list[str]:
-    section = results.get("ring")
-    if not section:
+    section = _with_ratios(results)
+    if section is None:
         return []
-    add_ratios(section)
     config = section.get("config") or {}
     lines = [f"-- ring, world 1 ({section.get('backend') or 'no process group'}): {config.get('label', '')}; "
              f"plain {_ms(section.get('plain'))} ms"]
@@ -110,20 +115,17 @@ def short_lines(results: dict) -> list[str]:
 # -- results.md --------------------------------------------------------------------------------
 
 def markdown_lines(results: dict) -> list[str]:
-    section = results.get("ring")
-    if not section:
+    section = _with_ratios(results)
+    if section is None:
         return []
-    add_ratios(section)
     config = section.get("config") or {}
-    out = ["", "## Ring attention (context parallelism)", "",
-           f"`fagen.distributed.ring_attention` in a single-rank process group "
-           f"({section.get('backend') or 'none created'}), {_md(config.get('label', ''))}: the one ring step runs "
-           "every chunk pair on this GPU, with no communication, so it must equal `fagen.flash_attn_func` (max abs "
-           "error within 2 bf16 roundings of max|out|) and its kernels must add up to the plain kernel's time. "
-           f"Plain forward: {_ms(section.get('plain'))} ms. Ratios / plain above 1 are the pair launches and the "
-           "merge of partial results (`merge_attention`)."]
-    if section.get("note"):
-        out += ["", f"Note: {_md(section['note'])}"]
+    intro = (f"`fagen.distributed.ring_attention` in a single-rank process group "
+             f"({section.get('backend') or 'none created'}), {_md(config.get('label', ''))}: the one ring step runs "
+             "every chunk pair on this GPU, with no communication, so it must equal `fagen.flash_attn_func` (max abs "
+             "error within 2 bf16 roundings of max|out|) and its kernels must add up to the plain kernel's time. "
+             f"Plain forward: {_ms(section.get('plain'))} ms. Ratios / plain above 1 are the pair launches and the "
+             "merge of partial results (`merge_attention`).")
+    out = heading("Ring attention (context parallelism)", intro, section.get("note"))
     out += ["", "| layout | equal | max abs err | tolerance | ring ms | pair kernels | pairs ms | ring / plain | "
             "pairs / plain | note |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for layout, cell in (section.get("layouts") or {}).items():

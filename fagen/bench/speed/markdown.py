@@ -3,7 +3,7 @@ short table, its tables in results.md and its PNG plots.
 
 From the Plan's fields (`plan_lines`) or the results dict alone (no torch), so the CPU tests can
 feed it synthetic results. The variants section's rows share the sweep's point structure, and
-use `add_ratios`, `system_cells` and `skip_reasons` from here.
+use `add_ratios` and `system_cells` from here (and `not_run_lines` from ..markdown).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from ..figures import pyplot
-from ..markdown import md as _md
+from ..markdown import heading, not_run_lines, sanity_table
 from ..sizes import short_seqlen
 from .config import COLUMN_SHORT, FAGEN_SYSTEMS, PASS_LABELS, SYSTEM_LABELS, SYSTEM_SHORT, SYSTEMS
 
@@ -124,17 +124,6 @@ def cell_text(cell: dict | None, digits: int) -> str:
     return "-"
 
 
-def skip_reasons(speed: dict) -> dict[str, dict[str, int]]:
-    """{system: {reason: number of cells}} for every cell that did not run."""
-    reasons: dict[str, dict[str, int]] = {}
-    for point in speed.get("points", []):
-        for name, cell in point.get("results", {}).items():
-            if "skipped" in cell:
-                per = reasons.setdefault(name, {})
-                per[cell["skipped"]] = per.get(cell["skipped"], 0) + 1
-    return reasons
-
-
 # -- the short table (printed last) ------------------------------------------------------
 
 def short_lines(results: dict) -> list[str]:
@@ -175,13 +164,11 @@ def markdown_lines(results: dict) -> list[str]:
     add_ratios(speed)
     systems = systems_in(speed)
     hopper = _available(speed, "fagen_sm90")
-    out = ["", "## Speed (TFLOP/s)", "",
-           "FLOPs as in the FlashAttention-2 paper: 4·N²·d·H·B forward, 2.5× that backward, "
-           "3.5× for forward + backward, halved when causal. 16k tokens per batch (B = 16384/N), "
-           "H·d = 2048. Median of CUDA-event timings; a `h` after a number means the host "
-           "issued calls slower than the GPU ran them (host-bound)."]
-    if speed.get("note"):
-        out += ["", f"Note: {_md(speed['note'])}"]
+    out = heading("Speed (TFLOP/s)",
+                  "FLOPs as in the FlashAttention-2 paper: 4·N²·d·H·B forward, 2.5× that backward, "
+                  "3.5× for forward + backward, halved when causal. 16k tokens per batch (B = 16384/N), "
+                  "H·d = 2048. Median of CUDA-event timings; a `h` after a number means the host "
+                  "issued calls slower than the GPU ran them (host-bound).", speed.get("note"))
     for pass_ in dict.fromkeys(p["pass"] for p in speed["points"]):
         out += ["", f"### {PASS_LABELS.get(pass_, pass_)}", "",
                 "| dtype | d | causal | N | B | " + " | ".join(SYSTEM_LABELS.get(s, s) for s in systems)
@@ -199,38 +186,16 @@ def markdown_lines(results: dict) -> list[str]:
                        + f" | {f'{r2:.2f} ({best})' if r2 is not None else '-'}"
                        + f" | {f'{r1:.2f}' if r1 is not None else '-'} |"
                        + (f" {f'{r90:.2f} ({best})' if r90 is not None else '-'} |" if hopper else ""))
-    return out + _markdown_not_run(speed) + _markdown_sanity(speed)
-
-
-def _markdown_not_run(speed: dict) -> list[str]:
-    out = []
-    reasons = skip_reasons(speed)
-    if reasons:
-        out += ["", "### Cells that did not run", ""]
-        for name, per in reasons.items():
-            for reason, count in per.items():
-                out.append(f"- {SYSTEM_LABELS.get(name, name)}: {_md(reason)} ({count} cells)")
-    for name, info in (speed.get("systems") or {}).items():
-        if not info.get("available"):
-            out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
-    return out
+    return out + not_run_lines(speed, "Cells that did not run", SYSTEM_LABELS) + _markdown_sanity(speed)
 
 
 def _markdown_sanity(speed: dict) -> list[str]:
     sanity = speed.get("sanity") or {}
     if not sanity:
         return []
-    out = ["", "### Sanity of the timed fagen kernels (small problem vs fp32 torch)", "",
-           "| system | config | ok | fwd err | torch fwd err | dq/dk/dv err (torch) | note |",
-           "|---|---|---|---:|---:|---|---|"]
-    for name, per in sanity.items():
-        for label, r in per.items():
-            grads = " / ".join(f"{r[g + '_err']:.2e} ({r[g + '_torch_err']:.2e})"
-                               for g in ("dq", "dk", "dv") if g + "_err" in r) or "-"
-            out.append(f"| {SYSTEM_LABELS.get(name, name)} | {label} | {r.get('ok')} | "
-                       f"{r.get('fwd_err', float('nan')):.2e} | {r.get('fwd_torch_err', float('nan')):.2e} | "
-                       f"{grads} | {_md(r.get('error') or r.get('bwd_error') or '')} |")
-    return out
+    return sanity_table("Sanity of the timed fagen kernels (small problem vs fp32 torch)", ("system", "config"),
+                        [((SYSTEM_LABELS.get(name, name), label), r) for name, per in sanity.items()
+                         for label, r in per.items()], reference="torch")
 
 
 # -- plots ------------------------------------------------------------------------------

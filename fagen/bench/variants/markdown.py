@@ -7,10 +7,10 @@ have the speed sweep's point structure: ratios, cells and skip reasons come from
 
 from __future__ import annotations
 
+from ..markdown import heading, not_run_lines, sanity_table
 from ..markdown import md as _md
-from ..markdown import sanity_table
 from ..speed.config import PASS_LABELS
-from ..speed.markdown import PASS_SHORT, add_ratios, cell_text, skip_reasons, system_cells
+from ..speed.markdown import PASS_SHORT, add_ratios, cell_text, system_cells
 from .config import FAGEN_VARIANT_SYSTEMS, NO_MOD_SYSTEMS, VARIANT_LABELS, VARIANT_SHORT, VARIANT_SYSTEMS
 
 # How each variant is called in fagen (and, with the same mod, in FlexAttention).
@@ -48,12 +48,21 @@ def plan_lines(v) -> list[str]:
 
 # -- the short table ------------------------------------------------------------------------
 
-def short_lines(results: dict) -> list[str]:
+def _ran(results: dict) -> tuple[dict, list[str]] | None:
+    """The section with its ratios, and the systems with a cell in it (in table order); None when
+    no point ran."""
     variants = results.get("variants") or {}
     if not variants.get("points"):
-        return []
+        return None
     add_ratios(variants)
-    systems = [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
+    return variants, [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
+
+
+def short_lines(results: dict) -> list[str]:
+    ran = _ran(results)
+    if ran is None:
+        return []
+    variants, systems = ran
     label = (variants.get("config") or {}).get("label", "")
     hopper = "fagen_sm90" in systems
     lines = [f"-- variants, {label}: v2{', s90' if hopper else ''}, flex with the mod; flsh, v2nm (fagen v2) "
@@ -76,20 +85,18 @@ def short_lines(results: dict) -> list[str]:
 # -- results.md --------------------------------------------------------------------------------
 
 def markdown_lines(results: dict) -> list[str]:
-    variants = results.get("variants") or {}
-    if not variants.get("points"):
+    ran = _ran(results)
+    if ran is None:
         return []
-    add_ratios(variants)
-    systems = [s for s in VARIANT_SYSTEMS if any(s in p["results"] for p in variants["points"])]
+    variants, systems = ran
     config = variants.get("config") or {}
-    out = ["", "## Variants (TFLOP/s)", "",
-           f"{config.get('label', '')}. fagen v2 and FlexAttention (torch.compile, block mask) run the same "
-           "mod; SDPA flash and fagen v2 (no mod) run plain causal attention, measured once for every row "
-           f"({_md(variants.get('sdpa', ''))}). FLOPs are the causal count (4·N²·d·H·B / 2 forward, 3.5× for "
-           "forward + backward) for every variant, so a mask that hides keys shows as a higher rate; "
-           "'keys seen' is the share of the causal keys the variant leaves visible. Ratios are fagen v2 / peer."]
-    if variants.get("note"):
-        out += ["", f"Note: {_md(variants['note'])}"]
+    out = heading("Variants (TFLOP/s)",
+                  f"{config.get('label', '')}. fagen v2 and FlexAttention (torch.compile, block mask) run the same "
+                  "mod; SDPA flash and fagen v2 (no mod) run plain causal attention, measured once for every row "
+                  f"({_md(variants.get('sdpa', ''))}). FLOPs are the causal count (4·N²·d·H·B / 2 forward, 3.5× "
+                  "for forward + backward) for every variant, so a mask that hides keys shows as a higher rate; "
+                  "'keys seen' is the share of the causal keys the variant leaves visible. Ratios are fagen v2 / "
+                  "peer.", variants.get("note"))
     ratio_keys = [(f"fagen_v2/{s}", f"v2 / {VARIANT_LABELS.get(s, s)}") for s in systems
                   if s not in FAGEN_VARIANT_SYSTEMS]
     if "fagen_sm90" in systems and "flex" in systems:
@@ -111,16 +118,7 @@ def markdown_lines(results: dict) -> list[str]:
 
 
 def _markdown_not_run(variants: dict) -> list[str]:
-    out = []
-    reasons = skip_reasons(variants)
-    if reasons:
-        out += ["", "### Variant cells that did not run", ""]
-        for name, per in reasons.items():
-            for reason, count in per.items():
-                out.append(f"- {VARIANT_LABELS.get(name, name)}: {_md(reason)} ({count} cells)")
-    for name, info in (variants.get("systems") or {}).items():
-        if not info.get("available"):
-            out.append(f"- {info.get('label', name)} not available: {_md(info.get('reason'))}")
+    out = not_run_lines(variants, "Variant cells that did not run", VARIANT_LABELS)
     for name, sanity in (variants.get("sanity") or {}).items():
         if sanity:
             out += sanity_table(f"Sanity of the {VARIANT_LABELS.get(name, name)} variant kernels (small problem vs "
