@@ -1,5 +1,5 @@
-"""The package's imports run one way (../shared/DESIGN.md): no module imports, even lazily
-inside a function, a module that imports it back."""
+"""The package's imports run one way (docs/design.md, "Layers": this file holds the code to its
+numbered rules): no module imports, even lazily inside a function, a module that imports it back."""
 
 import ast
 from pathlib import Path
@@ -119,13 +119,11 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
     assert high not in seen, f"{low} reaches {high}"
 
 
-# Users of ops that nothing below them may import (../shared/DESIGN.md: "users of ops; ops never
-# imports them"), each with the modules allowed to: the package's front door, the package itself
-# and the GPU check's sections.
+# Users of ops that nothing below them may import (docs/design.md, "Layers", rule 5), each with
+# the modules allowed to: the package's front door, the package itself and the GPU check's sections.
 TOP_LAYERS = {"fagen.distributed": ("fagen", "fagen.distributed", "fagen.bench")}
 # What distributed/ and integrations/ may import of ops: its front (the entry points it
-# re-exports) and its common layer, never a family's own module (DESIGN: "import from ops'
-# common layer, never from the user-facing modules").
+# re-exports) and its common layer, never a family's own module (docs/design.md, "Layers", rule 5).
 OPS_FOR_USERS = ("fagen.ops", "fagen.ops.common")
 
 
