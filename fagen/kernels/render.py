@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
