@@ -26,9 +26,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from ..errors import InputError
 from ..ops import merge_attention
-from ..ops.common import TORCH_DTYPES, check_flag, check_inputs, check_scale
+from ..ops.common import check_flag, check_inputs, check_scale
 from ..spec import check_dropout_p
 from ..variants.builtins import window_pair
 from .layout import check_divisible, check_layout, chunks_of
@@ -109,7 +110,7 @@ def _pair_ints(call: RingCall, block: Block) -> list[int]:
 
 
 def _pair_kernels(q, call: RingCall, block: Block) -> str:
-    return pair_kernels(q.shape[-1], TORCH_DTYPES[q.dtype], block.causal, call.dropout_p > 0, call.deterministic,
+    return pair_kernels(q.shape[-1], DTYPE_NAME[q.dtype], block.causal, call.dropout_p > 0, call.deterministic,
                         call.window is not None)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from .. import tuning
 from ..arch_families import ARCH_FAMILY_ENV
 from ..environment import raw_settings, setting, setting_keys
@@ -38,7 +39,7 @@ from ..kernels.render import Source, source_for
 from ..kernels.spill_free import spill_free
 from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
 from ..spec import CustomMod, Spec
-from .common import TORCH_DTYPES, padded_width
+from .common import padded_width
 
 NOTHING = torch.empty(0)
 NO_NAMES = ((), (), (), ())   # CallOptions.variant_names of a call without a variant   # the tensors list's stand-in for an absent tensor (on the CPU: never read)
@@ -262,7 +263,7 @@ def options_for(q, *, version: int, causal: bool, key_padding: bool, dropout: bo
     The kernels' head dims are q's and v's rounded up to a multiple of 8 (common.padded_head_dim)."""
     head_dim = padded_width(int(q.shape[-1]))
     head_dim_v = 0 if v is None else padded_width(int(v.shape[-1]))
-    return _options(head_dim, TORCH_DTYPES[q.dtype], int(version), _flag(causal),
+    return _options(head_dim, DTYPE_NAME[q.dtype], int(version), _flag(causal),
                     _flag(key_padding),
                     _flag(dropout), _flag(deterministic), _flag(varlen),
                     tuple(sorted(variant_fields.items())) if variant_fields else (),

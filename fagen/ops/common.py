@@ -19,7 +19,6 @@ from ..errors import InputError, InputTypeError, assert_lazily
 from ..kernels import launch
 from ..spec import MAX_HEAD_DIM, check_dropout_p
 
-TORCH_DTYPES = DTYPE_NAME   # the name ops' modules and distributed/ import (fagen.dtypes holds the table)
 ALIGN_ELEMENTS = 8   # cp.async moves 16 bytes: rows must start 16-byte aligned
 HEAD_DIM_MULTIPLE = 8  # head dims in between are zero-padded up to this (flash-attn does too)
 CHECK_VALUES_ENV = "FAGEN_CHECK_VALUES"   # 1: index values are read and checked on the host (values_checked)
@@ -230,7 +229,7 @@ def check_flag(name: str, value) -> bool:
 
 def check_half_rows(name: str, t) -> None:
     """`t` is fp16 or bf16 with a contiguous last dimension: what every kernel input needs."""
-    if t.dtype not in TORCH_DTYPES:
+    if t.dtype not in DTYPE_NAME:
         raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")

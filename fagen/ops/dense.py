@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from ..errors import InputError
 from ..kernels import sources as generated_sources
 from ..kernels.attention_kernels import Memo
 from ..spec import Spec, check_dropout_p
 from . import autograd
 from .call import CallOptions, CallValues, kernels_state, options_for, values_of
-from .common import (HEAD_DIM_MULTIPLE, TORCH_DTYPES, check_flag, check_inputs, check_options, padded_head_dim,
+from .common import (HEAD_DIM_MULTIPLE, check_flag, check_inputs, check_options, padded_head_dim,
                      philox_state, strides_aligned)
 from .variant_args import variant_call
 
@@ -190,7 +191,7 @@ def run_generated(spec: Spec, source_path, sha256: str, q, k, v, *, softmax_scal
     if spec.has_mods:
         raise InputError(f"{spec.name} is a variant: its op module cannot pass the variant's arguments yet; "
                          f"call fagen.flash_attn_func with window_size/softcap/alibi_slopes/sinks instead")
-    if TORCH_DTYPES.get(getattr(q, "dtype", None)) != spec.dtype or getattr(q, "shape", (0,))[-1] != spec.head_dim:
+    if DTYPE_NAME.get(getattr(q, "dtype", None)) != spec.dtype or getattr(q, "shape", (0,))[-1] != spec.head_dim:
         raise InputError(f"{spec.name} takes {spec.dtype} inputs with head_dim {spec.head_dim}, got "
                          f"{getattr(q, 'dtype', type(q).__name__)} with shape {tuple(getattr(q, 'shape', ()))}")
     if (seqlens_k is not None) != spec.key_padding:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from ..arch_families import ARCH_FAMILY_ENV, family_of
 from ..errors import InputError, InputTypeError, run_forward_only, wanting_grad
 from ..kernels import launch
@@ -41,7 +42,7 @@ from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV
 from ..spec import Spec
 from ..variants.builtins import check_softcap
 from ..environment import raw_settings, setting_keys
-from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, TORCH_DTYPES, aligned_rows, check_flag, device_shared_limit,
+from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, aligned_rows, check_flag, device_shared_limit,
                      values_checked)
 from .call import decoding_spec
 from .kvcache_args import CacheCall, check_kvcache, check_rotary
@@ -53,7 +54,7 @@ def decode_spec(head_dim: int, dtype: torch.dtype, causal: bool, page_size: int 
     """The kv_cache spec of a step (call.decoding_spec: Spec.for_kv_cache, its tiles fitted to
     `shared_limit`, a GPU's shared memory per block), in the family that serves it on `device`
     (None: as built, the sm80 family's)."""
-    return decoding_spec(head_dim, TORCH_DTYPES[dtype], causal, page_size, fields, device,
+    return decoding_spec(head_dim, DTYPE_NAME[dtype], causal, page_size, fields, device,
                          shared_limit=shared_limit, served=device is not None)
 
 

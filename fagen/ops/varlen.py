@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import DTYPE_NAME
 from ..errors import InputError, run_forward_only
 from ..kernels import kv_kernels
 from ..kernels.render import source_for
 from . import autograd
 from .call import decoding_spec, options_for, values_of
-from .common import (TORCH_DTYPES, aligned_rows, check_flag, check_options, device_shared_limit, padded_head_dim,
+from .common import (aligned_rows, check_flag, check_options, device_shared_limit, padded_head_dim,
                      padded_width, philox_state)
 from .variant_args import variant_call
 from .varlen_args import check_varlen, packed_lse
@@ -74,7 +75,7 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
     head_dim, head_dim_v = padded_width(q.shape[2]), padded_width(v.shape[-1])
     fields = {**(call.spec_fields if call else {}), **({"head_dim_v": head_dim_v} if head_dim_v != head_dim else {})}
     # sm90 where asked, or proven on this Hopper GPU; refused: sinks (the decoding kernels take none)
-    spec = decoding_spec(head_dim, TORCH_DTYPES[q.dtype], causal, k.shape[1], fields, q.device,
+    spec = decoding_spec(head_dim, DTYPE_NAME[q.dtype], causal, k.shape[1], fields, q.device,
                          shared_limit=device_shared_limit(q.device), varlen=True, refusal="with a block_table, ")
 
     def run():
