@@ -160,7 +160,7 @@ def _nvrtc() -> str:
 def _record(plan: Plan, into: dict) -> str:
     """Record the kernels in this process (nothing here launches a kernel afterwards)."""
     from .kernel_calls import gpu_test_calls, section_calls
-    from .kernel_record import identity_for, record
+    from ..kernel_record import identity_for, record
 
     identity = identity_for(DRY_RUN_ARCH)
     sections, tests = record(section_calls(plan), identity), record(gpu_test_calls(), identity)
@@ -192,10 +192,10 @@ def _compile_last(recorded: dict, prefix: str) -> str:
 def _selftest_cases(into: dict) -> str:
     """Every template of both families has a case, and each case's calls load kernels of its
     family for the H200 (the child's own recording, so the step finds no missing case there)."""
-    from fagen.selftest.cases import CASES
-    from fagen.selftest.child import record_cases
+    from fagen.selftest_cases.cases import CASES
+    from fagen.selftest_cases.child import record_cases
 
-    from .kernel_record import identity_for
+    from ..kernel_record import identity_for
     from .selftest_step import HOPPER_FAMILIES, expected_templates
 
     templates = expected_templates(HOPPER_FAMILIES)

@@ -45,7 +45,7 @@ def estimate_seconds(plan) -> float:
 def record_section_kernels(plan, identity):
     """The sections' kernels for the GPU of `identity` (run in a spawned worker)."""
     from .kernel_calls import section_calls
-    from .kernel_record import identity_for, record
+    from ..kernel_record import identity_for, record
 
     return record(section_calls(plan), identity_for(identity) if isinstance(identity, str) else identity)
 
@@ -53,7 +53,7 @@ def record_section_kernels(plan, identity):
 def record_test_kernels(identity):
     """The gpu tests' kernels for the GPU of `identity` (run in a spawned worker)."""
     from .kernel_calls import gpu_test_calls
-    from .kernel_record import identity_for, record
+    from ..kernel_record import identity_for, record
 
     return record(gpu_test_calls(), identity_for(identity) if isinstance(identity, str) else identity)
 

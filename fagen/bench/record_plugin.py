@@ -21,7 +21,7 @@ _state: dict = {}
 
 
 def pytest_configure(config):
-    from .kernel_record import Recorded, identity_for, recording
+    from ..kernel_record import Recorded, identity_for, recording
 
     recorded = Recorded()
     context = recording(identity_for(os.environ.get(ARCH_ENV, "sm_90")), recorded)

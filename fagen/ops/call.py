@@ -166,7 +166,7 @@ def kernels_state(cuda: bool) -> tuple:
 def compiled_arch(device: torch.device) -> str | None:
     """The arch a call's kernels compile for where it matters to the spec (a mod's spill-free tiles,
     `spill_free`): the GPU's; None on the CPU, whose emulator compiles for the host. (A seam: the
-    GPU check's recorder, fagen.bench.kernel_record, answers for the GPU it records for.)"""
+    GPU check's recorder, fagen.kernel_record, answers for the GPU it records for.)"""
     return launch.arch_of(device) if device.type == "cuda" else None
 
 

@@ -2,7 +2,7 @@
 
 A template here is one path through a family's kernels: its forward at one head-dim bucket
 (`sm90.d128`), or one feature of it (`sm90.softcap`, `sm80.paged`). `fagen selftest` runs one
-small case per template (fagen.selftest.cases) and stores a verdict for each. A call's Spec is
+small case per template (fagen.selftest_cases.cases) and stores a verdict for each. A call's Spec is
 served by a family only where every template it uses passed (`templates_of`): a softcap call at
 d = 128 on the sm90 family needs `sm90.d128` and `sm90.softcap`. That is a product of features
 proven one at a time, not every combination: the trade that keeps the self-test under a minute.

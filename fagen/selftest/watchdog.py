@@ -1,7 +1,7 @@
 """The self-test's parent: runs the cases in a child process under a wall-clock watchdog.
 
 A kernel that hangs on hardware never returns, and a CUDA fault poisons its process's context.
-So the cases run in a child (`python -m fagen.selftest.child`) that reports each case's start and
+So the cases run in a child (`python -m fagen.selftest_cases.child`) that reports each case's start and
 result as JSON lines on a pipe of its own; this parent reads them against two clocks:
 
   - each case's run has `case_timeout_s` from its "start" event (the child compiles every
@@ -31,7 +31,7 @@ from typing import Callable
 
 from .verdicts import TemplateResult
 
-DEFAULT_CASES = "fagen.selftest.cases:CASES"
+DEFAULT_CASES = "fagen.selftest_cases.cases:CASES"
 CASE_TIMEOUT_S = 20.0    # one case's kernels on small shapes take milliseconds on a GPU
 
 
@@ -71,7 +71,7 @@ def run_selftest(plan: RunPlan, progress: Callable[[str], None] = lambda line: N
 def _run_child(plan, remaining: list, results: dict, log, deadline: float, compile_first: bool, progress) -> None:
     """One child over `remaining`, until it finishes, dies or overruns; records what it reported."""
     read_fd, write_fd = os.pipe()
-    command = [sys.executable, "-m", "fagen.selftest.child", "--device", plan.device, "--cases", plan.cases,
+    command = [sys.executable, "-m", "fagen.selftest_cases.child", "--device", plan.device, "--cases", plan.cases,
                "--events-fd", str(write_fd), "--templates", ",".join(remaining)]
     command += [] if compile_first else ["--no-compile"]
     child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),

@@ -125,7 +125,7 @@ def recorded_by_precompile(plan: Plan, arch: str) -> tuple[list, list]:
 def recorded_from_the_sections(plan: Plan, arch: str) -> list:
     """The names the sections' own runners load for `arch`, at small sizes, each measurement
     one call (kernels do nothing under the recording, so the sanity checks fail: no matter)."""
-    from fagen.bench.kernel_record import Recorded, identity_for, recording
+    from fagen.kernel_record import Recorded, identity_for, recording
 
     recorded = Recorded()
     with recording(identity_for(arch), recorded):
@@ -246,7 +246,7 @@ def test_recording_leaves_fagen_as_it_found_it():
     import fagen.kernels.launch
     import fagen.tuning
     from fagen.bench.kernel_calls import sanitizer_workload
-    from fagen.bench.kernel_record import _CACHES, identity_for, record
+    from fagen.kernel_record import _CACHES, identity_for, record
 
     caches = [getattr(importlib.import_module(module), name) for module, name in _CACHES]
     seams = (fagen.kernels.launch.load, fagen.tuning.lookup)

@@ -1,4 +1,4 @@
-"""The self-test's templates and cases (fagen.selftest.templates, fagen.selftest.cases): every
+"""The self-test's templates and cases (fagen.selftest.templates, fagen.selftest_cases.cases): every
 template has a case, a Spec maps to the templates its kernels use, the family's sources key its
 verdicts, and the real cases pass on the emulator (one through `fagen selftest` here, every one
 in the slow tier)."""
@@ -12,7 +12,7 @@ import torch
 
 from fagen.cli import main as fagen_main
 from fagen.kernels.render import template_dir
-from fagen.selftest.cases import CASES
+from fagen.selftest_cases.cases import CASES
 from fagen.selftest.templates import all_templates, sources_digest, templates_of
 from fagen.spec import Spec
 from fagen.variants import custom_mod, trace_score_mod

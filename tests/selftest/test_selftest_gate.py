@@ -1,7 +1,7 @@
 """The gate (fagen.selftest.gate) on a stand-in compute-capability 9.0 device: the CPU, whose
 emulator runs both families, given a GPU's facts (`gate.STAND_INS`). Its first eligible call runs
 the self-test (planted cases: tests/support/selftest_planted.py) in a child; the kernel loads are
-recorded and stubbed (fagen.bench.kernel_record), so no kernel is built.
+recorded and stubbed (fagen.kernel_record), so no kernel is built.
 
   - after a passing self-test the stand-in takes the sm90 family by default, after a failing one
     sm80 (with a warning naming the template, the log and `fagen selftest --verbose`);
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fagen
-from fagen.bench.kernel_record import identity_for, record
+from fagen.kernel_record import identity_for, record
 from fagen.selftest import gate
 from fagen.selftest.gate import DeviceFacts, FirstUse, SelftestFailure
 from fagen.selftest.verdicts import selftest_dir

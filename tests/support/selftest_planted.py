@@ -1,4 +1,4 @@
-"""Planted self-test cases (tests/selftest/): tables of fagen.selftest.cases.Case whose runs pass,
+"""Planted self-test cases (tests/selftest/): tables of fagen.selftest_cases.cases.Case whose runs pass,
 return a wrong result, hang, or kill their process, so that the watchdog, the verdicts and the
 gate are tested without a GPU and without building a kernel. The child process loads a table by
 `--cases selftest_planted:NAME`, with tests/support on its PYTHONPATH (`CHILD_ENV`).
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from fagen.reference import attention_forward, attention_same_dtype
-from fagen.selftest.cases import Case
-from fagen.selftest.rule import Checks
+from fagen.selftest_cases.cases import Case
+from fagen.selftest_cases.rule import Checks
 
 SUPPORT = Path(__file__).resolve().parent
 CHILD_ENV = (("PYTHONPATH", os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])),)

@@ -104,7 +104,7 @@ def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
 @pytest.mark.parametrize("low, high", [("fagen.spec", "fagen.kernels.render"), ("fagen.kernels.render", "fagen.ops"),
                                        ("fagen.kernels.launch", "fagen.ops"), ("fagen.tuning.cache", "fagen.ops"),
                                        ("fagen.tuning.command", "fagen.cli"), ("fagen.selftest.gate", "fagen.ops"),
-                                       ("fagen.selftest.gate", "fagen.selftest.cases"),
+                                       ("fagen.selftest.gate", "fagen.selftest_cases.cases"),
                                        ("fagen.kernels.launch", "fagen.emulate"), ("fagen.kernels.build", "fagen.emulate"),
                                        ("fagen.kernels.compile", "fagen.emulate")])
 def test_lower_layers_do_not_import_higher_ones(low, high):
@@ -117,6 +117,25 @@ def test_lower_layers_do_not_import_higher_ones(low, high):
         seen.add(node)
         todo.extend(graph.get(node, ()))
     assert high not in seen, f"{low} reaches {high}"
+
+
+@pytest.mark.parametrize("high", ["fagen.ops", "fagen.selftest_cases", "fagen.bench", "fagen.kernel_record"])
+def test_the_selftest_package_stays_below_the_ops(high):
+    """docs/design.md, "Layers", rule 2: every module of fagen.selftest (the gate the ops ask, the
+    verdicts, the templates, the watchdog, the command) stays below the ops; the cases that call
+    the ops live in fagen.selftest_cases, started as a child process by module name."""
+    graph = import_graph()
+    low = sorted(node for node in graph if node == "fagen.selftest" or node.startswith("fagen.selftest."))
+    assert len(low) >= 5, low   # the package was found
+    seen, todo = set(), list(low)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(graph.get(node, ()))
+    reached = sorted(node for node in seen if node == high or node.startswith(high + "."))
+    assert not reached, f"fagen.selftest reaches {reached}"
 
 
 # Users of ops that nothing below them may import (docs/design.md, "Layers", rule 5), each with

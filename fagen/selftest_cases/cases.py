@@ -1,5 +1,5 @@
 """The self-test's cases: one small call per template (fagen.selftest.templates), run by the
-child (fagen.selftest.child) in the template's family (FAGEN_ARCH_FAMILY).
+child (fagen.selftest_cases.child) in the template's family (FAGEN_ARCH_FAMILY).
 
 Each template's case uses its feature at one head dim, d = 64 unless the template is a head
 dim; the head-dim cases run plain attention (sm90: the forward; sm80: forward and backward).
@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from ..arch_families import ARCH_FAMILIES, FAMILIES
+from ..selftest.templates import all_templates, backward_family
 from .decoding import Decoding, PagedPacked, check_decoding, check_paged_packed
-from .templates import all_templates, backward_family
 from .training import Packed, Training, check_packed, check_training
 
 

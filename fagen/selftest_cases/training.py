@@ -1,5 +1,5 @@
 """The self-test's training calls: `fagen.flash_attn_func` and `flash_attn_varlen_func`, forward
-(O and L) and, where the case asks, backward, each held to the rule (fagen.selftest.rule).
+(O and L) and, where the case asks, backward, each held to the rule (fagen.selftest_cases.rule).
 
 Small shapes that still cross tile edges: 140 queries against 170 keys (neither a multiple of any
 tile), GQA (two query heads over one K/V head), causal rows that see no key where Nq > Nk.

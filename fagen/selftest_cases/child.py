@@ -1,7 +1,7 @@
 """The self-test's child process: runs the cases of the templates it is given, reporting each on
 its event pipe as a JSON line, for the watchdog (fagen.selftest.watchdog) in the parent.
 
-    python -m fagen.selftest.child --device cuda:0 --events-fd N --templates sm90.d64,sm90.causal
+    python -m fagen.selftest_cases.child --device cuda:0 --events-fd N --templates sm90.d64,sm90.causal
 
 Events: {"event": "compiled", "kernels": n, "seconds": s}, then per template {"event": "start",
 "template": t} and {"event": "result", "template": t, "status": "passed" | "failed" | "not_run",
@@ -10,7 +10,7 @@ context may be broken (a fresh child goes on with the rest).
 
 On a GPU it first compiles every case's kernels, in threads (NVRTC releases the GIL), so that the
 watchdog's clock times runs and not compiles: which kernels, it learns by making the calls on
-CPU tensors with kernel loads recorded and stubbed (fagen.bench.kernel_record, as the GPU
+CPU tensors with kernel loads recorded and stubbed (fagen.kernel_record, as the GPU
 check's precompile does). On the CPU (the emulator) it builds each kernel as the case runs.
 FAGEN_SELFTEST=0 inside: the cases' own calls never start another self-test.
 """
@@ -31,11 +31,11 @@ ARCH_FAMILY_ENV = "FAGEN_ARCH_FAMILY"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fagen.selftest.child")
+    parser = argparse.ArgumentParser(prog="python -m fagen.selftest_cases.child")
     parser.add_argument("--device", required=True)
     parser.add_argument("--events-fd", type=int, required=True)
     parser.add_argument("--templates", required=True, help="comma-separated, in order")
-    parser.add_argument("--cases", default="fagen.selftest.cases:CASES", help="module:attribute of {template: Case}")
+    parser.add_argument("--cases", default="fagen.selftest_cases.cases:CASES", help="module:attribute of {template: Case}")
     parser.add_argument("--no-compile", action="store_true", help="do not compile every kernel first")
     args = parser.parse_args(argv)
     os.environ[SELFTEST_ENV] = "0"
@@ -143,11 +143,11 @@ def _compile_kernels(cases, device) -> dict:
 
 def record_cases(cases, identity):
     """The kernels `cases` load on the GPU of `identity` (a DeviceIdentity), each case in its
-    family: recorded by making its calls on CPU tensors (fagen.bench.kernel_record; the GPU
+    family: recorded by making its calls on CPU tensors (fagen.kernel_record; the GPU
     check's dry run lists them the same way). FAGEN_ARCH_FAMILY is as it was afterwards."""
     import torch
 
-    from ..bench.kernel_record import record
+    from ..kernel_record import record
 
     before = os.environ.get(ARCH_FAMILY_ENV)
     try:

@@ -1,6 +1,6 @@
 """The self-test's decoding calls: `fagen.flash_attn_with_kvcache` (contiguous and paged caches,
 appended keys, split-KV, GQA packing, absorbed MLA) and packed queries over a paged cache
-(`flash_attn_varlen_func` with a block_table), each entry held to the rule (fagen.selftest.rule)
+(`flash_attn_varlen_func` with a block_table), each entry held to the rule (fagen.selftest_cases.rule)
 against the oracle run on its own keys, and the cache checked row by row after the append.
 """
 
