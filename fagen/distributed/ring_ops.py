@@ -19,26 +19,24 @@ import functools
 import torch
 
 from ..kernels import attention_kernels
-from ..kernels.render import source_for
+from ..ops.call import CallOptions, source_at_spec_tiles
 from ..ops.common import aligned_rows
-from ..selftest.gate import serving_spec
-from ..spec import Spec
 from ..variants.builtins import WINDOW
 
 
 @functools.lru_cache(maxsize=64)
-def pair_spec(kernels: str) -> Spec:
-    """A pair's Spec, built once per kind: every pair of every step asks for one of a few, and a
-    Spec validates itself on construction."""
+def pair_options(kernels: str) -> CallOptions:
+    """A pair's call options, once per kind (every pair of every step asks for one of a few): its
+    Spec comes from them by the path every call's does (ops.call, CallOptions.spec)."""
     head_dim, dtype, causal, dropout, deterministic, window = _fields(kernels)
-    return Spec(head_dim=head_dim, dtype=dtype, mask="causal" if causal else "none", dropout=dropout,
-                deterministic=deterministic, coord_offsets=dropout, window=window)
+    flags = (("coord_offsets", True),) * dropout + (("window", True),) * window   # sorted: Spec field names
+    return CallOptions(head_dim, dtype, causal=causal, dropout=dropout, deterministic=deterministic, variant=flags)
 
 
 def pair_source(kernels: str, device):
-    """A pair's kernels, in the family that serves them on `device`: the self-test's gate
-    (selftest.gate.serving_spec) decides, as for every call of fagen.ops."""
-    return source_for(serving_spec(pair_spec(kernels), device))
+    """A pair's kernels at its Spec's own tiles (a pair's shapes change every step), in the family
+    that serves them on `device` (the self-test's gate decides, as for every call of fagen.ops)."""
+    return source_at_spec_tiles(pair_options(kernels), device)
 
 
 def pair_kernels(head_dim: int, dtype: str, causal: bool, dropout: bool, deterministic: bool, window: bool) -> str:

@@ -1,8 +1,9 @@
 """A call's options and values: the one place a Spec is built from call arguments, and the flat
 form in which every attention call (dense, variant, packed sequences) reaches the kernels.
 Dense and packed calls build theirs from `CallOptions.spec()`, decoding steps and packed queries
-over a paged cache from `decoding_spec`; both take their kernel family from the self-test's gate
-(fagen.selftest.gate.serving_spec), as the ring's pairs do (fagen.distributed.ring_ops).
+over a paged cache from `decoding_spec`, the ring's pairs from `CallOptions.spec()` too
+(`source_at_spec_tiles`); all take their kernel family from the self-test's gate
+(fagen.selftest.gate.serving_spec).
 
 `CallOptions` (frozen) holds what selects kernels and nothing else; `spec()` builds the Spec,
 and `source_for_call` adds the tiles the tuning cache (or the fallback table) gives the call's
@@ -199,6 +200,12 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
         _call_sources.clear()
     _call_sources[key] = (generation, source)
     return source
+
+
+def source_at_spec_tiles(options: CallOptions, device) -> Source:
+    """The kernels of `options` at their Spec's own tiles (no tuning lookup), in the family that
+    serves them on `device`: the ring's pairs (fagen.distributed.ring_ops)."""
+    return source_for(serving_spec(options.spec(), device))
 
 
 @dataclass

@@ -142,8 +142,9 @@ def test_the_selftest_package_stays_below_the_ops(high):
 # the modules allowed to: the package's front door, the package itself and the GPU check's sections.
 TOP_LAYERS = {"fagen.distributed": ("fagen", "fagen.distributed", "fagen.bench")}
 # What distributed/ and integrations/ may import of ops: its front (the entry points it
-# re-exports) and its common layer, never a family's own module (docs/design.md, "Layers", rule 5).
-OPS_FOR_USERS = ("fagen.ops", "fagen.ops.common")
+# re-exports), its common layer and `call` (the one path from call arguments to a Spec), never an
+# entry point's own module (docs/design.md, "Layers", rule 5).
+OPS_FOR_USERS = ("fagen.ops", "fagen.ops.common", "fagen.ops.call")
 
 
 def importers_of(graph: dict[str, set[str]], package: str) -> set[str]:
@@ -194,7 +195,7 @@ def ops_imports_of_users(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return found
 
 
-def test_distributed_and_integrations_use_ops_through_its_front_and_common_layer():
+def test_distributed_and_integrations_use_ops_through_its_front_common_layer_and_call():
     graph = import_graph()
     assert {"fagen.ops", "fagen.ops.common"} <= set().union(*(graph[m] for m in graph if m.startswith("fagen.distributed")))
     assert ops_imports_of_users(graph) == {}
