@@ -32,6 +32,16 @@ def test_every_family_has_its_facts_and_a_folder():
         assert family.facts is FAMILIES[name] and (template_dir() / family.facts.templates).is_dir()
 
 
+def test_a_family_in_the_registry_without_passes_is_named():
+    """FAMILIES is the one registry: a family's passes are found by its name, and one listed
+    there without a module of passes fails at import, naming the file it needs."""
+    from fagen.kernels.families import _passes_of
+
+    assert _passes_of("sm90") is KERNEL_FAMILIES["sm90"]
+    with pytest.raises(ImportError, match=r"'sm99'.*fagen/kernels/families/sm99\.py defining FAMILY"):
+        _passes_of("sm99")
+
+
 @pytest.mark.parametrize("name", sorted(KERNEL_FAMILIES))
 def test_a_pass_lists_every_template_its_own_include(name):
     """What the self-test's digest reads (Pass.sources): a pass's templates and, beyond the shared
