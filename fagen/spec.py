@@ -1,4 +1,4 @@
-"""The attention spec: a small, frozen description of one kernel variant.
+"""The attention spec: a small, frozen description of one kernel.
 
 A `Spec` is pure data. It knows which combinations are legal (and says why
 when one is not), how much shared memory its tiles need, and its own stable,
@@ -101,7 +101,7 @@ class CustomMod:
 
 @dataclass(frozen=True)
 class Spec:
-    """One attention kernel variant.
+    """One attention kernel, as data.
 
     head_dim     d, a multiple of 8 up to 512 (Q's and K's head dim)
     dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32)

@@ -114,8 +114,8 @@ class Plan:
         return len(self.configs()) * len(self.seqlens) * per_point
 
     # -- kernels to compile, across sections (the precompile forecast) -------------------------
-    def fagen_variants(self) -> int:
-        """Distinct fagen kernels the sweep compiles (one source per variant)."""
+    def sweep_kernels(self) -> int:
+        """Distinct fagen kernels the speed sweep compiles (one source per system, dtype, d and mask)."""
         versions = sum(1 for s in self.systems if s in FAGEN_SYSTEMS)
         return versions * len(self.dtypes) * len(self.head_dims) * len(self.causal)
 

@@ -37,7 +37,7 @@ def plan_lines(plan) -> list[str]:
 def estimate_seconds(plan) -> float:
     """About 6 s to spawn the recorder and record the calls' kernels, then 1.5 s per NVRTC compile
     on each of the GPU machine's workers, within the cap."""
-    kernels = (plan.fagen_variants() + plan.variant_kernels() + plan.decode_kernels() + plan.models_kernels()
+    kernels = (plan.sweep_kernels() + plan.variant_kernels() + plan.decode_kernels() + plan.models_kernels()
                + GPU_TEST_KERNELS)
     return min(plan.precompile_cap_s, 6.0 + 1.5 * kernels / GPU_MACHINE_WORKERS)
 

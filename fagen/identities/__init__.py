@@ -6,7 +6,7 @@ attention; `variants` those of sinks, a differentiable lse and score mods
 (softcap, ALiBi, traced score_mods: `mod_identities`); `merge` those of
 merging partial attention results (fagen.merge_attention). This package joins
 them into IDENTITIES; `run()` proves them and returns timed Results;
-`for_spec(spec)` lists the ones a kernel variant relies on; `format_table`
+`for_spec(spec)` lists the ones a kernel spec relies on; `format_table`
 prints what `fagen verify` shows.
 """
 

@@ -168,7 +168,7 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
 
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
-                     block_table=None, num_splits: int = 1, softmax_scale=None, variant=None, varlen=None,
+                     block_table=None, num_splits: int = 1, softmax_scale=None, variant_values=None, varlen=None,
                      pack_group: int | None = None, flag=None, new_tokens: int = 0):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
@@ -190,7 +190,7 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     head_dim_v = v_cache.shape[-1]
     out = attention_kernels.new_buffer(*q.shape[:-1], head_dim_v, dtype=q.dtype, device=q.device)   # d_v columns
     lse = attention_kernels.new_buffer(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    variant_tensors, variant_scalars = attention_kernels.split_variant(source.spec, variant, scale)
+    variant_tensors, variant_scalars = attention_kernels.split_variant(source.spec, variant_values, scale)
     tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k,
                                  *partials(q, heads, seqlen_q, num_splits, head_dim_v),
                                  None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors)

@@ -217,11 +217,11 @@ class CallValues:
 
 
 def values_of(options: CallOptions, *, seqlens_k, rng, varlen, softmax_scale: float, dropout_p: float,
-              variant: dict | None) -> CallValues:
-    """A call's values in the order `options` names them."""
+              variant_values: dict | None) -> CallValues:
+    """A call's values in the order `options` names them (`variant_values`: the variant's, by name)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     tensor_names, float_names, int_names, param_names = options.variant_names
-    variant = variant or {}
+    variant = variant_values or {}
     return CallValues(
         [NOTHING if t is None else t for t in (seqlens_k, rng, cu_q, cu_k)] + [variant[n] for n in tensor_names],
         [softmax_scale, dropout_p] + [variant[n] for n in float_names],

@@ -85,7 +85,7 @@ def _checked_call(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_l
                           deterministic=deterministic, variant_fields=call.spec_fields if call else None,
                           variant_kinds=call.kinds if call else None, module_source=module_source, v=v)
     values = values_of(options, seqlens_k=seqlens_k, rng=philox_state(dropout_p, q.device), varlen=None,
-                       softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
+                       softmax_scale=softmax_scale, dropout_p=dropout_p, variant_values=call.values if call else None)
     reusable = call is None and seqlens_k is None and dropout_p == 0
     padded = bool(q.shape[-1] % HEAD_DIM_MULTIPLE or v.shape[-1] % HEAD_DIM_MULTIPLE)
     eager = not torch.compiler.is_compiling()   # traced calls check alignment in the custom ops

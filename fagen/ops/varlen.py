@@ -49,7 +49,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                           deterministic=deterministic, varlen=True, variant_fields=call.spec_fields if call else None,
                           variant_kinds=call.kinds if call else None, v=v)
     values = values_of(options, seqlens_k=None, rng=philox_state(dropout_p, q.device), varlen=varlen,
-                       softmax_scale=softmax_scale, dropout_p=dropout_p, variant=call.values if call else None)
+                       softmax_scale=softmax_scale, dropout_p=dropout_p, variant_values=call.values if call else None)
     out, slots = autograd.run(options, q, k, v, values)
     return _varlen_result(out, slots, cu_q, q.shape[0], head_dim, return_lse, return_attn_probs)
 
@@ -82,6 +82,6 @@ def _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, ca
         q_kernel, k_cache, v_cache, _ = padded_head_dim(q, k, v)
         return kv_kernels.forward_kv_cache(source_for(spec), aligned_rows(q_kernel), k_cache, v_cache, None,
                                                   seqlen_k=varlen[3], block_table=table, softmax_scale=softmax_scale,
-                                                  variant=call.values if call else None,
+                                                  variant_values=call.values if call else None,
                                                   varlen=varlen)
     return run_forward_only("flash_attn_varlen_func with a block_table", run, (q, k, v))

@@ -3,7 +3,7 @@
 A Spec fixes at compile time what the kernel can do (tile sizes, causal,
 key padding, dropout); the call supplies run-time values (scale, lengths,
 p, the keep mask). `tiled_problem` checks that the two agree, so a reference
-run describes exactly one kernel variant.
+run describes exactly one kernel spec.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def test_score_and_mask_mods_reading_the_head_and_query_under_packing(causal, fa
         q_kernel = q.view(batch, nq, heads_kv, 4, D).transpose(2, 3).reshape(batch, nq * 4, heads_kv, D) \
             if packed else q
         out, lse = kv_kernels.forward_kv_cache(render(spec), q_kernel, k_cache, v_cache, keys, seqlen_k=128,
-                                                      cache_rows=rows, num_splits=2, variant=call.values,
+                                                      cache_rows=rows, num_splits=2, variant_values=call.values,
                                                       pack_group=4 if packed else None)
         if packed:   # back to (B, Nq, H, D) and (B, H, Nq)
             out = out.view(batch, nq, 4, heads_kv, D).transpose(2, 3).reshape(batch, nq, heads, D)

@@ -353,7 +353,7 @@ def test_opcheck(version, dropout_p):
     options = options_for(q, version=version, causal=True, key_padding=False, dropout=dropout_p > 0,
                           deterministic=False)
     values = values_of(options, seqlens_k=None, rng=common.philox_state(dropout_p, q.device), varlen=None,
-                       softmax_scale=1 / math.sqrt(32), dropout_p=dropout_p, variant=None)
+                       softmax_scale=1 / math.sqrt(32), dropout_p=dropout_p, variant_values=None)
     args = (q, k, v, values.tensors, values.floats, values.ints, params_tensor(values.params), options.key())
     torch.library.opcheck(torch.ops.fagen.attention_fwd.default, args)
     out, lse, fa1 = (t.detach() for t in torch.ops.fagen.attention_fwd(*args))

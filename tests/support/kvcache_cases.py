@@ -357,7 +357,7 @@ def forward_past_the_table(spec, source, strided: bool = True) -> None:
         fields = dict(window_size=(9, 0), softcap=20.0, alibi_slopes=torch.tensor([0.5, 0.25, 0.1, 0.05]))
         call = variant_call(q, case.k_cache, causal=spec.causal, sizes=(B, 1, H, told), **(fields if spec.window else {}))
         kv_kernels.forward_kv_cache(source, q, case.k_cache, case.v_cache, None, seqlen_k=told, block_table=table,
-                                    variant=call.values if call else None,
+                                    variant_values=call.values if call else None,
                                     varlen=(torch.arange(B + 1, dtype=torch.int32), cu_k, 1, told))
 
     def decoding_step():

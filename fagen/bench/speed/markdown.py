@@ -37,7 +37,7 @@ def plan_lines(plan, gpu_test_kernels: int) -> list[str]:
                  + "; ".join(c.label for c in plan.configs()) + ")")
     lines.append(f"    timed runs: {plan.timed_runs()} = {len(plan.configs())} panels x "
                  f"{len(plan.seqlens)} seqlens x {len(plan.passes)} passes x {len(plan.systems)} systems"
-                 f"; fagen variants to compile: {plan.fagen_variants()} (+{gpu_test_kernels} "
+                 f"; fagen kernels to compile: {plan.sweep_kernels()} (+{gpu_test_kernels} "
                  "for the gpu tests), in parallel")
     lines.append(f"    timing: CUDA events, {plan.warmup} warm-up, median of {plan.min_repeats}-"
                  f"{plan.max_repeats} repeats (~{plan.target_ms:.0f} ms of GPU time each), fresh "
