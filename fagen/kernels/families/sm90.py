@@ -27,8 +27,8 @@ def _context(spec) -> dict:
 
 
 FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
-               includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "epilogue", "variant_steps", "producer",
-                                                                     "softmax", "tile_span")))
+               includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
+                                                                     "producer", "softmax", "tile_span")))
 
 FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=sm80.BACKWARD, decoding={2: FORWARD}, combine=COMBINE,
                       headers=HEADERS, context=_context)
