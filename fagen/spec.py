@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from .arch_families import ARCH_FAMILIES, DEFAULT_FAMILY, family_of, sm90_block_n_problem
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
-                    BackwardTiles, SharedLayout, backward_block_n_choices, default_tiles, smaller_kv_cache_tiles)
+                          BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
+                          default_tiles, dq_layout, smaller_kv_cache_tiles)
 
 DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal")
@@ -207,7 +208,7 @@ class Spec:
         if self.bwd_block_n is None:
             object.__setattr__(self, "bwd_block_n", backward_block_n_choices(self.head_dim)[0])
         if self.bwd_stages is None:
-            object.__setattr__(self, "bwd_stages", self._backward_tile_table().num_stages)
+            object.__setattr__(self, "bwd_stages", backward_tiles(self.head_dim, 0, self.bwd_block_n).num_stages)
         self._check_tiles()
         self.check_arch(max(SMEM_LIMIT_BYTES, key=SMEM_LIMIT_BYTES.get))  # fits some GPU
 
@@ -419,56 +420,23 @@ class Spec:
 
     @property
     def backward_tiles(self) -> BackwardTiles:
-        """Backward tiles by head dim, sized so dK, dV, S^T and dP^T stay in registers;
-        the pipeline depth is the spec's `bwd_stages`."""
-        return dataclasses.replace(self._backward_tile_table(), head_dim=self.head_dim,
-                                   head_dim_v=self.head_dim_v, num_stages=self.bwd_stages)
+        """The backward's tiles by head dim (tile_shapes.backward_tiles), sized so dK, dV, S^T and
+        dP^T stay in registers; the pipeline depth is the spec's `bwd_stages`."""
+        return backward_tiles(self.head_dim, self.head_dim_v, self.bwd_block_n, self.bwd_stages)
 
     @property
     def backward_shared_bytes(self) -> int:
         """Dynamic shared memory of the largest backward kernel."""
         return max(self.backward_layout.total_bytes, self.dq_layout.total_bytes)
 
-    def _backward_tile_table(self) -> BackwardTiles:
-        """One warp per 16 keys and the whole d up to d = 128 (dK and dV in registers,
-        nothing computed twice); 99 KB parts take bwd_block_n = 64 (four warps). Past 128
-        four warps split d and share a key group."""
-        block_n = self.bwd_block_n or backward_block_n_choices(self.head_dim)[0]
-        if self.head_dim <= 128:
-            return BackwardTiles(block_m=64, block_n=block_n, num_warps=block_n // 16, num_stages=2, dim_split=1,
-                                 dq_block_n=64)
-        if block_n == 16:   # d > 256 on a 99 KB part: 16 x 16 tiles, four warps splitting d
-            return BackwardTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, dim_split=4, dq_block_n=16)
-        # dq_block_n = 16 keeps the deterministic dQ pass (d x 16 rows of fp32 per warp) spill-free.
-        return BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4, dq_block_n=16)
-
     @property
     def backward_layout(self) -> BackwardLayout:
-        t = self.backward_tiles
-        row = t.head_dim_pad + SMEM_ROW_PAD
-        kv_bytes = t.block_n * row * ELEMENT_BYTES
-        stage = t.block_m * row * ELEMENT_BYTES
-        q_offset = 2 * kv_bytes
-        do_offset = q_offset + t.num_stages * stage
-        ds_offset = do_offset + t.num_stages * stage
-        ds_row = t.block_m + SMEM_ROW_PAD
-        stats_offset = ds_offset + t.block_n * ds_row * ELEMENT_BYTES
-        stats_stage = 2 * t.block_m * 4
-        total = stats_offset + t.num_stages * stats_stage
-        return BackwardLayout(row, 0, kv_bytes, q_offset, do_offset, stage, ds_offset, ds_row,
-                              stats_offset, stats_stage, total)
+        return backward_layout(self.backward_tiles)
 
     @property
     def dq_layout(self) -> SharedLayout:
         """The deterministic dQ kernel: Q_i and dO_i (q stages 0 and 1), K/V pipelined."""
-        t = self.backward_tiles
-        row = self.head_dim_pad + SMEM_ROW_PAD
-        q_stage = t.block_m * row * ELEMENT_BYTES
-        kv_stage = t.dq_block_n * row * ELEMENT_BYTES
-        k_offset = 2 * q_stage
-        v_offset = k_offset + t.num_stages * kv_stage
-        total = v_offset + t.num_stages * kv_stage
-        return SharedLayout(row, 0, 2, q_stage, k_offset, v_offset, t.num_stages, kv_stage, total)
+        return dq_layout(self.backward_tiles, self.head_dim_pad + SMEM_ROW_PAD)
 
     @property
     def tiles(self) -> dict:
@@ -518,7 +486,7 @@ class Spec:
         if self.tiles != default_tiles(self.head_dim, self.version):
             t = self.tiles
             parts.append(f"m{t['block_m']}n{t['block_n']}w{t['num_warps']}s{t['num_stages']}")
-        if self.bwd_stages != self._backward_tile_table().num_stages:
+        if self.bwd_stages != backward_tiles(self.head_dim, 0, self.bwd_block_n).num_stages:
             parts.append(f"bwd{self.bwd_stages}")
         if self.bwd_block_n != backward_block_n_choices(self.head_dim)[0]:
             parts.append(f"bwdn{self.bwd_block_n}")

@@ -4,7 +4,7 @@ A mask's tile classes are another concept: fagen/variants/tiles.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Past this head dim the forward splits O's columns over pairs of warps that share Q_i's rows
 # (Spec.column_split): one warp's 16 rows of a 512-wide fp32 O would take 256 registers.
@@ -144,6 +144,52 @@ class BackwardLayout:
     stats_offset: int  # stage s at stats_offset + s * stats_stage_bytes: fp32 L_i (log2 units), then D_i
     stats_stage_bytes: int
     total_bytes: int
+
+
+def backward_tiles(head_dim: int, head_dim_v: int, bwd_block_n: int | None,
+                   bwd_stages: int | None = None) -> BackwardTiles:
+    """The backward's tiles by head dim: one warp per 16 keys and the whole d up to d = 128 (dK
+    and dV in registers, nothing computed twice); 99 KB parts take bwd_block_n = 64 (four warps).
+    Past 128 four warps split d and share a key group. `bwd_block_n` and `bwd_stages` None: the
+    table's defaults."""
+    block_n = bwd_block_n or backward_block_n_choices(head_dim)[0]
+    if head_dim <= 128:
+        table = BackwardTiles(block_m=64, block_n=block_n, num_warps=block_n // 16, num_stages=2, dim_split=1,
+                              dq_block_n=64)
+    elif block_n == 16:   # d > 256 on a 99 KB part: 16 x 16 tiles, four warps splitting d
+        table = BackwardTiles(block_m=16, block_n=16, num_warps=4, num_stages=1, dim_split=4, dq_block_n=16)
+    else:   # dq_block_n = 16 keeps the deterministic dQ pass (d x 16 rows of fp32 per warp) spill-free
+        table = BackwardTiles(block_m=32, block_n=32, num_warps=8, num_stages=1, dim_split=4, dq_block_n=16)
+    stages = table.num_stages if bwd_stages is None else bwd_stages
+    return replace(table, head_dim=head_dim, head_dim_v=head_dim_v, num_stages=stages)
+
+
+def backward_layout(t: BackwardTiles) -> BackwardLayout:
+    """The main backward kernel's shared tiles: K_j and V_j, then Q_i's and dO_i's stages, dS^T,
+    and each stage's L_i and D_i."""
+    row = t.head_dim_pad + SMEM_ROW_PAD
+    kv_bytes = t.block_n * row * ELEMENT_BYTES
+    stage = t.block_m * row * ELEMENT_BYTES
+    q_offset = 2 * kv_bytes
+    do_offset = q_offset + t.num_stages * stage
+    ds_offset = do_offset + t.num_stages * stage
+    ds_row = t.block_m + SMEM_ROW_PAD
+    stats_offset = ds_offset + t.block_n * ds_row * ELEMENT_BYTES
+    stats_stage = 2 * t.block_m * 4
+    total = stats_offset + t.num_stages * stats_stage
+    return BackwardLayout(row, 0, kv_bytes, q_offset, do_offset, stage, ds_offset, ds_row,
+                          stats_offset, stats_stage, total)
+
+
+def dq_layout(t: BackwardTiles, row: int) -> SharedLayout:
+    """The deterministic dQ kernel's shared tiles: Q_i and dO_i (q stages 0 and 1), then K and V
+    pipelined over `t.num_stages`; `row` is a row's elements (the forward's padded d)."""
+    q_stage = t.block_m * row * ELEMENT_BYTES
+    kv_stage = t.dq_block_n * row * ELEMENT_BYTES
+    k_offset = 2 * q_stage
+    v_offset = k_offset + t.num_stages * kv_stage
+    total = v_offset + t.num_stages * kv_stage
+    return SharedLayout(row, 0, 2, q_stage, k_offset, v_offset, t.num_stages, kv_stage, total)
 
 
 def smaller_kv_cache_tiles(spec):
