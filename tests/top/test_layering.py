@@ -108,15 +108,19 @@ def test_the_cycle_finder_sees_a_lazy_import(tmp_path):
                                        ("fagen.kernels.launch", "fagen.emulate"), ("fagen.kernels.build", "fagen.emulate"),
                                        ("fagen.kernels.compile", "fagen.emulate")])
 def test_lower_layers_do_not_import_higher_ones(low, high):
-    graph = import_graph()
-    seen, todo = set(), [low]
+    assert high not in reached_from(import_graph(), [low]), f"{low} reaches {high}"
+
+
+def reached_from(graph: dict[str, set[str]], starts: list[str]) -> set[str]:
+    """Every module `starts` import, directly or through others (themselves included)."""
+    seen, todo = set(), list(starts)
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
         todo.extend(graph.get(node, ()))
-    assert high not in seen, f"{low} reaches {high}"
+    return seen
 
 
 @pytest.mark.parametrize("high", ["fagen.ops", "fagen.selftest_cases", "fagen.bench", "fagen.kernel_record"])
@@ -127,14 +131,7 @@ def test_the_selftest_package_stays_below_the_ops(high):
     graph = import_graph()
     low = sorted(node for node in graph if node == "fagen.selftest" or node.startswith("fagen.selftest."))
     assert len(low) >= 5, low   # the package was found
-    seen, todo = set(), list(low)
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(graph.get(node, ()))
-    reached = sorted(node for node in seen if node == high or node.startswith(high + "."))
+    reached = sorted(node for node in reached_from(graph, low) if node == high or node.startswith(high + "."))
     assert not reached, f"fagen.selftest reaches {reached}"
 
 
