@@ -38,7 +38,7 @@ from ..kernels import launch, sources as generated_sources
 from ..kernels.compile import spec_target
 from ..kernels.render import Source, source_for
 from ..kernels.spill_free import spill_free
-from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, serving_spec
+from ..selftest.gate import GENERATION as SELFTEST_GENERATION, SELFTEST_ENV, check_fixed_spec, serving_spec
 from ..spec import CustomMod, Spec
 from .common import padded_width
 
@@ -177,7 +177,9 @@ def source_for_call(options: CallOptions, q, k, varlen_sizes=None) -> Source:
     FAGEN_ARCH_FAMILY's, a tuning's, or sm90 on Hopper where its self-test passed); a dict lookup
     once a call of this shape has been seen."""
     if options.module_source:   # a generated op module: its own .cu file, its fixed spec
-        return generated_sources.source_of(options.module_source)
+        source = generated_sources.source_of(options.module_source)
+        check_fixed_spec(source.spec, q.device)   # no other family can serve it: a failed template raises
+        return source
     on_gpu = q.device.type == "cuda"
     generation = kernels_generation(q.device)
     key = (options, q.shape, k.shape, q.device, varlen_sizes)

@@ -149,6 +149,16 @@ def serving_spec(spec, device, *, decoding: bool = False, tuned: bool = False):
     return chosen
 
 
+def check_fixed_spec(spec, device) -> None:
+    """A Spec no other family can serve (a generated op module runs its own .cu file): raise
+    `SelftestFailure` where a template of its family that it uses failed or hung on this GPU, as
+    for an sm80 template in `serving_spec`. Nothing runs where the gate would run nothing."""
+    facts = device_facts(device)
+    if facts is None or setting(SELFTEST_ENV) == "0" or spec.arch_family not in facts.families:
+        return
+    _refuse_broken(spec, verdicts_for(facts)[spec.arch_family], facts)
+
+
 def _made_for(capability) -> list:
     """The families made for this compute capability alone (sm90 on 9.0): where they take a spec
     and passed the self-test, they serve it by default."""
@@ -176,13 +186,15 @@ def _proven(spec, verdict: Verdict, facts: DeviceFacts) -> bool:
 
 
 def _refuse_broken(spec, verdict: Verdict, facts: DeviceFacts) -> None:
-    """Raise for an sm80 template `spec` uses that failed or hung; warn once for one the self-test
-    did not reach (its calls run unchecked, as with FAGEN_SELFTEST=0)."""
-    used = [t for t in templates_of(spec) if t.startswith("sm80.")]
+    """Raise for a template of `verdict`'s family (sm80's, unless a fixed spec's own) that `spec`
+    uses and that failed or hung; warn once for one the self-test did not reach (its calls run
+    unchecked, as with FAGEN_SELFTEST=0)."""
+    family = verdict.key.family
+    used = [t for t in templates_of(spec) if t.startswith(family + ".")]
     for template in verdict.unproven(used):
         if template not in _warned and template not in verdict.broken(used):
             _warned.add(template)
-            warnings.warn(f"fagen: the sm80 kernel template {template} {_status_text(verdict, template)} on this GPU "
+            warnings.warn(f"fagen: the {family} kernel template {template} {_status_text(verdict, template)} on this GPU "
                           f"({facts.gpu}); its calls run unchecked. Log: {verdict.log}. Rerun it with `fagen "
                           f"selftest --verbose`.", RuntimeWarning, stacklevel=4)
     broken = verdict.broken(used)
@@ -190,7 +202,7 @@ def _refuse_broken(spec, verdict: Verdict, facts: DeviceFacts) -> None:
         template = broken[0]
         result = verdict.results[template]
         raise SelftestFailure(
-            f"fagen: {spec.name} needs the sm80 kernel template {template}, which "
+            f"fagen: {spec.name} needs the {family} kernel template {template}, which "
             f"{_status_text(verdict, template)} on this GPU ({facts.gpu}): {result.detail}. Log: {verdict.log}. "
             f"Rerun it with `fagen selftest --verbose`; FAGEN_SELFTEST=0 runs the kernels unchecked.")
 

@@ -5,7 +5,8 @@ recorded and stubbed (fagen.kernel_record), so no kernel is built.
 
   - after a passing self-test the stand-in takes the sm90 family by default, after a failing one
     sm80 (with a warning naming the template, the log and `fagen selftest --verbose`);
-  - a failed sm80 template raises at first use, and FAGEN_SELFTEST=0 is the way past it;
+  - a failed sm80 template raises at first use (a generated op module's too), and
+    FAGEN_SELFTEST=0 is the way past it;
   - the verdict is read back from disk, and a new key (here: the family's sources) tests again;
   - FAGEN_ARCH_FAMILY forces a family and a tuned spec keeps its own;
   - a file lock makes two processes' concurrent first calls run one self-test.
@@ -113,6 +114,30 @@ def test_a_failed_sm80_template_raises_at_first_use(stand_in, monkeypatch):
     runs = runs_of(stand_in)
     monkeypatch.setenv("FAGEN_SELFTEST", "0")   # the way past it: sm80, unchecked, no self-test
     assert family_of_call(dense_call) == "sm80" and runs_of(stand_in) == runs
+
+
+def test_a_generated_module_with_a_failed_template_raises(stand_in, monkeypatch, tmp_path):
+    """A generated op module runs its own .cu (no other family can serve it): the gate refuses it
+    where a template it uses failed, as it refuses a call's sm80 spec."""
+    import hashlib
+
+    from fagen.kernels.render import render
+    from fagen.ops import run_generated
+
+    spec = Spec(64, mask="causal")
+    code = render(spec).code
+    path = tmp_path / f"{spec.name}.cu"
+    path.write_text(code)
+    q, k, v = (torch.randn(1, 40, 2, 64, dtype=torch.float16) for _ in range(3))
+
+    def module_call():
+        return run_generated(spec, path, hashlib.sha256(code.encode()).hexdigest(), q, k, v)
+
+    use(monkeypatch, "SM80_WRONG")
+    with pytest.raises(SelftestFailure, match=r"sm80 kernel template sm80\.d64, which failed its self-test"):
+        module_call()
+    monkeypatch.setenv("FAGEN_SELFTEST", "0")   # the way past it, as for every call
+    assert family_of_call(module_call) == "sm80"
 
 
 def test_selftest_off_runs_nothing_and_a_tuned_spec_keeps_its_family(stand_in, monkeypatch):
