@@ -74,6 +74,7 @@ STAND_INS: dict = {}         # {"cpu": DeviceFacts}: a test's stand-in GPU on th
 _verdicts: dict = {}         # {(VerdictKey, ...): {family: Verdict}}
 _warned: set = set()
 _digests: dict = {}
+_fixed_checked: set = set()   # (spec name, device, GENERATION) that check_fixed_spec let through
 _lock = threading.Lock()
 GENERATION = [0]             # bumped when a verdict is learnt or forgotten: memos of calls start over
 
@@ -156,7 +157,10 @@ def check_fixed_spec(spec, device) -> None:
     facts = device_facts(device)
     if facts is None or setting(SELFTEST_ENV) == "0" or spec.arch_family not in facts.families:
         return
-    _refuse_broken(spec, verdicts_for(facts)[spec.arch_family], facts)
+    checked = (spec.name, facts.device, GENERATION[0])   # a warm call's check: one set lookup
+    if checked not in _fixed_checked:
+        _refuse_broken(spec, verdicts_for(facts)[spec.arch_family], facts)
+        _fixed_checked.add((spec.name, facts.device, GENERATION[0]))   # verdicts_for may have moved GENERATION
 
 
 def _made_for(capability) -> list:
@@ -290,6 +294,7 @@ def forget() -> None:
         _verdicts.clear()
         _warned.clear()
         _digests.clear()
+        _fixed_checked.clear()
         GENERATION[0] += 1
 
 
