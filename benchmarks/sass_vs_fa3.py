@@ -2,9 +2,10 @@
 
     python benchmarks/sass_vs_fa3.py [--json FILE]
 
-The peer is FlashAttention-3 as two PyPI wheels ship it (pinned below): `flash-attn3-jax`
-(forward and backward, d 128) and `fa3-fwd` (forward, d 64/128/256), their sm_90a cubins. On
-first use the wheels are fetched (`pip download --no-deps`, about 50 MB), the SASS of just the
+The peer is FlashAttention-3 as three PyPI wheels ship it (pinned below): `flash-attn3-jax`
+(forward and backward, d 128), `fa3-fwd` (forward, d 64/128/256) and `dew-flash-attn-cu12`
+(backward, d 64/128/192/256, with deterministic variants; ptxas 12.9), their sm_90a cubins. On
+first use the wheels are fetched (`pip download --no-deps`, about 150 MB), the SASS of just the
 plain kernels is kept in the fagen cache (`<cache>/fa3-peer/`) and everything else is deleted.
 
 A kernel is picked by its template arguments, read from its demangled name (c++filt, from
@@ -14,6 +15,18 @@ MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor>` with d_v = d and every
 false but Is_causal (and FA3's own choices MmaPV_is_RS, IntraWGOverlap), and
 `CollectiveMainloopBwdSm90<..., Tile, Element, float, Sm90, Is_causal, Is_local, Has_softcap,
 Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both.
+
+A second table, "FA3 backward", reads every dense backward of `dew-flash-attn-cu12` (and of
+`flash-attn3-jax`, d128), deterministic or not (`describe_backward`): the mainloop's thirteen
+template arguments `<Stages, Stages_dO, Stages_dS, Cluster, Tile<M, N, d>, Element, float, Sm90,
+Is_causal, Is_local, Has_softcap, Varlen, Deterministic, SdP_swapAB, dKV_swapAB, dQ_swapAB,
+NumMmaWarpGroups, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ, Mma_dP_is_RS>`, with the
+epilogue that writes dK and dV (`CollectiveEpilogueBwd`; each kernel also comes with GQA's
+fp32 epilogue, `CollectiveEpilogueBwdGQA`, left out). Its `other loops` column reads, the same
+way, the kernel's other loops with as much tensor work as the consumer's: FA3 runs a causal key
+block's masked iterations in a loop of their own at d <= 64 (`SeparateMaskingIterations`), and
+the main-loop rule (`fagen.sass.report`: on a tie, the first) reads the masked one. It is issue
+44's SASS target; fagen's sm90 backward does not exist yet, so fagen's column is the sm80 family's.
 
 Both sides are read by `fagen.sass` (the same steady state and instruction classes). The peer
 is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp;
@@ -49,8 +62,11 @@ from pathlib import Path
 from fagen.cache_files import cache_dir
 from fagen.kernels.compile import compile_source
 from fagen.kernels.render import render
+from fagen.sass.cfg import build_graph
+from fagen.sass.classes import TENSOR_CLASSES, tensor_equivalents
 from fagen.sass.listing import find_cuobjdump, parse_listing
 from fagen.sass.report import analyse_foreign, cubin_reports, readable_names, report_for_spec
+from fagen.sass.steady_state import steady_iteration
 from fagen.spec import Spec
 from fagen.tuning.fallback import fallback_spec
 
@@ -62,6 +78,12 @@ FWD = re.compile(rf"CollectiveMainloopFwdSm90<\d+, {TRIPLE}, {TRIPLE}, (\d+), cu
 BWD = re.compile(rf"CollectiveMainloopBwdSm90<\d+, \d+, \d+, {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
                  r"cutlass::arch::Sm90, ((?:(?:true|false), ){4}(?:true|false))")
 DTYPES = {"bfloat16_t": "bf16", "half_t": "fp16"}
+BACKWARD_WHEELS = {"dew-flash-attn-cu12": "0.3.6", "flash-attn3-jax": "0.2.3"}
+LIBRARIES = {"dew-flash-attn-cu12": "flash_attn3"}   # its other library is FlashAttention-2's (366 MB, no sm_90a)
+BWD_ARGS = re.compile(rf"CollectiveMainloopBwdSm90<(\d+), (\d+), (\d+), {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
+                      r"cutlass::arch::Sm90, ((?:\w+, ){11,12}\w+)>, flash::(CollectiveEpilogue\w*)<")
+BWD_ARG_NAMES = ("causal", "local", "softcap", "varlen", "deterministic", "sdp_swap_ab", "dkv_swap_ab", "dq_swap_ab",
+                 "mma_warpgroups", "atom_m_sdp", "atom_n_dkv", "atom_m_dq", "dp_is_rs")
 ROLE_WIDTHS = (4, 8, 6, 6, 5, 8)   # WGs, maxnreg P/C, cons instr, prod instr, TMA loads, exp2 in flight
 EPILOGUE_THREADS = re.compile(r"CollectiveEpilogue\w*<.*?, (\d+), (?:true|false)")
 
@@ -96,6 +118,26 @@ def describe(demangled: str) -> dict | None:
     return None
 
 
+def describe_backward(demangled: str) -> dict | None:
+    """A dense backward kernel's (pass, d, dtype, causal, deterministic, tile) and its other
+    template arguments, from its demangled name; None for any other kernel (a local window,
+    softcap or varlen on, GQA's epilogue, fp8)."""
+    m = BWD_ARGS.search(demangled) if "FlashAttnBwdSm90" in demangled else None
+    if m is None:
+        return None
+    stages, stages_do, stages_ds, cluster, _, _, block_m, block_n, d, element, args, epilogue = m.groups()
+    values = dict(zip(BWD_ARG_NAMES, (v == "true" if v in FLAGS else int(v) if v.isdigit() else v
+                                      for v in args.split(", "))))
+    if element not in DTYPES or epilogue != "CollectiveEpilogueBwd" or any(
+            values[k] for k in ("local", "softcap", "varlen")):
+        return None
+    return {"pass": "bwd", "head_dim": int(d), "dtype": DTYPES[element], "causal": values["causal"],
+            "deterministic": values["deterministic"],
+            "tile": f"{block_m}x{block_n}" + (f" c{cluster}" if cluster != "1" else ""),
+            "template": {"stages": int(stages), "stages_do": int(stages_do), "stages_ds": int(stages_ds),
+                         **{k: v for k, v in values.items() if k in BWD_ARG_NAMES[5:]}}}
+
+
 def warpgroups(demangled: str) -> dict[str, int] | None:
     """FA3's warpgroups by role: one producer, and as many consumers as its epilogue has threads
     (the consumers write the output) / 128; None where the name does not say."""
@@ -105,9 +147,19 @@ def warpgroups(demangled: str) -> dict[str, int] | None:
     return {"producer": 1, "consumer": int(m.group(1)) // 128}
 
 
+def backward_dir() -> Path:
+    return cache_dir() / "fa3-peer" / ("bwd-" + "-".join(f"{n}-{v}" for n, v in BACKWARD_WHEELS.items()))
+
+
 def fetch_peer() -> Path:
     """The plain kernels' SASS, one file per kernel, fetched once into the cache."""
-    target = peer_dir()
+    return fetch_kernels(peer_dir(), WHEELS, describe)
+
+
+def fetch_kernels(target: Path, wheels: dict[str, str], pick, libraries: dict[str, str] | None = None) -> Path:
+    """The SASS of the kernels `pick` (demangled name -> the kernel's fields, or None) takes from
+    the wheels' sm_90a cubins, one file per kernel, fetched once into `target`; `libraries`: a
+    wheel's shared libraries read, by a part of their name (default: all)."""
     if (target / "kernels.json").exists():
         return target
     tool = find_cuobjdump()
@@ -117,7 +169,7 @@ def fetch_peer() -> Path:
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fagen-fa3-") as tmp:
         tmp = Path(tmp)
-        for wheel_name, version in WHEELS.items():
+        for wheel_name, version in wheels.items():
             print(f"fetching {wheel_name} {version} (once)...", file=sys.stderr, flush=True)
             _run([sys.executable, "-m", "pip", "download", "--no-deps", f"{wheel_name}=={version}", "-d", str(tmp),
                   "-q"])
@@ -125,7 +177,8 @@ def fetch_peer() -> Path:
             cubins = tmp / wheel_name
             cubins.mkdir()
             with zipfile.ZipFile(wheel) as archive:
-                for member in (n for n in archive.namelist() if n.endswith(".so")):
+                for member in (n for n in archive.namelist() if n.endswith(".so")
+                               and (libraries or {}).get(wheel_name, "") in Path(n).name):
                     library = cubins / Path(member).name
                     library.write_bytes(archive.read(member))
                     _run([tool, "-xelf", "all", str(library)], cwd=cubins)
@@ -136,7 +189,7 @@ def fetch_peer() -> Path:
                 functions = parse_listing(sass)
                 names = readable_names(functions)
                 for name in functions:
-                    found = describe(names[name])
+                    found = pick(names[name])
                     if found is None:
                         continue
                     index = len(kernels)
@@ -147,15 +200,15 @@ def fetch_peer() -> Path:
     return target
 
 
-def peer_rows() -> list[dict]:
-    target = fetch_peer()
+def peer_rows(target: Path | None = None) -> list[dict]:
+    target = target or fetch_peer()
     kernels = json.loads((target / "kernels.json").read_text())
     names = readable_names(kernel["name"] for kernel in kernels)
     rows = []
     for index, kernel in enumerate(kernels):
-        functions = parse_listing((target / f"{index}.sass").read_text())
-        rows.append({**kernel, "report": analyse_foreign(kernel["name"], functions[kernel["name"]], "sm_90"),
-                     "warpgroups": warpgroups(names[kernel["name"]])})
+        instructions = parse_listing((target / f"{index}.sass").read_text())[kernel["name"]]
+        rows.append({**kernel, "report": analyse_foreign(kernel["name"], instructions, "sm_90"),
+                     "warpgroups": warpgroups(names[kernel["name"]]), "instructions": instructions})
     return rows
 
 
@@ -197,6 +250,87 @@ def fagen_sm90_figure(row: dict):
     return report.non_tensor_per_tensor_op, report
 
 
+def other_loops(instructions, report) -> list[dict]:
+    """The function's loops, other than the main one, with as much tensor work of their own as it
+    (FA3's masked and unmasked loops of a causal key block at d <= 64), each read as the main loop is."""
+    graph = build_graph(instructions)
+
+    def own(loop):   # report.analyse_function's measure: the tensor work not in a loop nested in it
+        nested = set().union(*(child.body for child in loop.children))
+        return sum(tensor_equivalents(i) for b in loop.body - nested for i in graph.blocks[b].instructions)
+
+    main = next((loop for loop in graph.loops if graph.blocks[loop.header].start == report.loop_address), None)
+    found = []
+    for loop in graph.loops if main else ():
+        start = graph.blocks[loop.header].start
+        if loop is main or own(loop) < own(main):
+            continue
+        iteration = steady_iteration(graph, loop)
+        non_tensor = iteration.instructions - sum(iteration.counts.get(c, 0) for c in TENSOR_CLASSES)
+        found.append({"loop": f"{start:#06x}", "instructions": iteration.instructions,
+                      "hmma_equivalents": iteration.tensor_ops, "shfl": iteration.counts.get("SHFL", 0),
+                      "fa3": non_tensor / iteration.tensor_ops})
+    return found
+
+
+def backward_rows() -> list[dict]:
+    return peer_rows(fetch_kernels(backward_dir(), BACKWARD_WHEELS, describe_backward, LIBRARIES))
+
+
+def backward_table(rows: list[dict]) -> list[dict]:
+    """Print the backward tables, one per wheel; their JSON records."""
+    records, fagen = [], {}
+    header = (f"{'d':>4} {'causal':>6} {'det':>4} {'dtype':>5} {'tile':<7} {'WGs':>4} {'maxnreg':>8} {'cons':>6}"
+              f" {'HMMA-eq':>8} {'FA3':>5} {'SHFL':>5} {'dQ':>8}  {'other loops':<18} {'fagen':>6} {'fagen/FA3':>9}")
+    for wheel, version in BACKWARD_WHEELS.items():
+        mine = sorted((r for r in rows if r["wheel"] == wheel),
+                      key=lambda r: (r["head_dim"], r["causal"], r["deterministic"], r["dtype"]))
+        print(f"\nFA3 backward ({wheel} {version})")
+        print(header)
+        print(f"{'':<31}{'C':>4} {'P/C':>8} {'instr':>6}")
+        seen = set()
+        for row in mine:
+            key = tuple(row[k] for k in ("head_dim", "causal", "deterministic", "dtype", "tile"))
+            if key in seen:
+                continue
+            seen.add(key)
+            report, groups = row["report"], row["warpgroups"]
+            peer, consumer = report.non_tensor_per_tensor_op, report.roles.get("consumer")
+            registers = "/".join(str(r.registers) if r and r.registers else "-"
+                                 for r in (report.roles.get("producer"), consumer))
+            if not row["deterministic"] and (row["head_dim"], row["dtype"], row["causal"]) not in fagen:
+                fagen[row["head_dim"], row["dtype"], row["causal"]] = fagen_figure(row)
+            ours = None if row["deterministic"] else fagen[row["head_dim"], row["dtype"], row["causal"]]
+            others = other_loops(row["instructions"], report)
+            shown = ", ".join(f"{o['loop']}: {o['fa3']:.2f}" for o in others) or "-"
+            reduce = sum(n for op, n in report.opcodes.items() if op.split(".")[0] in ("REDG", "RED", "ATOMG"))
+            dq = f"REDG {reduce}" if reduce else "writer" if "writer" in report.roles else "-"
+            yes = {True: "yes", False: "no"}
+            print(f"{row['head_dim']:>4} {yes[row['causal']]:>6} {yes[row['deterministic']]:>4} {row['dtype']:>5}"
+                  f" {row['tile']:<7} {'-' if groups is None else groups['consumer']:>4} {registers:>8}"
+                  f" {report.instructions:>6} {report.tensor_ops:>8g} {'-' if peer is None else f'{peer:.2f}':>5}"
+                  f" {report.counts.get('SHFL', 0):>5} {dq:>8}  {shown:<18} {'-' if ours is None else f'{ours:.2f}':>6}"
+                  f" {'-' if not (ours and peer) else f'{ours / peer:.2f}':>9}"
+                  + (f"  ({report.problem})" if report.problem else ""))
+            _, role_record = role_columns(report, groups)
+            records.append({k: row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "deterministic",
+                                                 "tile", "template")}
+                           | {"table": "fa3_backward", "version": version, "fa3": peer, "fagen": ours,
+                              "fagen_sm90": None, "hmma_equivalents": report.tensor_ops,
+                              "instructions": report.instructions, "shfl": report.counts.get("SHFL", 0), "dq": dq,
+                              "main_loop": None if report.loop_address is None else f"{report.loop_address:#06x}",
+                              "other_loops": others} | role_record)
+        missing = sorted({r["head_dim"] for r in mine} - {r["head_dim"] for r in mine if r["deterministic"]})
+        if missing:
+            print(f"(no deterministic kernel in the wheel at d {', '.join(map(str, missing))})")
+    print("FA3: non-tensor instructions per HMMA-equivalent, the consumer loop's steady state (the loop with the most\n"
+          "  tensor work, on a tie the first); other loops: the kernel's other loops with as much, read the same way;\n"
+          "  dQ: REDG n = reduced from the consumer loop, writer = bulk-reduced by the writer warp (UBLKRED);\n"
+          "  fagen: the sm80 family's non-deterministic backward (mma.sync, fallback tiles, per useful HMMA);\n"
+          "  fagen's sm90 backward does not exist yet (issue 44)")
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
@@ -233,6 +367,7 @@ def main() -> None:
         records.append({key: row[key] for key in ("wheel", "pass", "head_dim", "dtype", "causal", "tile")}
                        | {"fa3": peer, "fagen": ours, "fagen_sm90": sm90, "hmma_equivalents": report.tensor_ops}
                        | role_record)
+    records += backward_table(backward_rows())
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
         print(f"\nwrote {args.json}")
