@@ -27,6 +27,11 @@ way, the kernel's other loops with as much tensor work as the consumer's: FA3 ru
 block's masked iterations in a loop of their own at d <= 64 (`SeparateMaskingIterations`), and
 the main-loop rule (`fagen.sass.report`: on a tie, the first) reads the masked one. It is issue
 44's SASS target; fagen's sm90 backward does not exist yet, so fagen's column is the sm80 family's.
+Its d64 rows end with the prototype Hopper backward micro-kernel's figures
+(tests/emulate/kernels/hopper_backward.cu, not fagen's dispatched backward; `prototype_figures`):
+compiled for sm_90a by fagen's NVRTC path and read as FA3's cubins are (`cubin_reports`). Its
+`causal` is a runtime argument and it masks every tile, so one consumer loop serves causal and
+non-causal alike (no separate unmasked loop); it has no deterministic mode.
 
 Both sides are read by `fagen.sass` (the same steady state and instruction classes). The peer
 is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp;
@@ -86,6 +91,10 @@ BWD_ARG_NAMES = ("causal", "local", "softcap", "varlen", "deterministic", "sdp_s
                  "mma_warpgroups", "atom_m_sdp", "atom_n_dkv", "atom_m_dq", "dp_is_rs")
 ROLE_WIDTHS = (4, 8, 6, 6, 5, 8)   # WGs, maxnreg P/C, cons instr, prod instr, TMA loads, exp2 in flight
 EPILOGUE_THREADS = re.compile(r"CollectiveEpilogue\w*<.*?, (\d+), (?:true|false)")
+# The prototype Hopper backward (issue 44's de-risking micro-kernel, d 64 only): one kernel per dtype.
+PROTOTYPE = Path(__file__).resolve().parents[1] / "tests" / "emulate" / "kernels" / "hopper_backward.cu"
+PROTOTYPE_HEAD_DIM, PROTOTYPE_TILE = 64, "64x128"   # query rows per step x keys per CTA
+PROTOTYPE_WIDTHS = (7, 6, 8, 7, 8, 5, 5, 9)   # loop, cons instr, HMMA-eq, proto, maxnreg P/C, SHFL, regs, proto/FA3
 
 
 def peer_dir() -> Path:
@@ -273,21 +282,67 @@ def other_loops(instructions, report) -> list[dict]:
     return found
 
 
+def prototype_figures() -> dict[str, dict] | None:
+    """The prototype Hopper backward micro-kernel (PROTOTYPE) by dtype: compiled for sm_90a by
+    fagen's NVRTC path (`compile_source`, which refuses a build with serialised wgmma) and read
+    from its cubin as FA3's kernels are (`cubin_reports`: the loop with the most tensor work of its
+    own, one steady-state iteration, per HMMA-equivalent from its HGMMA shapes), with the registers
+    ptxas reports. Its `causal` is a runtime argument and it masks every tile, so one loop serves
+    causal and non-causal. None where the source is not in the tree."""
+    if not PROTOTYPE.exists():
+        return None
+    kernel = compile_source(PROTOTYPE.read_text(), "sm_90a")
+    reports = cubin_reports(kernel.cubin, "sm_90a")
+    figures = {}
+    for dtype in DTYPES.values():
+        name = f"hopper_backward_{dtype}"
+        report = reports[name]
+        consumer, producer = report.roles.get("consumer"), report.roles.get("producer")
+        figures[dtype] = {
+            "kernel": name, "tile": PROTOTYPE_TILE, "ratio": report.non_tensor_per_tensor_op,
+            "loop": None if report.loop_address is None else f"{report.loop_address:#06x}",
+            "instructions": consumer.instructions if consumer else report.instructions,
+            "hmma_equivalents": report.tensor_ops, "shfl": report.counts.get("SHFL", 0),
+            "setmaxnreg": "/".join(str(r.registers) if r and r.registers else "-" for r in (producer, consumer)),
+            "ptxas_registers": kernel.resources[name].registers,
+            "spill_bytes": kernel.resources[name].spill_bytes, "problem": report.problem}
+    return figures
+
+
+def prototype_cells(figure: dict | None, peer: float | None) -> tuple[str, float | None]:
+    """The d64 rows' trailing prototype columns, and prototype/FA3."""
+    ratio = figure and figure["ratio"]
+    versus = ratio / peer if ratio and peer else None
+    cells = ("-",) * 7 if figure is None else (
+        figure["loop"] or "-", figure["instructions"], f"{figure['hmma_equivalents']:g}",
+        "-" if ratio is None else f"{ratio:.2f}", figure["setmaxnreg"], figure["shfl"], figure["ptxas_registers"])
+    cells += ("-" if versus is None else f"{versus:.2f}",)
+    return " ".join(f"{cell:>{width}}" for cell, width in zip(cells, PROTOTYPE_WIDTHS)), versus
+
+
 def backward_rows() -> list[dict]:
     return peer_rows(fetch_kernels(backward_dir(), BACKWARD_WHEELS, describe_backward, LIBRARIES))
 
 
 def backward_table(rows: list[dict]) -> list[dict]:
     """Print the backward tables, one per wheel; their JSON records."""
-    records, fagen = [], {}
+    records, fagen, prototype = [], {}, None
+    if any(r["head_dim"] == PROTOTYPE_HEAD_DIM for r in rows):
+        prototype = prototype_figures()
+    proto_header = (" " * 3 + " ".join(f"{h:>{w}}" for h, w in zip(
+        ("proto", "cons", "HMMA-eq", "proto", "maxnreg", "SHFL", "ptxas", "proto/FA3"), PROTOTYPE_WIDTHS)),
+        " " * 3 + " ".join(f"{h:>{w}}" for h, w in zip(("loop", "instr", "", "", "P/C", "", "regs", ""),
+                                                       PROTOTYPE_WIDTHS)).rstrip())
     header = (f"{'d':>4} {'causal':>6} {'det':>4} {'dtype':>5} {'tile':<7} {'WGs':>4} {'maxnreg':>8} {'cons':>6}"
               f" {'HMMA-eq':>8} {'FA3':>5} {'SHFL':>5} {'dQ':>8}  {'other loops':<18} {'fagen':>6} {'fagen/FA3':>9}")
     for wheel, version in BACKWARD_WHEELS.items():
         mine = sorted((r for r in rows if r["wheel"] == wheel),
                       key=lambda r: (r["head_dim"], r["causal"], r["deterministic"], r["dtype"]))
         print(f"\nFA3 backward ({wheel} {version})")
-        print(header)
-        print(f"{'':<31}{'C':>4} {'P/C':>8} {'instr':>6}")
+        with_prototype = prototype is not None and any(r["head_dim"] == PROTOTYPE_HEAD_DIM for r in mine)
+        print(header + (proto_header[0] if with_prototype else ""))
+        second = f"{'':<31}{'C':>4} {'P/C':>8} {'instr':>6}"
+        print(second + (f"{'':<{len(header) - len(second)}}{proto_header[1]}" if with_prototype else ""))
         seen = set()
         for row in mine:
             key = tuple(row[k] for k in ("head_dim", "causal", "deterministic", "dtype", "tile"))
@@ -306,12 +361,19 @@ def backward_table(rows: list[dict]) -> list[dict]:
             reduce = sum(n for op, n in report.opcodes.items() if op.split(".")[0] in ("REDG", "RED", "ATOMG"))
             dq = f"REDG {reduce}" if reduce else "writer" if "writer" in report.roles else "-"
             yes = {True: "yes", False: "no"}
+            proto_text, proto_record = "", None
+            if with_prototype and row["head_dim"] == PROTOTYPE_HEAD_DIM:
+                figure = None if row["deterministic"] else prototype[row["dtype"]]   # it has no deterministic mode
+                proto_text, versus = prototype_cells(figure, peer)
+                proto_text = "   " + proto_text
+                proto_record = figure and {**figure, "prototype_over_fa3": versus, "prototype_over_fa3_other_loops": [
+                    figure["ratio"] / o["fa3"] for o in others if figure["ratio"] and o["fa3"]]}
             print(f"{row['head_dim']:>4} {yes[row['causal']]:>6} {yes[row['deterministic']]:>4} {row['dtype']:>5}"
                   f" {row['tile']:<7} {'-' if groups is None else groups['consumer']:>4} {registers:>8}"
                   f" {report.instructions:>6} {report.tensor_ops:>8g} {'-' if peer is None else f'{peer:.2f}':>5}"
                   f" {report.counts.get('SHFL', 0):>5} {dq:>8}  {shown:<18} {'-' if ours is None else f'{ours:.2f}':>6}"
                   f" {'-' if not (ours and peer) else f'{ours / peer:.2f}':>9}"
-                  + (f"  ({report.problem})" if report.problem else ""))
+                  + (f"  ({report.problem})" if report.problem else "") + proto_text)
             _, role_record = role_columns(report, groups)
             records.append({k: row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "deterministic",
                                                  "tile", "template")}
@@ -319,7 +381,8 @@ def backward_table(rows: list[dict]) -> list[dict]:
                               "fagen_sm90": None, "hmma_equivalents": report.tensor_ops,
                               "instructions": report.instructions, "shfl": report.counts.get("SHFL", 0), "dq": dq,
                               "main_loop": None if report.loop_address is None else f"{report.loop_address:#06x}",
-                              "other_loops": others} | role_record)
+                              "other_loops": others} | role_record
+                           | ({"prototype": proto_record} if row["head_dim"] == PROTOTYPE_HEAD_DIM else {}))
         missing = sorted({r["head_dim"] for r in mine} - {r["head_dim"] for r in mine if r["deterministic"]})
         if missing:
             print(f"(no deterministic kernel in the wheel at d {', '.join(map(str, missing))})")
@@ -328,6 +391,13 @@ def backward_table(rows: list[dict]) -> list[dict]:
           "  dQ: REDG n = reduced from the consumer loop, writer = bulk-reduced by the writer warp (UBLKRED);\n"
           "  fagen: the sm80 family's non-deterministic backward (mma.sync, fallback tiles, per useful HMMA);\n"
           "  fagen's sm90 backward does not exist yet (issue 44)")
+    if prototype is not None:
+        print("proto (d64 rows): the prototype Hopper backward micro-kernel (tests/emulate/kernels/\n"
+              "  hopper_backward.cu, not fagen's dispatched backward), compiled for sm_90a by NVRTC, read as FA3 is:\n"
+              "  its consumer loop, instructions, HMMA-equivalents and non-tensor/HMMA-eq per iteration per warp\n"
+              "  (its tile 64x128: 64 queries x 128 keys, 2 consumer WGs), setmaxnreg P/C, SHFL, ptxas's registers,\n"
+              "  proto/FA3 (over the FA3 column); causal is a runtime argument and it masks every tile: one loop\n"
+              "  serves causal and non-causal, no separate unmasked loop; no deterministic mode: '-' in det rows")
     return records
 
 

@@ -96,3 +96,25 @@ def test_dew_backward_kernels_where_cached():
     assert f"{report.non_tensor_per_tensor_op:.2f}" == "2.33"            # the masked loop, read first
     (other,) = bench.other_loops(instructions, report)
     assert f"{other['fa3']:.2f}" == "1.99" and other["hmma_equivalents"] == report.tensor_ops == 320
+
+
+def test_the_prototype_backward_columns_read_one_loop_for_both_dtypes():
+    """The d64 rows' prototype columns: the micro-kernel compiled for sm_90a and read as FA3's
+    cubins are; one consumer loop per kernel (causal is a runtime argument), 5 GEMMs of 4 k16
+    HGMMA.64x64 steps per iteration, 24/240 setmaxnreg, no spills. A missing figure prints dashes."""
+    pytest.importorskip("cuda.bindings")
+    from fagen.sass.listing import find_cuobjdump
+
+    bench = load_benchmark("sass_vs_fa3")
+    text, versus = bench.prototype_cells(None, 2.10)
+    assert versus is None and set(text.split()) == {"-"}
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    figures = bench.prototype_figures()
+    assert set(figures) == {"bf16", "fp16"}
+    for figure in figures.values():
+        assert figure["problem"] == "" and figure["hmma_equivalents"] == 5 * 4 * 8
+        assert figure["setmaxnreg"] == "24/240" and figure["spill_bytes"] == 0 and figure["ratio"] > 0
+    assert figures["bf16"]["loop"] == figures["fp16"]["loop"]
+    text, versus = bench.prototype_cells(figures["bf16"], 2.0)
+    assert versus == figures["bf16"]["ratio"] / 2.0 and text.split()[0] == figures["bf16"]["loop"]
