@@ -235,6 +235,52 @@ def narrower_sm90_tiles(spec) -> list[int]:
     return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
 
 
+@dataclass(frozen=True)
+class Sm90BackwardTiles:
+    """The sm90 backward's geometry (templates/sm90/hopper_bwd.cu.j2), FlashAttention-3's: a thread
+    block per key block of `block_n` keys, 64 per consumer warpgroup, walking the query blocks of
+    `block_m` rows that can see it through `stages` Q/dO stages; one producer warpgroup."""
+
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+
+    @property
+    def consumers(self) -> int:
+        return self.block_n // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    @property
+    def shared_bytes(self) -> int:
+        """K and V; Q_i and dO_i per stage; each consumer's dS^T (16-bit) and dQ partial (fp32);
+        L_i and D_i per stage; and 1024 bytes to align the tiles to the 128B swizzle's period."""
+        q_tile, k_tile = self.block_m * self.head_dim * 2, self.block_n * self.head_dim * 2
+        per_consumer = 64 * self.block_m * 2 + self.block_m * self.head_dim * 4
+        return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + self.stages * 2 * self.block_m * 4
+
+
+SM90_BACKWARD_HEAD_DIMS = (64,)
+
+
+def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
+    return Sm90BackwardTiles(spec.head_dim)
+
+
+def sm90_backward_refusal(spec) -> str | None:
+    """Why the sm90 family's own backward does not take `spec` yet, naming the fields (the sm80
+    family's backward then computes its gradients, as before it had one); None if it does."""
+    unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
+                    or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
+                   ("deterministic", spec.deterministic), ("dropout", spec.dropout),
+                   ("key_padding", spec.key_padding), ("varlen", spec.varlen), ("a variant", spec.has_mods)]
+    found = [name for name, refused in unsupported if refused]
+    return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
+
+
 # A paged cache's keys reach the sm90 forward a TMA box per page: a whole tile where the pages
 # hold whole tiles, else boxes of 16 rows (every page size fagen takes is a multiple of 16, and 16
 # rows of 128 bytes keep the 128B swizzle's 1024-byte period): tensor_map.PageBox, KeySource.

@@ -85,7 +85,7 @@ def recording(identity, recorded: Recorded):
         recorded.add(source.spec, recorded.label)
         recorded.loads += 1
         idle = {entry.name: _do_nothing for entry in source.entries}
-        return launch.LoadedSource(source, device, idle, pointer=lambda t: t, tensor_map=lambda box, t: t)
+        return launch.LoadedSource(source, device, idle, pointer=lambda t: t, tensor_map=lambda box, t, swizzle=None: t)
 
     def lookup(spec, **shape):
         shape.pop("device", None)

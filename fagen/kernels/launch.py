@@ -165,25 +165,25 @@ _driver_maps: dict = {}
 MAX_DRIVER_MAPS = 1024
 
 
-def _driver_map(box: tuple, tensor: torch.Tensor):
+def _driver_map(box: tuple, tensor: torch.Tensor, swizzle: Swizzle = Swizzle.B128):
     """A tensor map the driver encodes (cuTensorMapEncodeTiled), passed by value; encoded once per
-    (address, shape, strides, dtype, device, box)."""
+    (address, shape, strides, dtype, device, box, swizzle)."""
     tensor = _mapped(box, tensor)
-    key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, box)
+    key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device, box, swizzle)
     argument = _driver_maps.get(key)
     if argument is None:
         if len(_driver_maps) >= MAX_DRIVER_MAPS:
             _driver_maps.clear()
         box, tensor = _encoded(box, tensor)
-        argument = struct_argument(TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).driver_bytes(tensor))
+        argument = struct_argument(TensorMapSpec.of_tensor(tensor, box, swizzle=swizzle).driver_bytes(tensor))
         _driver_maps[key] = argument
     return argument
 
 
-def _emulated_map(box: tuple, tensor: torch.Tensor):
+def _emulated_map(box: tuple, tensor: torch.Tensor, swizzle: Swizzle = Swizzle.B128):
     """fagen's own encoding of the same map, which only the emulator's TMA twin reads."""
     box, tensor = _encoded(box, _mapped(box, tensor))
-    return TensorMapSpec.of_tensor(tensor, box, swizzle=Swizzle.B128).emulated_bytes(tensor)
+    return TensorMapSpec.of_tensor(tensor, box, swizzle=swizzle).emulated_bytes(tensor)
 
 
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,13 +200,13 @@ class LoadedSource:
         self.device = device
         self.functions = functions
         self._pointer = pointer
-        self._tensor_map = tensor_map   # (box, tensor) -> the map as this backend passes it
+        self._tensor_map = tensor_map   # (box, tensor, swizzle=) -> the map as this backend passes it
 
     def _converter(self, param) -> Callable:
         if param.kind == "tensor":
             return self._pointer
         if param.kind == "tensor_map":
-            return functools.partial(self._tensor_map, param.box)
+            return functools.partial(self._tensor_map, param.box, swizzle=param.swizzle)
         return _SCALAR_TYPES[param.kind]
 
     def bind(self, entry: Entry, grid: tuple, values: dict[str, Any],

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch_families import BOX_COLUMNS, sm90_tiles
+from ..arch_families import BOX_COLUMNS, sm90_backward_tiles, sm90_tiles
 from ..spec import Spec
 from ..variants.builtins import derived_values
 from ..variants.compose import mod_expression
 from ..variants.cuda import variant_code
 from ..variants.tiles import summaries
-from .tensor_map import PageBox
+from .tensor_map import PageBox, Swizzle
 
 ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+TENSOR_MAP = "const __grid_constant__ fagen::TensorMap"   # a TMA map, passed by value
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Param:
     kind: str  # "tensor" (a device pointer), "tensor_map" (a TMA map of a tensor, by value) or a NumPy
     #            scalar type name: "int32", "float32", ...
     box: tuple = ()   # a tensor map's box, in the tensor's own dim order (TensorMapSpec.of_tensor)
+    swizzle: Swizzle = Swizzle.B128   # a tensor map's swizzle (none for rows of fp32 statistics)
 
 
 def _strides(*tensors: str) -> list[Param]:
@@ -78,18 +80,37 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""
     tiles = sm90_tiles(spec)
     key_rows = PageBox(tiles.block_n) if spec.kv_cache == "paged" else tiles.block_n   # a box per page, or per tile
-    maps = [Param(name, "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
+    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", key_rows), ("v", key_rows))]
     # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
     # threads (a box would write past a sequence's end, into the next one's rows; a split writes
     # fp32 partials).
     by_threads = spec.varlen or spec.kv_cache is not None
     out = ([_tensor("out", ELEM_CTYPE[spec.dtype])] if by_threads else
-           [Param("out", "const __grid_constant__ fagen::TensorMap", "tensor_map", box=(1, 64, 1, BOX_COLUMNS))])
+           [Param("out", TENSOR_MAP, "tensor_map", box=(1, 64, 1, BOX_COLUMNS))])
     return tuple(maps + out + [_tensor("lse", "float")] + _sizes(spec)
                  + (_strides("o") if by_threads else []) + [Param("softmax_scale_log2", "float", "float32")]
                  + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi or spec.score_mod else [])
                  + _dropout(spec) + _variant(spec) + _kv_cache(spec))
+
+
+def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
+    """The sm90 family's backward main kernel (templates/sm90/hopper_bwd.cu.j2): q, k, v and dO as
+    TMA tensor maps (one 64-column box of a tile's rows, 128B swizzle), and the preprocess's rows
+    of L in log2 units and D, (B, H, padded Nq) fp32, as maps of one query block's 64 floats (no
+    swizzle); dQ's fp32 accumulator, summed into by bulk reductions; dK and dV per query head (in
+    fp32 under GQA, as the sm80 backward's)."""
+    tiles = sm90_backward_tiles(spec)
+    elem = ELEM_CTYPE[spec.dtype]
+    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
+            for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n),
+                               ("dout", tiles.block_m))]
+    rows = [Param(name, TENSOR_MAP, "tensor_map", box=(1, 1, tiles.block_m), swizzle=Swizzle.NONE)
+            for name in ("lse_log2", "delta")]
+    outputs = ([_tensor("dq_accum", "float")] + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
+               + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
+    return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
+                 + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")])
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

@@ -71,11 +71,14 @@ ROLES = tuple(f.name for f in fields(Entries))
 class Pass:
     """One pass of a family: the templates that define its kernels (included in this order), and
     its kernels by role: `entries(spec, debug)` -> {role of `Entries`: Entry}. `includes`: the
-    templates those include in turn, beyond the shared ones (what the self-test's digest reads)."""
+    templates those include in turn, beyond the shared ones (what the self-test's digest reads).
+    `refusal(spec)`: why it does not take a spec its family does (the family then runs the next
+    pass it lists for that role), or None."""
 
     templates: tuple[str, ...]
     entries: Callable[[Spec, bool], dict]
     includes: tuple[str, ...] = ()
+    refusal: Callable[[Spec], str | None] = lambda spec: None   # why it cannot take `spec` yet, or None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -87,11 +90,12 @@ class KernelFamily:
     """A kernel family (`fagen.arch_families.Family`, its facts below the Spec) with its passes:
     the forward (by FlashAttention version), the backward, decoding's forward (by version) and its
     combine and cache append. `headers` are the static headers (templates/include/fagen/) its
-    kernels need beyond the shared ones; `context(spec)` what its templates read beyond the Spec's."""
+    kernels need beyond the shared ones; `context(spec)` what its templates read beyond the Spec's.
+    `backward` lists the backward passes in order of preference: a spec's is the first that takes it."""
 
     facts: Family
     forward: Mapping[int, Pass]
-    backward: Pass
+    backward: tuple[Pass, ...]
     decoding: Mapping[int, Pass]
     combine: Pass
     headers: tuple[str, ...] = ()
@@ -104,15 +108,19 @@ class KernelFamily:
     @property
     def passes(self) -> tuple[Pass, ...]:
         """Every pass it has, each once."""
-        found = (*self.forward.values(), self.backward, *self.decoding.values(), self.combine)
+        found = (*self.forward.values(), *self.backward, *self.decoding.values(), self.combine)
         return tuple(dict.fromkeys(found))
+
+    def backward_of(self, spec: Spec) -> Pass:
+        """The backward pass that renders `spec`'s gradients: the first listed that takes it."""
+        return next(found for found in self.backward if found.refusal(spec) is None)
 
     def passes_of(self, spec: Spec) -> tuple[Pass, ...]:
         """The passes of `spec`'s translation unit: training's forward and backward; decoding's
         forward, with the split-KV combine and the append unless queries are packed (varlen)."""
         if spec.kv_cache:
             return (self.decoding[spec.version],) + (() if spec.varlen else (self.combine,))
-        return (self.forward[spec.version], self.backward)
+        return (self.forward[spec.version], self.backward_of(spec))
 
     def entries(self, spec: Spec, debug: bool = False) -> Entries:
         """The kernels `spec`'s source defines, with their signatures and geometry."""

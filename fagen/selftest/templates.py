@@ -7,8 +7,9 @@ served by a family only where every template it uses passed (`templates_of`): a 
 d = 128 on the sm90 family needs `sm90.d128` and `sm90.softcap`. That is a product of features
 proven one at a time, not every combination: the trade that keeps the self-test under a minute.
 
-A training Spec of the sm90 family runs the sm80 family's backward, so its sm80 templates are
-listed too. A decoding Spec's combine and cache-update kernels are proven by its own family's
+A training Spec of the sm90 family runs its own backward where that takes it (`sm90.backward`,
+proven by a case of its own), else the sm80 family's, whose templates of the same features are
+then listed too. A decoding Spec's combine and cache-update kernels are proven by its own family's
 cases (they run the whole step).
 
 Imports nothing of the pipeline but the Spec's own modules: the gate (fagen.selftest.gate)
@@ -47,6 +48,9 @@ FEATURES = (
     ("mla", FAMILIES, lambda s: s.v_from_k),
     ("fa1", ("sm80",), lambda s: s.version == 1),
     ("deterministic", ("sm80",), lambda s: s.deterministic),
+    # A family's own backward where it lists another's after it (sm90: its backward takes some specs).
+    ("backward", tuple(name for name, family in KERNEL_FAMILIES.items() if len(family.backward) > 1),
+     lambda s: s.kv_cache is None and backward_family(s) == s.arch_family),
 )
 
 
@@ -66,19 +70,29 @@ def all_templates(family: str) -> tuple[str, ...]:
 
 def templates_of(spec) -> tuple[str, ...]:
     """The templates whose kernels `spec`'s source holds: its family's forward (head dim and
-    features), and for a training Spec of a family that runs another's backward (sm90 runs
-    sm80's) that family's templates of the same features."""
+    features, its own backward among them), and for a training Spec whose backward is another
+    family's (sm90 runs sm80's where its own does not take the spec) that family's templates of
+    the same features."""
     found = list(_family_templates(spec, spec.arch_family))
-    backward = backward_family(spec.arch_family)
-    if backward != spec.arch_family and spec.kv_cache is None:
-        found += _family_templates(spec, backward)
+    if spec.kv_cache is None and backward_family(spec) != spec.arch_family:
+        found += _family_templates(spec, backward_family(spec))
     return tuple(found)
 
 
-def backward_family(family: str) -> str:
-    """The family whose templates `family`'s backward pass is rendered from: the one whose folder
-    holds them (its own, or the sm80 family's where it has no backward yet)."""
-    folder = KERNEL_FAMILIES[family].backward.templates[0].partition("/")[0]
+def backward_family(spec) -> str:
+    """The family whose templates `spec`'s backward pass is rendered from (its own, or sm80's)."""
+    return _folder_family(KERNEL_FAMILIES[spec.arch_family].backward_of(spec))
+
+
+def fallback_backward_family(family: str) -> str:
+    """The family whose backward serves what none of `family`'s own takes: its last listed (sm80
+    runs its own; sm90 sm80's)."""
+    return _folder_family(KERNEL_FAMILIES[family].backward[-1])
+
+
+def _folder_family(found) -> str:
+    """The family whose folder holds the pass `found`'s templates."""
+    folder = found.templates[0].partition("/")[0]
     return next(facts.name for facts in FAMILY_FACTS.values() if facts.templates == folder)
 
 
@@ -91,7 +105,8 @@ def _family_templates(spec, family: str) -> list[str]:
 # What each family's kernels are rendered from: its templates (its folder's, and those of the
 # family whose backward it runs), and what every render shares. A change to any of these
 # invalidates the family's verdicts (fagen.selftest.verdicts).
-SHARED_TEMPLATES = ("translation_unit.cu.j2", "macros.j2", "attention.j2", "combine.cu.j2", "cache_update.cu.j2")
+SHARED_TEMPLATES = ("translation_unit.cu.j2", "macros.j2", "attention.j2", "bwd_rows.j2", "combine.cu.j2",
+                    "cache_update.cu.j2")
 
 
 def family_templates(family: str) -> tuple[str, ...]:

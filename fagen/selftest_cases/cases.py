@@ -3,8 +3,9 @@ child (fagen.selftest_cases.child) in the template's family (FAGEN_ARCH_FAMILY).
 
 Each template's case uses its feature at one head dim, d = 64 unless the template is a head
 dim; the head-dim cases run plain attention (sm90: the forward; sm80: forward and backward).
-The sm90 family's training cases check O and L only: its backward is the sm80 family's, proven
-by the sm80 cases (packed sequences run both, as a call does).
+The sm90 family's feature cases check O and L only: their backward is the sm80 family's, proven
+by the sm80 cases (packed sequences run both, as a call does); its own backward (d = 64, no
+variant yet) is proven by `sm90.backward`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 import torch
 
 from ..arch_families import ARCH_FAMILIES, FAMILIES
-from ..selftest.templates import all_templates, backward_family
+from ..selftest.templates import all_templates, fallback_backward_family
 from .decoding import Decoding, PagedPacked, check_decoding, check_paged_packed
 from .training import Packed, Training, check_packed, check_training
 
@@ -41,9 +42,10 @@ def _training(**fields):
 
 
 def _features(family: str) -> dict:
-    """Each feature's case in `family`. A family that runs another's backward (sm90 runs sm80's)
-    checks its forward alone (backward=False): the other's cases check that backward."""
-    backward = backward_family(family) == family
+    """Each feature's case in `family`. A family that runs another's backward for these features
+    (sm90 runs sm80's) checks its forward alone (backward=False): the other's cases check that
+    backward. Its own backward, where it has one, is the `backward` case's."""
+    backward = fallback_backward_family(family) == family
     train = partial(_training, backward=backward)
     return {
         "causal": train(causal=True, shape=(1, 170, 140, 2, 1), dtype="bf16"),   # rows with no key
@@ -64,13 +66,16 @@ def _features(family: str) -> dict:
                                                 capacity=128, page=64, splits=(1, 2))),
         "fa1": train(version=1, causal=True),
         "deterministic": train(deterministic=True, dropout=True),
+        # its own backward (sm90's at d = 64): causal with rows that see no key, ragged, GQA
+        "backward": _training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
     }
 
 
 def _head_dims(family: str) -> dict:
     dims = FAMILIES[family].head_dims
     names = all_templates(family)[:len(dims)]
-    return {name: _training(head_dim=d, backward=backward_family(family) == family, dtype="bf16" if d % 128 else "fp16")
+    return {name: _training(head_dim=d, backward=fallback_backward_family(family) == family,
+                            dtype="bf16" if d % 128 else "fp16")
             for name, d in zip(names, dims)}
 
 

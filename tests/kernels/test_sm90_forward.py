@@ -1,6 +1,7 @@
 """The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2: TMA producer, two wgmma consumer
-warpgroups) rendered from Specs and run by the emulator, then the sm80 family's backward on its O
-and L: against the float64 oracle under FlashAttention-2's rule (kernel_cases.run_and_check), with
+warpgroups) rendered from Specs and run by the emulator, then the backward on its O and L (the sm90
+family's own at d = 64 without a variant, tests/kernels/test_sm90_backward.py; else the sm80
+family's): against the float64 oracle under FlashAttention-2's rule (kernel_cases.run_and_check), with
 every output buffer poisoned; under the schedules that reorder producer and consumers, with the
 happens-before racecheck; compiled by NVRTC for sm_90a without spills or serialised wgmma."""
 
@@ -37,7 +38,7 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
-def test_forward_then_the_sm80_backward_match_the_oracle(spec, shape):
+def test_forward_then_the_backward_match_the_oracle(spec, shape):
     run_and_check(spec, shape)
 
 

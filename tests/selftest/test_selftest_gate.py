@@ -79,17 +79,17 @@ def test_sm90_serves_after_a_passing_selftest_and_the_verdict_is_kept(stand_in, 
     use(monkeypatch, "PASSING")
     assert family_of_call(dense_call) == "sm90"
     assert family_of_call(decode_call) == "sm90"   # a decoding step's spec goes through the gate too
-    assert runs_of(stand_in) == 3   # sm80.d64, sm90.d64, sm90.decode: one self-test
+    assert runs_of(stand_in) == 4   # sm80.d64, sm90.d64, sm90.backward, sm90.decode: one self-test
     err = capfd.readouterr().err
     assert "fagen: testing its kernels on this GPU (Stand-in H100)" in err and "self-test: done in" in err
     monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm80")   # forcing a family wins over the verdict
     assert family_of_call(dense_call) == "sm80"
     monkeypatch.delenv("FAGEN_ARCH_FAMILY")
     gate.forget()   # a new process: the verdict comes from disk, and nothing runs again
-    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 3
+    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 4
     monkeypatch.setattr(gate, "family_digest", lambda family: "edited")   # the family's sources changed
     gate.forget()
-    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 6
+    assert family_of_call(dense_call) == "sm90" and runs_of(stand_in) == 8
 
 
 def test_sm80_serves_after_a_failing_selftest(stand_in, monkeypatch):
@@ -170,5 +170,5 @@ def test_concurrent_first_calls_run_one_selftest(stand_in, tmp_path):
     outputs = [child.communicate(timeout=240) for child in children]
     assert [child.returncode for child in children] == [0, 0], outputs
     assert [out.split() for out, _ in outputs] == [["passed", "passed"]] * 2
-    assert runs_of(stand_in) == 3   # sm80.d64, sm90.d64, sm90.decode, once
+    assert runs_of(stand_in) == 4   # sm80.d64, sm90.d64, sm90.backward, sm90.decode, once
     assert sum("testing its kernels" in err for _, err in outputs) == 1

@@ -304,6 +304,31 @@ MUTANTS.append(KernelMutant("sm90: a mask_mod's tiles taken as full", _documents
                             (Edit("fagen_variant::kFullTile;\n  }", "fagen_variant::kFullTile && false;\n  }"),),
                             (checks.variant_check,)))
 
+# The sm90 family's backward (templates/sm90/hopper_bwd.cu.j2): its pipeline's barriers, the bulk
+# reduction's read wait, and the layouts of dS^T, L and D. Each edit's text is the backward's alone.
+SM90_BWD = Spec(64, dtype="bf16", mask="causal", arch_family="sm90")
+MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), (checks.sm90_backward_check,))
+            for name, old, new in [
+    ("the consumers' wait for a full stage deleted",
+     "    fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(it / kStages) & 1);\n", ""),
+    ("the consumers' wait for K and V deleted", "  fagen::mbarrier_wait_parity(&bars->kv_full, 0);\n", ""),
+    ("the producer's wait for an empty stage deleted",
+     "    fagen::mbarrier_wait_parity(&bars->empty[s], (static_cast<uint32_t>(it / kStages) & 1) ^ 1);", ""),
+    ("the dQ tile rewritten before its bulk reduction has read it",
+     "    if (t == 0) fagen::bulk_wait_group_read<0>();\n", ""),
+    ("dS^T stored transposed",
+     "const uint32_t key = 16 * warp + g + 8 * (r % 2), query = 16 * kk + 8 * (r / 2) + 2 * quad;",
+     "const uint32_t query = 16 * warp + g + 8 * (r % 2), key = 16 * kk + 8 * (r / 2) + 2 * quad;"),
+    ("L read from the neighbouring query's row", "scale_log2 - lse_log2[col])", "scale_log2 - lse_log2[col ^ 1])"),
+    ("D read from the neighbouring query's row", "dp[i] = p * (dp[i] - delta[col]);",
+     "dp[i] = p * (dp[i] - delta[col ^ 1]);"),
+    ("the causal walk starting a query block late", "return {row <= 0 ? 0 : (row >= nq ? end : row / kBlockM), end};",
+     "return {row <= 0 ? 1 : (row >= nq ? end : row / kBlockM + 1), end};"),
+    ("dK not scaled (GQA's fp32 dK)", "make_float2(dk[i] * scale, dk[i + 1] * scale)", "make_float2(dk[i], dk[i + 1])"),
+    ("dQ's reduction issued before the warpgroup's tile is written",
+     "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n    fagen::named_barrier_sync(sync_id, 128);\n",
+     "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n"),
+]]
 # Decoding on the sm90 family (templates/sm90/hopper_kv_cache.j2): where a tile's keys lie in the cache,
 # the splits, and packed rows' diagonal: 128-key tiles, from pages of 48 rows (a box per 16 keys),
 # over entries of up to 94 keys (kv_cache_check) or of 450 and 300 (long_cache_check).
@@ -397,7 +422,7 @@ SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scal
           "softcap: the chain rule through the score dropped",
           "documents: tiles whose id ranges touch skipped as empty",
           "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row",
-          "d_v: dV's slices at dK's columns")
+          "d_v: dV's slices at dK's columns", "sm90 backward: the dQ tile rewritten before its bulk reduction has read it")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

@@ -64,9 +64,9 @@ def table(**runs) -> dict:
     return {name.replace("__", "."): Case(name.replace("__", "."), run, runs_kernels=False) for name, run in runs.items()}
 
 
-# What a training call at d = 64 uses, on either family: sm90's forward and sm80's; and a
-# decoding step at d = 64 on sm90.
-PASSING = table(sm80__d64=passes, sm90__d64=passes, sm90__decode=passes)
+# What a training call at d = 64 uses, on either family: sm90's forward and backward, sm80's; and
+# a decoding step at d = 64 on sm90.
+PASSING = table(sm80__d64=passes, sm90__d64=passes, sm90__backward=passes, sm90__decode=passes)
 SM90_WRONG = table(sm80__d64=passes, sm90__d64=wrong_result)
 SM80_WRONG = table(sm80__d64=wrong_result, sm90__d64=passes)
 # The watchdog: a hang and a death among passing cases (run in this order: d64 first).

@@ -21,20 +21,28 @@ def _backward_entries(spec, debug: bool) -> dict:
     """The preprocess (D and L in log2 units), the main kernel (dK, dV and dQ's atomics) and dQ's
     pass: without atomics where the spec is deterministic, else the fp32 accumulator's conversion."""
     bwd, params = spec.backward_tiles, backward_params(spec, debug)
-    kernels = {"bwd_preprocess": entry(spec, "bwd_preprocess", params["bwd_preprocess"], 128, bwd.block_m, "q", 0),
+    kernels = {**row_entries(spec, params),
                "bwd_main": entry(spec, "bwd", params["bwd_main"], bwd.threads, bwd.block_n, "k",
                                  spec.backward_layout.total_bytes)}
     if spec.deterministic:
         kernels["bwd_dq"] = entry(spec, "bwd_dq", params["bwd_dq"], 2 * bwd.block_m * spec.column_split,
                                   bwd.block_m, "q", spec.dq_layout.total_bytes)
-    else:
-        kernels["bwd_dq_convert"] = entry(spec, "bwd_dq_convert", params["bwd_dq_convert"], 128, bwd.block_m, "q", 0)
+    return kernels
+
+
+def row_entries(spec, params: dict) -> dict:
+    """The backward's row kernels (templates/bwd_rows.j2), which every family's backward launches
+    around its main kernel: the preprocess, and dQ's conversion unless the spec is deterministic."""
+    block_m = spec.backward_tiles.block_m
+    kernels = {"bwd_preprocess": entry(spec, "bwd_preprocess", params["bwd_preprocess"], 128, block_m, "q", 0)}
+    if not spec.deterministic:
+        kernels["bwd_dq_convert"] = entry(spec, "bwd_dq_convert", params["bwd_dq_convert"], 128, block_m, "q", 0)
     return kernels
 
 
 FORWARD_V1 = Pass(("sm80/fwd_v1.cu.j2",), _forward_entries)
 FORWARD_V2 = Pass(("sm80/fwd_v2.cu.j2",), _forward_entries)
-BACKWARD = Pass(("sm80/bwd.cu.j2",), _backward_entries, includes=("sm80/bwd_dq.cu.j2",))
+BACKWARD = Pass(("sm80/bwd.cu.j2",), _backward_entries, includes=("sm80/bwd_dq.cu.j2",))   # takes every spec
 
-FAMILY = KernelFamily(SM80, forward={1: FORWARD_V1, 2: FORWARD_V2}, backward=BACKWARD,
+FAMILY = KernelFamily(SM80, forward={1: FORWARD_V1, 2: FORWARD_V2}, backward=(BACKWARD,),
                       decoding={2: FORWARD_V2}, combine=COMBINE)

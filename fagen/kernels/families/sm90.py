@@ -1,11 +1,12 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
-warp-specialised forward (one producer warpgroup, two consumer warpgroups). Its backward is the
-sm80 family's until one of its own lands here: a template in templates/sm90/ and its line below."""
+warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
+backward takes what `sm90_backward_refusal` lets through (d = 64, no variant yet); the sm80 family's
+backward computes the others' gradients."""
 
 from __future__ import annotations
 
-from ...arch_families import SM90, sm90_tiles
-from ..params import sm90_forward_params
+from ...arch_families import SM90, sm90_backward_refusal, sm90_backward_tiles, sm90_tiles
+from ..params import backward_params, sm90_backward_params, sm90_forward_params
 from ..passes import KernelFamily, Pass, entry
 from . import sm80
 from .shared import COMBINE
@@ -21,8 +22,21 @@ def _forward_entries(spec, debug: bool) -> dict:
                              tiles.shared_bytes, tiles.slices)}
 
 
+def _backward_entries(spec, debug: bool) -> dict:
+    """The row kernels the sm80 backward launches too (the preprocess, dQ's conversion) around its
+    own main kernel: a block per key block, dQ summed into the fp32 accumulator by bulk reductions."""
+    tiles = sm90_backward_tiles(spec)
+    assert tiles.block_m == spec.backward_tiles.block_m, "the preprocess pads L and D to the main kernel's query blocks"
+    return {**sm80.row_entries(spec, backward_params(spec)),
+            "bwd_main": entry(spec, "bwd", sm90_backward_params(spec), tiles.threads, tiles.block_n, "k",
+                              tiles.shared_bytes)}
+
+
 def _context(spec) -> dict:
-    """What its templates read beyond the Spec: the forward's geometry (`sm90.block_n`, ...)."""
+    """What its templates read beyond the Spec: the forward's geometry (`sm90.block_n`, ...) and,
+    for a spec its own backward takes, the backward's (`sm90_bwd`)."""
+    if spec.kv_cache is None and sm90_backward_refusal(spec) is None:
+        return dict(sm90=sm90_tiles(spec), sm90_bwd=sm90_backward_tiles(spec))
     return dict(sm90=sm90_tiles(spec))
 
 
@@ -30,5 +44,7 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
                                                                      "producer", "softmax", "tile_span")))
 
-FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=sm80.BACKWARD, decoding={2: FORWARD}, combine=COMBINE,
-                      headers=HEADERS, context=_context)
+BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, refusal=sm90_backward_refusal)
+
+FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, sm80.BACKWARD), decoding={2: FORWARD},
+                      combine=COMBINE, headers=HEADERS, context=_context)

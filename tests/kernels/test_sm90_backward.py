@@ -1,0 +1,94 @@
+"""The sm90 family's backward (templates/sm90/hopper_bwd.cu.j2: a TMA producer streaming Q, dO, L and
+D, two wgmma consumer warpgroups of 64 keys, dQ summed by cp.reduce.async.bulk) rendered from Specs
+and run by the emulator after the sm90 forward: dQ, dK and dV against the float64 oracle under
+FlashAttention-2's rule (kernel_cases.run_and_check), every output buffer poisoned; ragged blocks,
+Nq > Nk under causal, GQA and MQA; under the schedules that reorder producer and consumers, with the
+happens-before racecheck; through flash_attn_func; compiled by NVRTC for sm_90a without spills or
+serialised wgmma. The specs it does not take yet run the sm80 family's backward, as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fagen
+import kernel_checks as checks
+from fagen.arch_families import sm90_backward_refusal, sm90_backward_tiles
+from fagen.kernels import attention_kernels
+from fagen.kernels.families import KERNEL_FAMILIES
+from fagen.kernels.render import render
+from fagen.reference import attention_gradients, attention_same_dtype
+from fagen.spec import Spec
+from kernel_cases import Shape, poisoned_empty, run_and_check
+
+SM90 = KERNEL_FAMILIES["sm90"]
+SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf16", "fp16")
+         for mask in ("none", "causal")]
+# Two key blocks (the second ragged) and three query blocks (the last ragged), GQA over two batches
+# (the maps' coordinates, the group's dK and dV summed); Nq > Nk under causal (rows that see no key,
+# key blocks whose walk starts past the first query block), MQA.
+SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 300, 130, 2, 1)}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_the_sm90_backward_matches_the_oracle(spec, shape):
+    assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]   # its own
+    run_and_check(spec, shape)
+
+
+def test_every_schedule_is_race_free():
+    """Producer-first, consumer-first, a seeded random order and the plain one, racecheck on."""
+    checks.sm90_backward_check(SPECS[1])
+
+
+def test_what_it_does_not_take_runs_the_sm80_backward():
+    """A spec its backward refuses (named in the refusal) keeps the sm80 family's backward: the
+    same kernels by name and threads as before it had one."""
+    for spec, field in [(Spec(128, arch_family="sm90"), "head_dim"), (Spec(64, dropout=True, arch_family="sm90"), "dropout"),
+                        (Spec(64, key_padding=True, arch_family="sm90"), "key_padding"),
+                        (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
+                        (Spec(64, window=True, arch_family="sm90"), "a variant")]:
+        assert field in sm90_backward_refusal(spec)
+        assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
+        assert render(spec).kernels.bwd_main.threads != sm90_backward_tiles(spec).threads
+    assert render(SPECS[0]).kernels.bwd_main.threads == sm90_backward_tiles(SPECS[0]).threads == 384
+
+
+def test_flash_attn_func_trains_on_it(monkeypatch):
+    """The ops' path (FAGEN_ARCH_FAMILY=sm90 on the emulator): the gradients of a causal GQA call,
+    by FlashAttention-2's rule (3x the same-dtype PyTorch error, the suite's floor)."""
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, n, h, 64, generator=generator).to(torch.bfloat16).requires_grad_()
+               for n, h in ((170, 4), (140, 2), (140, 2)))
+    out = fagen.flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn(out.shape, generator=generator).to(out.dtype)
+    out.backward(dout)
+    exact = attention_gradients(*(t.detach().double() for t in (q, k, v, dout)), causal=True)
+    same = attention_same_dtype(q.detach(), k.detach(), v.detach(), dout, causal=True)[1:]
+    for name, grad, torch_grad in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), same):
+        error = (grad.double() - exact[name]).abs().max().item()
+        bound = 3 * (torch_grad.double() - exact[name]).abs().max().item() + 1e-5
+        assert error <= bound, f"{name}: {error:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s.name)
+def test_it_compiles_for_sm90a_without_spills(spec):
+    """NVRTC for sm_90a: ptxas does not serialise its wgmma (C7510-C7520 raise), and the main kernel
+    spills nothing within 384 threads' 168 registers (the consumers' setmaxnreg takes 240)."""
+    pytest.importorskip("cuda.bindings")
+    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
+
+    source = render(spec)
+    cubin, log = nvrtc_compile(source.code, "sm_90a")
+    assert cubin, log
+    check_wgmma_pipeline(log, spec.name, "sm_90a")
+    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.bwd_main.name]
+    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
+    assert source.kernels.bwd_main.shared_bytes == sm90_backward_tiles(spec).shared_bytes <= 227 * 1024
