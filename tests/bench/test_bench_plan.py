@@ -13,6 +13,7 @@ from fagen.bench.plan import full_plan, quick_plan
 from fagen.bench.schedule import estimate_line
 from fagen.bench.timing import Budget, repeats_for
 from fagen.bench.versions import found_versions, versions_line
+from fagen.selftest.templates import all_templates
 
 from bench_stand_ins import REPO, sum_without_the_sweep
 
@@ -40,8 +41,9 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
     for needle in ("sections, in order: setup, precompile, peak, selftest, correctness, sanitizers, speed, "
                    "variants, decode, models, ring, memory, report",
                    "  selftest: python -m fagen selftest --verbose, before anything else runs the sm90 family: one "
-                   "small case per kernel template (sm80 21, sm90 23;",
-                   "[     ok] the self-test's cases for sm_90 (recorded as its child records them): 44 templates, each "
+                   f"small case per kernel template (sm80 {len(all_templates('sm80'))}, sm90 {len(all_templates('sm90'))};",
+                   "[     ok] the self-test's cases for sm_90 (recorded as its child records them): "
+                   f"{len(all_templates('sm80')) + len(all_templates('sm90'))} templates, each "
                    "case loading kernels of its family: sm80 21 kernels, sm90 23 kernels",
                    "[     ok] the self-test's last sm90 kernel compiles for sm_90: ",
                    "fagen v2, fagen sm90, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
