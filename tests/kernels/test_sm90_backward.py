@@ -26,8 +26,10 @@ SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf1
          for mask in ("none", "causal")]
 # Two key blocks (the second ragged) and three query blocks (the last ragged), GQA over two batches
 # (the maps' coordinates, the group's dK and dV summed); Nq > Nk under causal (rows that see no key,
-# key blocks whose walk starts past the first query block), MQA.
-SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 300, 130, 2, 1)}
+# key blocks whose walk starts past the first query block), MQA; Nk > Nq, where a causal key block
+# walks masked blocks on the diagonal, then unmasked ones (Consumer::walk), then the ragged last.
+SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 300, 130, 2, 1),
+          "diagonal_then_unmasked": Shape(1, 256, 320, heads=2, kv_heads=2)}
 
 
 @pytest.fixture(autouse=True)

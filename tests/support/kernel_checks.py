@@ -40,12 +40,14 @@ def sm90_pipeline_check(spec: Spec, source: Source | None = None) -> None:
 def sm90_backward_check(spec: Spec, source: Source | None = None) -> None:
     """The sm90 family's backward pipeline (templates/sm90/hopper_bwd.cu.j2): five query blocks
     through its two Q/dO stages (each reused, both parities), two key blocks (the last ragged), a
-    ragged last query block, MQA (the group's dK and dV summed by the op), under the schedules that
-    reorder the producer and the consumers, with the happens-before racecheck."""
+    ragged last query block, MQA (the group's dK and dV summed by the op); and Nk > Nq, where a
+    causal key block's walk has masked blocks on the diagonal, then unmasked ones, then the ragged
+    last; under the schedules that reorder the producer and the consumers, with the racecheck."""
     for schedule in SM90_SCHEDULES:
         with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0",
                                           "FAGEN_EMULATE_RACECHECK": "1"}):
-            run_and_check(spec, Shape(1, 300, 200, heads=2, kv_heads=1), source=source)
+            for shape in (Shape(1, 300, 200, heads=2, kv_heads=1), Shape(1, 256, 320, heads=2, kv_heads=2)):
+                run_and_check(spec, shape, source=source)
 
 
 def uneven_lengths_check(spec: Spec, source: Source | None = None) -> None:
