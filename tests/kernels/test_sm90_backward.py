@@ -20,6 +20,7 @@ from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
 from kernel_cases import Shape, poisoned_empty, run_and_check
+from sm90_cases import check_sm90_kernel_compiles
 
 SM90 = KERNEL_FAMILIES["sm90"]
 SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf16", "fp16")
@@ -27,7 +28,7 @@ SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf1
 # Two key blocks (the second ragged) and three query blocks (the last ragged), GQA over two batches
 # (the maps' coordinates, the group's dK and dV summed); Nq > Nk under causal (rows that see no key,
 # key blocks whose walk starts past the first query block), MQA; Nk > Nq, where a causal key block
-# walks masked blocks on the diagonal, then unmasked ones (Consumer::walk), then the ragged last.
+# walks masked blocks on the diagonal, then unmasked ones (Consumer::walk); the last key block, ragged, masks all.
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 300, 130, 2, 1),
           "diagonal_then_unmasked": Shape(1, 256, 320, heads=2, kv_heads=2)}
 
@@ -84,13 +85,5 @@ def test_flash_attn_func_trains_on_it(monkeypatch):
 def test_it_compiles_for_sm90a_without_spills(spec):
     """NVRTC for sm_90a: ptxas does not serialise its wgmma (C7510-C7520 raise), and the main kernel
     spills nothing within 384 threads' 168 registers (the consumers' setmaxnreg takes 240)."""
-    pytest.importorskip("cuda.bindings")
-    from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
-
-    source = render(spec)
-    cubin, log = nvrtc_compile(source.code, "sm_90a")
-    assert cubin, log
-    check_wgmma_pipeline(log, spec.name, "sm_90a")
-    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.bwd_main.name]
-    assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
+    source = check_sm90_kernel_compiles(spec, "bwd_main")
     assert source.kernels.bwd_main.shared_bytes == sm90_backward_tiles(spec).shared_bytes <= 227 * 1024

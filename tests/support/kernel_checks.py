@@ -41,8 +41,9 @@ def sm90_backward_check(spec: Spec, source: Source | None = None) -> None:
     """The sm90 family's backward pipeline (templates/sm90/hopper_bwd.cu.j2): five query blocks
     through its two Q/dO stages (each reused, both parities), two key blocks (the last ragged), a
     ragged last query block, MQA (the group's dK and dV summed by the op); and Nk > Nq, where a
-    causal key block's walk has masked blocks on the diagonal, then unmasked ones, then the ragged
-    last; under the schedules that reorder the producer and the consumers, with the racecheck."""
+    causal key block's walk has masked blocks on the diagonal, then unmasked ones (a ragged key
+    block masks all); under the schedules that reorder the producer and the consumers, with the
+    racecheck."""
     for schedule in SM90_SCHEDULES:
         with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0",
                                           "FAGEN_EMULATE_RACECHECK": "1"}):

@@ -32,10 +32,17 @@ def traced(score=None, mask=None) -> dict:
 
 
 def check_sm90_forward_compiles(spec) -> None:
+    """NVRTC for sm_90a (`check_sm90_kernel_compiles`), and Q with its stages within an sm_90
+    block's shared memory."""
+    source = check_sm90_kernel_compiles(spec, "forward")
+    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes and sm90_tiles(spec).fits
+
+
+def check_sm90_kernel_compiles(spec, role: str):
     """NVRTC for sm_90a: the source compiles, ptxas does not serialise its wgmma pipeline (C7510-C7520
-    raise), and the forward spills nothing and fits the budgets: 384 threads, one block per SM, so
-    ptxas allocates at most 65536 / 384 = 168 registers a thread (the consumers' setmaxnreg takes
-    240), and Q with its stages within an sm_90 block's shared memory."""
+    raise), and the kernel of `role` (an `Entries` field) spills nothing and fits the budgets: 384
+    threads, one block per SM, so ptxas allocates at most 65536 / 384 = 168 registers a thread (the
+    consumers' setmaxnreg takes 240). Returns the rendered source."""
     pytest.importorskip("cuda.bindings")
     from fagen.kernels.compile import check_wgmma_pipeline, nvrtc_compile, parse_ptxas_log
 
@@ -44,9 +51,9 @@ def check_sm90_forward_compiles(spec) -> None:
     cubin, log = nvrtc_compile(source.code, "sm_90a")
     assert cubin, log
     check_wgmma_pipeline(log, spec.name, "sm_90a")
-    usage = parse_ptxas_log(log, "sm_90a")[source.kernels.forward.name]
+    usage = parse_ptxas_log(log, "sm_90a")[getattr(source.kernels, role).name]
     assert usage.spill_store_bytes == usage.spill_load_bytes == 0 and usage.registers <= 168, usage
-    assert source.kernels.forward.shared_bytes == sm90_tiles(spec).shared_bytes and sm90_tiles(spec).fits
+    return source
 
 
 def check_every_exp2_in_flight(spec) -> None:
