@@ -1,5 +1,6 @@
 """The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2, Spec.arch_family='sm90') on a compute
-capability 9.0 GPU, with the sm80 backward after it: the emulator's cases
+capability 9.0 GPU, with its backward after it (the sm90 family's own, templates/sm90/hopper_bwd.cu.j2,
+for the d = 64 specs without a variant: the first below; else the sm80 family's): the emulator's cases
 (tests/kernels/test_sm90_forward.py) and larger ones, against the same float64 oracle by the same
 rule (kernel_cases.run_and_check), the launch path's tensor maps encoded by the driver. Marked `gpu`
 and `twins`: the GPU check runs it among the first, before anything is built on it."""
