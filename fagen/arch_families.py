@@ -276,7 +276,7 @@ def sm90_backward_refusal(spec) -> str | None:
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
                    ("deterministic", spec.deterministic), ("dropout", spec.dropout),
-                   ("key_padding", spec.key_padding), ("varlen", spec.varlen), ("a variant", spec.has_mods)]
+                   ("varlen", spec.varlen), ("a variant", spec.has_mods)]
     found = [name for name, refused in unsupported if refused]
     return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
 

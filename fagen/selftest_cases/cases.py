@@ -41,6 +41,11 @@ def _training(**fields):
     return partial(check_training, Training(**fields))
 
 
+def _every(runs: tuple, device: torch.device) -> list[str]:
+    """Several calls as one case: the problems of each."""
+    return [problem for run in runs for problem in run(device)]
+
+
 def _features(family: str) -> dict:
     """Each feature's case in `family`. A family that runs another's backward for these features
     (sm90 runs sm80's) checks its forward alone (backward=False): the other's cases check that
@@ -66,8 +71,9 @@ def _features(family: str) -> dict:
                                                 capacity=128, page=64, splits=(1, 2))),
         "fa1": train(version=1, causal=True),
         "deterministic": train(deterministic=True, dropout=True),
-        # its own backward (sm90's at d = 64): causal with rows that see no key, ragged, GQA
-        "backward": _training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
+        # its own backward (sm90's at d = 64): causal with rows that see no key, ragged, GQA; key padding
+        "backward": partial(_every, (_training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
+                                     _training(backward=True, key_padding=True, shape=(2, 140, 170, 2, 1)))),
     }
 
 

@@ -45,6 +45,16 @@ def test_the_sm90_backward_matches_the_oracle(spec, shape):
     run_and_check(spec, shape)
 
 
+@pytest.mark.parametrize("spec", [Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
+                                  Spec(64, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90")],
+                         ids=lambda s: s.name)
+def test_key_padding_aligns_causal_to_each_entrys_own_keys(spec):
+    """Entries of Nk, Nk - 37, 1 and 0 keys (kernel_cases.key_lengths): key blocks past an entry's
+    keys walk nothing and store zeros; a ragged one masks its keys; causal is each entry's own."""
+    assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]
+    checks.uneven_lengths_check(spec)
+
+
 def test_every_schedule_is_race_free():
     """Producer-first, consumer-first, a seeded random order and the plain one, racecheck on."""
     checks.sm90_backward_check(SPECS[1])
@@ -54,7 +64,7 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
     """A spec its backward refuses (named in the refusal) keeps the sm80 family's backward: the
     same kernels by name and threads as before it had one."""
     for spec, field in [(Spec(128, arch_family="sm90"), "head_dim"), (Spec(64, dropout=True, arch_family="sm90"), "dropout"),
-                        (Spec(64, key_padding=True, arch_family="sm90"), "key_padding"),
+                        (Spec(64, varlen=True, arch_family="sm90"), "varlen"),
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
                         (Spec(64, window=True, arch_family="sm90"), "a variant")]:
         assert field in sm90_backward_refusal(spec)
