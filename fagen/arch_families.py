@@ -260,7 +260,8 @@ class Sm90BackwardTiles:
         L_i and D_i per stage; and 1024 bytes to align the tiles to the 128B swizzle's period."""
         q_tile, k_tile = self.block_m * self.head_dim * 2, self.block_n * self.head_dim * 2
         per_consumer = 64 * self.block_m * 2 + self.block_m * self.head_dim * 4
-        return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + self.stages * 2 * self.block_m * 4
+        rows = self.stages * 2 * self.block_m * 4
+        return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + rows
 
 
 SM90_BACKWARD_HEAD_DIMS = (64,)

@@ -198,8 +198,8 @@ def _refuse_broken(spec, verdict: Verdict, facts: DeviceFacts) -> None:
     for template in verdict.unproven(used):
         if template not in _warned and template not in verdict.broken(used):
             _warned.add(template)
-            warnings.warn(f"fagen: the {family} kernel template {template} {_status_text(verdict, template)} on this GPU "
-                          f"({facts.gpu}); its calls run unchecked. Log: {verdict.log}. Rerun it with `fagen "
+            warnings.warn(f"fagen: the {family} kernel template {template} {_status_text(verdict, template)} on this "
+                          f"GPU ({facts.gpu}); its calls run unchecked. Log: {verdict.log}. Rerun it with `fagen "
                           f"selftest --verbose`.", RuntimeWarning, stacklevel=4)
     broken = verdict.broken(used)
     if broken:

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--events-fd", type=int, required=True)
     parser.add_argument("--templates", required=True, help="comma-separated, in order")
-    parser.add_argument("--cases", default="fagen.selftest_cases.cases:CASES", help="module:attribute of {template: Case}")
+    parser.add_argument("--cases", default="fagen.selftest_cases.cases:CASES",
+                        help="module:attribute of {template: Case}")
     parser.add_argument("--no-compile", action="store_true", help="do not compile every kernel first")
     args = parser.parse_args(argv)
     os.environ[SELFTEST_ENV] = "0"
