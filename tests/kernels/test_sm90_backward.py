@@ -55,6 +55,13 @@ def test_key_padding_aligns_causal_to_each_entrys_own_keys(spec):
     checks.uneven_lengths_check(spec)
 
 
+@pytest.mark.parametrize("spec", SPECS[2:], ids=lambda s: s.name)
+def test_keys_past_nk_stay_masked_where_every_score_is_very_negative(spec):
+    """K's rows past Nk are TMA's zeros (S = 0): unmasked, they would weigh 2^270 against an L near
+    -270 and make dQ NaN (kernel_checks.negative_scores_check)."""
+    checks.negative_scores_check(spec)
+
+
 def test_every_schedule_is_race_free():
     """Producer-first, consumer-first, a seeded random order and the plain one, racecheck on."""
     checks.sm90_backward_check(SPECS[1])

@@ -51,6 +51,21 @@ def sm90_backward_check(spec: Spec, source: Source | None = None) -> None:
                 run_and_check(spec, shape, source=source)
 
 
+def negative_scores_check(spec: Spec, source: Source | None = None) -> None:
+    """Every score of every row strongly negative (q along -u, k along u, a little noise): L in log2
+    units near -270, so a key past Nk (S = 0 there: TMA's zeros) left unmasked would weigh about
+    2^270, inf in fp32, and turn dQ into NaN. Nk = 150 leaves a ragged key block of 22 keys."""
+    shape = Shape(1, 70, 150, heads=1, kv_heads=1)
+
+    def directed(spec, shape, seed=0, **_):
+        q, k, v, dout, seqlens_k = make_inputs(spec, shape, seed)
+        u = torch.full((spec.head_dim,), 40.0 / spec.head_dim ** 0.5)   # q . k ~ -1600: S scale ~ -200
+        return ((0.1 * q.float() - u).to(q.dtype), (0.1 * k.float() + u).to(k.dtype), v, dout, seqlens_k)
+
+    with mock.patch("kernel_cases.make_inputs", directed):
+        run_and_check(spec, shape, source=source)
+
+
 def uneven_lengths_check(spec: Spec, source: Source | None = None) -> None:
     """Key lengths [Nk, Nk - 37, 1, 0]: causal aligns to each entry's own length."""
     for seqlen_q, seqlen_k in ((100, 150), (150, 100)):

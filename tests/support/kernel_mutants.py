@@ -333,6 +333,9 @@ MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), 
      "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n    fagen::named_barrier_sync(sync_id, 128);\n",
      "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n"),
 ]]
+MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
+                            (Edit("const bool visible = key < nk && (", "const bool visible = ("),),
+                            (checks.negative_scores_check,)))
 # Decoding on the sm90 family (templates/sm90/hopper_kv_cache.j2): where a tile's keys lie in the cache,
 # the splits, and packed rows' diagonal: 128-key tiles, from pages of 48 rows (a box per 16 keys),
 # over entries of up to 94 keys (kv_cache_check) or of 450 and 300 (long_cache_check).
