@@ -36,3 +36,15 @@ def cpython_one_byte_objects_stay_intact():
     them, is then b"\\x00". Name the test that does it, not some later victim."""
     yield
     assert b"a" + b" " + b"b" == bytes([97, 32, 98]), "this test overwrote CPython's shared b' ' object"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every buffer fagen's kernels write starts as the sentinel NaN (fagen.emulate.poison_, where
+    attention_kernels allocates through `_empty`), so an element the kernel never wrote fails the
+    test (assert_written names it) instead of passing on whatever memory held. A module takes it
+    with `pytestmark = pytest.mark.usefixtures("poisoned_outputs")`."""
+    from fagen.kernels import attention_kernels
+    from kernel_cases import poisoned_empty
+
+    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)

@@ -152,14 +152,17 @@ def serving_spec(spec, device, *, decoding: bool = False, tuned: bool = False):
 
 def check_fixed_spec(spec, device) -> None:
     """A Spec no other family can serve (a generated op module runs its own .cu file): raise
-    `SelftestFailure` where a template of its family that it uses failed or hung on this GPU, as
-    for an sm80 template in `serving_spec`. Nothing runs where the gate would run nothing."""
+    `SelftestFailure` where a template it uses, of any family (an sm90 spec may run sm80's
+    backward), failed or hung on this GPU, as for an sm80 template in `serving_spec`. Nothing runs
+    where the gate would run nothing."""
     facts = device_facts(device)
     if facts is None or setting(SELFTEST_ENV) == "0" or spec.arch_family not in facts.families:
         return
     checked = (spec.name, facts.device, GENERATION[0])   # a warm call's check: one set lookup
     if checked not in _fixed_checked:
-        _refuse_broken(spec, verdicts_for(facts)[spec.arch_family], facts)
+        verdicts = verdicts_for(facts)
+        for family in facts.families:
+            _refuse_broken(spec, verdicts[family], facts)
         _fixed_checked.add((spec.name, facts.device, GENERATION[0]))   # verdicts_for may have moved GENERATION
 
 

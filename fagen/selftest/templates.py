@@ -74,8 +74,9 @@ def templates_of(spec) -> tuple[str, ...]:
     family's (sm90 runs sm80's where its own does not take the spec) that family's templates of
     the same features."""
     found = list(_family_templates(spec, spec.arch_family))
-    if spec.kv_cache is None and backward_family(spec) != spec.arch_family:
-        found += _family_templates(spec, backward_family(spec))
+    backward = None if spec.kv_cache is not None else backward_family(spec)
+    if backward not in (None, spec.arch_family):
+        found += _family_templates(spec, backward)
     return tuple(found)
 
 

@@ -36,7 +36,8 @@ DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
 # eager call: which kernels they load is what it records.
 RECORDING = bool(os.environ.get("FAGEN_RECORD_KERNELS"))
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("poisoned_outputs")]
 needs_cuda = pytest.mark.skipif(DEVICE != "cuda" and not RECORDING, reason="CUDA graphs need a CUDA device")
 OUTPUT_FACTOR, GRAD_FACTOR, ABS_FLOOR = 2.0, 3.0, 1e-5
 # L is fp32 from fp32 scores on every path (no 16-bit rounding on the way), so its error is a few
@@ -50,18 +51,6 @@ def flash_attn_func():
     from fagen import flash_attn_func as func
 
     return func
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every buffer fagen's kernels write starts as the CPU tests' sentinel NaN
-    (fagen.emulate.poison_, where attention_kernels allocates through `_empty`), so an element the
-    kernel never wrote fails the test (assert_written names it) instead of passing on
-    whatever memory held."""
-    from fagen.kernels import attention_kernels
-    from kernel_cases import poisoned_empty
-
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def inputs(shape, dtype, head_dim, *, seed=0, requires_grad=False):

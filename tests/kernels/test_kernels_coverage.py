@@ -19,14 +19,11 @@ from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.spec import Spec
 import kernel_checks as checks
-from kernel_cases import Shape, make_inputs, poisoned_empty
+from kernel_cases import Shape, make_inputs
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 VERSIONS_AND_DTYPES = list(itertools.product((1, 2), ("fp16", "bf16")))
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])

@@ -19,7 +19,9 @@ from fagen.kernels.render import render
 from fagen.reference import dropout_keep_mask
 from fagen.spec import Spec
 import kernel_checks as checks
-from kernel_cases import OFFSET, SEED, Shape, key_lengths, make_inputs, poisoned_empty, run_and_check
+from kernel_cases import OFFSET, SEED, Shape, key_lengths, make_inputs, run_and_check
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 RAGGED = [Shape(2, 128, 128), Shape(1, 17, 200), Shape(2, 200, 17), Shape(1, 1, 77),
           Shape(2, 130, 130, heads=4, kv_heads=1), Shape(1, 96, 64, heads=4, kv_heads=2)]
@@ -49,11 +51,6 @@ def shape_properties(spec: Spec, shape: Shape) -> set[str]:
 
 def matrix_spec(version, mask, dropout, dtype, head_dim) -> Spec:
     return Spec(head_dim=head_dim, version=version, dtype=dtype, dropout=dropout, **MASKS[mask])
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 # forward: warps advance in lockstep; warp-serial-reverse: the last warp runs a whole barrier

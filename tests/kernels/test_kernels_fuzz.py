@@ -30,8 +30,10 @@ from fagen.emulate import EmulationError
 from fagen.reference import attention_forward, dropout_keep_mask, fa2_backward
 from fagen.reference.problem import make_problem
 from fagen.spec import Spec
-from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, key_lengths, make_inputs, poisoned_empty,
+from kernel_cases import (DROPOUT_P, OFFSET, SEED, Shape, key_lengths, make_inputs,
                           run_and_check)
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 EXAMPLES = int(os.environ.get("FAGEN_FUZZ_EXAMPLES", "24"))
 FUZZ_SEED = int(os.environ["FAGEN_FUZZ_SEED"])   # set by tests/conftest.py when not given
@@ -101,11 +103,6 @@ def visible_scores(spec: Spec, shape: Shape) -> int:
     q, k = torch.zeros(shape.batch, shape.seqlen_q, 1, 1), torch.zeros(shape.batch, shape.seqlen_k, 1, 1)
     seqlens_k = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
     return int(make_problem(q, k, k, causal=spec.causal, seqlens_k=seqlens_k).visible_all().sum())
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def stratified_case(stratum: dict, rng: random.Random) -> tuple[Spec, Shape, str]:

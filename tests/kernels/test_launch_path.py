@@ -14,12 +14,9 @@ from fagen.kernels import attention_kernels, compile as compiler, launch
 from fagen.kernels.render import render
 from fagen.arch import SMEM_LIMIT_BYTES, base_arch, smem_limit
 from fagen.spec import Spec
-from kernel_cases import DROPOUT_P, OFFSET, SEED, Shape, make_inputs, poisoned_empty
+from kernel_cases import DROPOUT_P, OFFSET, SEED, Shape, make_inputs
 
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
 # -- 1. grid limits ------------------------------------------------------------------------------

@@ -14,13 +14,14 @@ import torch
 import fagen
 import kernel_checks as checks
 from fagen.arch_families import sm90_backward_refusal, sm90_backward_tiles
-from fagen.kernels import attention_kernels
 from fagen.kernels.families import KERNEL_FAMILIES
 from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
-from kernel_cases import Shape, poisoned_empty, run_and_check
+from kernel_cases import Shape, run_and_check
 from sm90_cases import check_sm90_kernel_compiles
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 SM90 = KERNEL_FAMILIES["sm90"]
 SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf16", "fp16")
@@ -31,11 +32,6 @@ SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf1
 # walks masked blocks on the diagonal, then unmasked ones (Consumer::walk); the last key block, ragged, masks all.
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 300, 130, 2, 1),
           "diagonal_then_unmasked": Shape(1, 256, 320, heads=2, kv_heads=2)}
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from fagen.arch_families import sm90_refusal, sm90_tiles
-from fagen.kernels import attention_kernels
 from fagen.spec import Spec
 import kernel_checks as checks
 from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
 from variant_cases import run_variant_case
-from kernel_cases import Shape, poisoned_empty, run_and_check
+from kernel_cases import Shape, run_and_check
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 # A ragged query block and key tile (the tail mask, rows past Nq unstored), Nq > Nk under causal
 # (rows that see no key: O = 0, L = +inf), GQA and MQA, two batches (the maps' coordinates); with
@@ -29,11 +30,6 @@ SPECS = [Spec(64, dtype="bf16", mask="causal", arch_family="sm90"), Spec(128, dt
          # d_v != d: DeepSeek-V3's training shape (192, 128), and (128, 64); V's tiles and O are d_v wide.
          Spec(192, head_dim_v=128, dtype="bf16", mask="causal", arch_family="sm90"),
          Spec(128, head_dim_v=64, dtype="fp16", arch_family="sm90")]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)

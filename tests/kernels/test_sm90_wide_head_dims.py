@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fagen.arch_families import Sm90Tiles, sm90_refusal, sm90_tiles
-from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.ops import kvcache
 from fagen.arch_families import chosen_decoding_spec
@@ -20,7 +19,9 @@ from fagen.spec import Spec
 import kernel_checks as checks
 from sm90_cases import BIAS, check_every_exp2_in_flight, check_sm90_forward_compiles, relative_bias, same_document, traced
 from variant_cases import run_variant_case
-from kernel_cases import Shape, poisoned_empty, run_and_check
+from kernel_cases import Shape, run_and_check
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 # d_v = 320 takes two 192-column slices, the second's last 64 columns past d_v (neither loaded nor
 # stored: Sm90Tiles.last_slice_boxes_v); (448, 256) one slice at 32-key tiles; (512, 384) two slices of 192.
@@ -40,11 +41,6 @@ def _default_first(items, count=1):
     """`items` as pytest params, the first `count` in the default tier and the rest slow."""
     values = [item if isinstance(item, tuple) else (item,) for item in items]
     return [pytest.param(*value, marks=() if i < count else slow) for i, value in enumerate(values)]
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
 
 
 def test_the_geometry_fits_an_sm90_block():

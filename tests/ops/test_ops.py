@@ -16,12 +16,8 @@ import fagen
 from fagen.kernels import attention_kernels
 from fagen.ops import autograd, call, common, dense
 from fagen.reference import attention_backward, attention_forward, attention_gradients, attention_same_dtype
-from kernel_cases import poisoned_empty
 
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(attention_kernels, "_empty", poisoned_empty)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 
 def qkv(batch=2, seqlen_q=40, seqlen_k=56, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16,

@@ -25,19 +25,16 @@ def _forward_entries(spec, debug: bool) -> dict:
 def _backward_entries(spec, debug: bool) -> dict:
     """The row kernels the sm80 backward launches too (the preprocess, dQ's conversion) around its
     own main kernel: a block per key block, dQ summed into the fp32 accumulator by bulk reductions."""
-    tiles = sm90_backward_tiles(spec)
-    assert tiles.block_m == spec.backward_tiles.block_m, "the preprocess pads L and D to the main kernel's query blocks"
+    tiles = sm90_backward_tiles(spec)   # its block_m is the preprocess's padding (the template asserts it)
     return {**sm80.row_entries(spec, backward_params(spec)),
             "bwd_main": entry(spec, "bwd", sm90_backward_params(spec), tiles.threads, tiles.block_n, "k",
                               tiles.shared_bytes)}
 
 
 def _context(spec) -> dict:
-    """What its templates read beyond the Spec: the forward's geometry (`sm90.block_n`, ...) and,
-    for a spec its own backward takes, the backward's (`sm90_bwd`)."""
-    if spec.kv_cache is None and sm90_backward_refusal(spec) is None:
-        return dict(sm90=sm90_tiles(spec), sm90_bwd=sm90_backward_tiles(spec))
-    return dict(sm90=sm90_tiles(spec))
+    """What its templates read beyond the Spec: the forward's geometry (`sm90.block_n`, ...) and the
+    backward's (`sm90_bwd`, read only where its backward takes the spec)."""
+    return dict(sm90=sm90_tiles(spec), sm90_bwd=sm90_backward_tiles(spec))
 
 
 FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
