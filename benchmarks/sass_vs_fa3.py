@@ -26,8 +26,9 @@ fp32 epilogue, `CollectiveEpilogueBwdGQA`, left out). Its `other loops` column r
 way, the kernel's other loops with as much tensor work as the consumer's: FA3 runs a causal key
 block's masked iterations in a loop of their own at d <= 64 (`SeparateMaskingIterations`), and
 the main-loop rule (`fagen.sass.report`: on a tie, the first) reads the masked one. It is issue
-44's SASS target; fagen's sm90 backward does not exist yet, so fagen's column is the sm80 family's.
-Its d64 rows end with the prototype Hopper backward micro-kernel's figures
+44's SASS target. Its `fagen` column is the sm80 family's backward; `sm90` is the sm90 family's own
+backward (templates/sm90/hopper_bwd.cu.j2) where it takes the problem (d 64 and 128 so far), read
+as FA3's cubins are. Its d64 rows end with the prototype Hopper backward micro-kernel's figures
 (tests/emulate/kernels/hopper_backward.cu, not fagen's dispatched backward; `prototype_figures`):
 compiled for sm_90a by fagen's NVRTC path and read as FA3's cubins are (`cubin_reports`). Its
 `causal` is a runtime argument and it masks every tile, so one consumer loop serves causal and
@@ -64,6 +65,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from fagen.arch_families import sm90_backward_refusal
 from fagen.cache_files import cache_dir
 from fagen.kernels.compile import compile_source
 from fagen.kernels.render import render
@@ -246,16 +248,17 @@ def fagen_figure(row: dict) -> float | None:
 
 
 def fagen_sm90_figure(row: dict):
-    """fagen's sm90 family forward for the same problem (Spec.arch_family = 'sm90', compiled for
-    sm_90a), read as the peer is: per HMMA-equivalent (`cubin_reports`). (figure, report), or
-    (None, None) where the family has no such kernel yet."""
-    if row["pass"] != "fwd":
-        return None, None
+    """fagen's sm90 family kernel for the same problem (Spec.arch_family = 'sm90', compiled for
+    sm_90a): its forward, or its own backward where that takes the spec; read as the peer is: per
+    HMMA-equivalent (`cubin_reports`). (figure, report), or (None, None) where the family has no
+    such kernel yet."""
     try:
         spec = Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none", arch_family="sm90")
     except ValueError:   # a head dim the family does not take yet
         return None, None
-    report = cubin_reports(compile_source(render(spec), "sm_90a").cubin, "sm_90a")[spec.name + "_fwd"]
+    if row["pass"] != "fwd" and sm90_backward_refusal(spec) is not None:   # it runs the sm80 family's
+        return None, None
+    report = cubin_reports(compile_source(render(spec), "sm_90a").cubin, "sm_90a")[spec.name + "_" + row["pass"]]
     return report.non_tensor_per_tensor_op, report
 
 
@@ -334,7 +337,8 @@ def backward_table(rows: list[dict]) -> list[dict]:
         " " * 3 + " ".join(f"{h:>{w}}" for h, w in zip(("loop", "instr", "", "", "P/C", "", "regs", ""),
                                                        PROTOTYPE_WIDTHS)).rstrip())
     header = (f"{'d':>4} {'causal':>6} {'det':>4} {'dtype':>5} {'tile':<7} {'WGs':>4} {'maxnreg':>8} {'cons':>6}"
-              f" {'HMMA-eq':>8} {'FA3':>5} {'SHFL':>5} {'dQ':>8}  {'other loops':<18} {'fagen':>6} {'fagen/FA3':>9}")
+              f" {'HMMA-eq':>8} {'FA3':>5} {'SHFL':>5} {'dQ':>8}  {'other loops':<18} {'fagen':>6} {'fagen/FA3':>9}"
+              f" {'sm90':>5} {'sm90/FA3':>8}")
     for wheel, version in BACKWARD_WHEELS.items():
         mine = sorted((r for r in rows if r["wheel"] == wheel),
                       key=lambda r: (r["head_dim"], r["causal"], r["deterministic"], r["dtype"]))
@@ -356,6 +360,7 @@ def backward_table(rows: list[dict]) -> list[dict]:
             if not row["deterministic"] and (row["head_dim"], row["dtype"], row["causal"]) not in fagen:
                 fagen[row["head_dim"], row["dtype"], row["causal"]] = fagen_figure(row)
             ours = None if row["deterministic"] else fagen[row["head_dim"], row["dtype"], row["causal"]]
+            sm90 = None if row["deterministic"] else fagen_sm90_figure(row)[0]   # it has no deterministic mode yet
             others = other_loops(row["instructions"], report)
             shown = ", ".join(f"{o['loop']}: {o['fa3']:.2f}" for o in others) or "-"
             reduce = sum(n for op, n in report.opcodes.items() if op.split(".")[0] in ("REDG", "RED", "ATOMG"))
@@ -373,12 +378,13 @@ def backward_table(rows: list[dict]) -> list[dict]:
                   f" {report.instructions:>6} {report.tensor_ops:>8g} {'-' if peer is None else f'{peer:.2f}':>5}"
                   f" {report.counts.get('SHFL', 0):>5} {dq:>8}  {shown:<18} {'-' if ours is None else f'{ours:.2f}':>6}"
                   f" {'-' if not (ours and peer) else f'{ours / peer:.2f}':>9}"
+                  f" {'-' if sm90 is None else f'{sm90:.2f}':>5} {'-' if not (sm90 and peer) else f'{sm90 / peer:.2f}':>8}"
                   + (f"  ({report.problem})" if report.problem else "") + proto_text)
             _, role_record = role_columns(report, groups)
             records.append({k: row[k] for k in ("wheel", "pass", "head_dim", "dtype", "causal", "deterministic",
                                                  "tile", "template")}
                            | {"table": "fa3_backward", "version": version, "fa3": peer, "fagen": ours,
-                              "fagen_sm90": None, "hmma_equivalents": report.tensor_ops,
+                              "fagen_sm90": sm90, "hmma_equivalents": report.tensor_ops,
                               "instructions": report.instructions, "shfl": report.counts.get("SHFL", 0), "dq": dq,
                               "main_loop": None if report.loop_address is None else f"{report.loop_address:#06x}",
                               "other_loops": others} | role_record
@@ -390,7 +396,7 @@ def backward_table(rows: list[dict]) -> list[dict]:
           "  tensor work, on a tie the first); other loops: the kernel's other loops with as much, read the same way;\n"
           "  dQ: REDG n = reduced from the consumer loop, writer = bulk-reduced by the writer warp (UBLKRED);\n"
           "  fagen: the sm80 family's non-deterministic backward (mma.sync, fallback tiles, per useful HMMA);\n"
-          "  fagen's sm90 backward does not exist yet (issue 44)")
+          "  sm90: the sm90 family's own backward (wgmma, TMA; d 64 and 128, not deterministic yet), read as FA3 is")
     if prototype is not None:
         print("proto (d64 rows): the prototype Hopper backward micro-kernel (tests/emulate/kernels/\n"
               "  hopper_backward.cu, not fagen's dispatched backward), compiled for sm_90a by NVRTC, read as FA3 is:\n"

@@ -264,7 +264,7 @@ class Sm90BackwardTiles:
         return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + rows
 
 
-SM90_BACKWARD_HEAD_DIMS = (64,)
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
@@ -276,8 +276,9 @@ def sm90_backward_refusal(spec) -> str | None:
     family's backward then computes its gradients, as before it had one); None if it does."""
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
-                   ("deterministic", spec.deterministic), ("dropout", spec.dropout),
-                   ("varlen", spec.varlen), ("a variant", spec.has_mods)]
+                   ("deterministic", spec.deterministic), ("a variant", spec.has_mods),
+                   # Philox's rounds beside d = 128's dK and dV spill (140 bytes): sm80's backward there.
+                   ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64)]
     found = [name for name, refused in unsupported if refused]
     return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
 

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 SM90 = KERNEL_FAMILIES["sm90"]
 SPECS = [Spec(64, dtype=dtype, mask=mask, arch_family="sm90") for dtype in ("bf16", "fp16")
          for mask in ("none", "causal")]
+# d = 128: two 64-column boxes per row (loads, S^T's and dP^T's k-steps, dV's and dK's N by LBO,
+# dQ a box at a time); both dtypes, both masks, in two specs.
+SPECS_128 = [Spec(128, dtype="bf16", arch_family="sm90"), Spec(128, dtype="fp16", mask="causal", arch_family="sm90")]
 # Two key blocks (the second ragged) and three query blocks (the last ragged), GQA over two batches
 # (the maps' coordinates, the group's dK and dV summed); Nq > Nk under causal (rows that see no key,
 # key blocks whose walk starts past the first query block), MQA; Nk > Nq, where a causal key block
@@ -35,14 +38,28 @@ SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_m
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + SPECS_128, ids=lambda s: s.name)
 def test_the_sm90_backward_matches_the_oracle(spec, shape):
     assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]   # its own
     run_and_check(spec, shape)
 
 
+# Dropout (d = 64): each thread's keep bits of the transposed tile, half drawn by its partner lane;
+# with coordinate offsets (a shard's), and with key padding.
+DROPOUT = [Spec(64, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
+           Spec(64, dtype="fp16", dropout=True, coord_offsets=True, arch_family="sm90"),
+           Spec(64, dtype="fp16", mask="causal", dropout=True, key_padding=True, arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", DROPOUT, ids=lambda s: s.name)
+def test_dropout_replays_the_forwards_keep_bits(spec):
+    assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]
+    run_and_check(spec, SHAPES["ragged_gqa"])
+
+
 @pytest.mark.parametrize("spec", [Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
-                                  Spec(64, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90")],
+                                  Spec(64, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90"),
+                                  Spec(128, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90")],
                          ids=lambda s: s.name)
 def test_key_padding_aligns_causal_to_each_entrys_own_keys(spec):
     """Entries of Nk, Nk - 37, 1 and 0 keys (kernel_cases.key_lengths): key blocks past an entry's
@@ -51,24 +68,27 @@ def test_key_padding_aligns_causal_to_each_entrys_own_keys(spec):
     checks.uneven_lengths_check(spec)
 
 
-@pytest.mark.parametrize("spec", SPECS[2:], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS[2:] + SPECS_128[1:], ids=lambda s: s.name)
 def test_keys_past_nk_stay_masked_where_every_score_is_very_negative(spec):
     """K's rows past Nk are TMA's zeros (S = 0): unmasked, they would weigh 2^270 against an L near
     -270 and make dQ NaN (kernel_checks.negative_scores_check)."""
     checks.negative_scores_check(spec)
 
 
-def test_every_schedule_is_race_free():
+@pytest.mark.parametrize("spec", [SPECS[1], SPECS_128[1]], ids=lambda s: s.name)
+def test_every_schedule_is_race_free(spec):
     """Producer-first, consumer-first, a seeded random order and the plain one, racecheck on."""
-    checks.sm90_backward_check(SPECS[1])
+    checks.sm90_backward_check(spec)
 
 
 def test_what_it_does_not_take_runs_the_sm80_backward():
     """A spec its backward refuses (named in the refusal) keeps the sm80 family's backward: the
     same kernels by name and threads as before it had one."""
-    for spec, field in [(Spec(128, arch_family="sm90"), "head_dim"), (Spec(64, dropout=True, arch_family="sm90"), "dropout"),
-                        (Spec(64, varlen=True, arch_family="sm90"), "varlen"),
+    for spec, field in [(Spec(256, arch_family="sm90"), "head_dim"),
+                        (Spec(192, head_dim_v=128, arch_family="sm90"), "head_dim"),
+                        (Spec(128, head_dim_v=64, arch_family="sm90"), "head_dim"),
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
+                        (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
                         (Spec(64, window=True, arch_family="sm90"), "a variant")]:
         assert field in sm90_backward_refusal(spec)
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
@@ -94,7 +114,7 @@ def test_flash_attn_func_trains_on_it(monkeypatch):
         assert error <= bound, f"{name}: {error:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS[:2] + SPECS_128, ids=lambda s: s.name)
 def test_it_compiles_for_sm90a_without_spills(spec):
     """NVRTC for sm_90a: ptxas does not serialise its wgmma (C7510-C7520 raise), and the main kernel
     spills nothing within 384 threads' 168 registers (the consumers' setmaxnreg takes 240)."""

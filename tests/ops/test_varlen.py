@@ -79,16 +79,18 @@ def test_kernels_per_sequence(version, causal, deterministic):
     assert torch.equal(dk[cu(LENGTHS_K)[1]:cu(LENGTHS_K)[2]], torch.zeros_like(dk[:40]))  # keys nobody queries
 
 
-# The sm90 family's forward on packed sequences: its TMA maps see (1, total, H, d) and each block's
-# sequence starts at its cu_seqlens row (a tile past the sequence's end reads the next one's rows,
-# masked as keys and unstored as queries); then the sm80 family's backward.
+# The sm90 family on packed sequences: its TMA maps see (1, total, H, d) and each block's sequence
+# starts at its cu_seqlens row (a tile past the sequence's end reads the next one's rows, masked as
+# keys and unstored as queries; in the backward, P = 0 on them by L's +inf padding); its own
+# backward at d 64 and 128, the sm80 family's at 256. Every output buffer poisoned.
 SM90 = [Spec(64, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
         Spec(128, varlen=True, dtype="fp16", arch_family="sm90"),
         Spec(256, varlen=True, mask="causal", dtype="bf16", arch_family="sm90")]
 
 
+@pytest.mark.usefixtures("poisoned_outputs")
 @pytest.mark.parametrize("spec", SM90, ids=lambda s: s.name)
-def test_the_sm90_forward_per_sequence(spec):
+def test_the_sm90_family_per_sequence(spec):
     dtype = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     q, k, v, dout = packed(dtype, d=spec.head_dim, d_v=spec.head_dim_v or spec.head_dim)
     source = render(spec)
@@ -229,7 +231,8 @@ def test_bad_values_are_refused_by_the_guards(change, family, monkeypatch):
 @pytest.mark.parametrize("spec", [Spec(64, varlen=True, mask="causal", dropout=True, block_m=64, block_n=32),
                                   Spec(64, version=1, varlen=True, block_m=64, block_n=32),
                                   Spec(64, varlen=True, mask="causal", deterministic=True),
-                                  Spec(64, varlen=True, mask="causal", dropout=True, arch_family="sm90")],
+                                  Spec(64, varlen=True, mask="causal", dropout=True, arch_family="sm90"),
+                                  Spec(64, varlen=True, mask="causal", arch_family="sm90")],   # its own backward
                          ids=lambda s: s.name)
 def test_packed_kernels_are_race_free(spec, monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")

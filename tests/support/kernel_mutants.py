@@ -316,9 +316,7 @@ MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), 
      "    fagen::mbarrier_wait_parity(&bars->empty[s], (static_cast<uint32_t>(it / kStages) & 1) ^ 1);", ""),
     ("the dQ tile rewritten before its bulk reduction has read it",
      "    if (t == 0) fagen::bulk_wait_group_read<0>();\n", ""),
-    ("dS^T stored transposed",
-     "const uint32_t key = 16 * warp + g + 8 * (r % 2), query = 16 * kk + 8 * (r / 2) + 2 * quad;",
-     "const uint32_t query = 16 * warp + g + 8 * (r % 2), key = 16 * kk + 8 * (r / 2) + 2 * quad;"),
+    ("dS^T's 8 x 8 fragments stored transposed", "fagen::stmatrix_x4(tile", "fagen::stmatrix_x4_trans(tile"),
     ("L read from the neighbouring query's row", "scale_log2 - lse_log2[col])", "scale_log2 - lse_log2[col ^ 1])"),
     ("D read from the neighbouring query's row", "delta[8 * (i / 4) + 2 * quad + i % 2]",
      "delta[(8 * (i / 4) + 2 * quad + i % 2) ^ 1]"),
@@ -330,8 +328,31 @@ MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), 
      "max(first, (last_key + kBlockM - 1) / kBlockM)", "max(first, last_key / kBlockM)"),
     ("dK not scaled (GQA's fp32 dK)", "make_float2(dk[i] * scale, dk[i + 1] * scale)", "make_float2(dk[i], dk[i + 1])"),
     ("dQ's reduction issued before the warpgroup's tile is written",
-     "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n    fagen::named_barrier_sync(sync_id, 128);\n",
-     "    store_dq(dq, dq_tile, warp, g, quad);\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n"),
+     "    }\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n    fagen::named_barrier_sync(sync_id, 128);\n",
+     "    }\n    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n"),
+]]
+# d = 128: a row's second 64-column box, in each operand that spans d.
+SM90_BWD_128 = Spec(128, dtype="bf16", mask="causal", arch_family="sm90")
+MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old, new),), (checks.sm90_backward_check,))
+            for name, old, new in [
+    ("S^T's and dP^T's k-steps past the first box read the first box again",
+     "const uint32_t a_step = kk / 4 * kKBox + kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;",
+     "const uint32_t a_step = kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;"),
+    ("dV's and dK's second 64 columns read from the first box (Q's MN-major LBO)",
+     "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, kQBox, 1024", "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, 0, 1024"),
+    ("dQ's second box computed from K's first", "advance(kmn, box * kKBox + kk * 2048)", "advance(kmn, kk * 2048)"),
+]]
+# Dropout (d = 64): the keep bits of the transposed tile, half of them drawn by the partner lane.
+SM90_BWD_DROPOUT = SM90_BWD.replace(dropout=True)
+MUTANTS += [KernelMutant(f"sm90 backward dropout: {name}", SM90_BWD_DROPOUT, (Edit(old, new),),
+                         (checks.sm90_backward_check,))
+            for name, old, new in [
+    ("the keep bits of the partner's pair taken as the lane's own",
+     "keep[0] = (parity ? theirs : mine) >> parity;\n  keep[1] = (parity ? mine : theirs) >> parity;",
+     "keep[0] = (parity ? mine : theirs) >> parity;\n  keep[1] = (parity ? theirs : mine) >> parity;"),
+    ("the keep bits of the transposed tile read in the forward's order",
+     "(4 * (2 * (i / 8) + i % 2) + 2 * ((i / 4) % 2))", "(4 * (2 * (i / 8) + (i / 4) % 2) + 2 * (i % 2))"),
+    ("dV not scaled by 1 / (1 - p)", "pack2(dv[i] * dv_scale, dv[i + 1] * dv_scale)", "pack2(dv[i], dv[i + 1])"),
 ]]
 MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
                             (Edit("const bool visible = key < nk && (", "const bool visible = ("),),

@@ -51,6 +51,20 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t address, uint32_t lb
          static_cast<uint64_t>(swizzle & 0x3u) << 62;
 }
 
+// `desc`, as a value the compiler must take to be new on each pass through a loop. A loop's
+// descriptors that never change (a block's K and V tiles, read by every iteration) are otherwise
+// hoisted out of it, with every step's offset added in advance: one 64-bit value per wgmma, more
+// than the 63 uniform registers hold, so they land in per-thread registers, cost an R2UR pair per
+// wgmma and, beside dK and dV's 128 accumulator registers, spill (the sm90 backward at d = 128).
+// Taken afresh, each step's descriptor is one uniform add where the wgmma needs it. No
+// instruction: an empty asm the compiler cannot see through (the emulator needs nothing).
+__device__ __forceinline__ uint64_t fresh_desc(uint64_t desc) {
+#ifndef FAGEN_EMULATE
+  asm volatile("" : "+l"(desc));
+#endif
+  return desc;
+}
+
 // How many address bits (from bit 7 up) a swizzle mode XORs into bits 4 and up.
 __device__ __forceinline__ uint32_t swizzle_bits(uint32_t swizzle) {
   return swizzle == kSwizzle128B ? 3u : swizzle == kSwizzle64B ? 2u : swizzle == kSwizzle32B ? 1u : 0u;
