@@ -273,7 +273,11 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
 
 def sm90_backward_refusal(spec) -> str | None:
     """Why the sm90 family's own backward does not take `spec` yet, naming the fields (the sm80
-    family's backward then computes its gradients, as before it had one); None if it does."""
+    family's backward then computes its gradients, as before it had one); None if it does.
+    `Spec.sm80_backward` refuses it outright: the self-test's gate asks for sm80's where this
+    one did not pass on the GPU."""
+    if spec.sm80_backward:
+        return "sm80_backward=True asks for the sm80 family's backward"
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
                    ("deterministic", spec.deterministic), ("a variant", spec.has_mods),

@@ -142,9 +142,13 @@ class Spec:
                  decoding, head_dim=576, head_dim_v=512): the kernels read each cache row once
                  and the append writes it once
     arch_family  the forward's kernel family's name (fagen.arch_families.FAMILIES): sm80 (mma.sync,
-                 any GPU from sm_80; the default) or sm90 (wgmma and TMA, Hopper only); the backward is sm80's
+                 any GPU from sm_80; the default) or sm90 (wgmma and TMA, Hopper only); sm90's backward
+                 takes what arch_families.sm90_backward_refusal lets through, sm80's the rest
     sm90_block_n the sm90 forward's keys per K/V tile; unset takes arch_families.sm90_tiles' rule
                  (a narrower one keeps a heavy mod from spilling: kernels.spill_free)
+    sm80_backward  arch_family "sm90", training only: the backward is the sm80 family's even where
+                 sm90's own takes the spec (the self-test's gate sets it where sm90.backward did not
+                 pass on this GPU but the forward's templates did: fagen.selftest.gate)
     """
 
     head_dim: int
@@ -174,6 +178,7 @@ class Spec:
     v_from_k: bool = False
     arch_family: str = "sm80"
     sm90_block_n: int | None = None
+    sm80_backward: bool = False
 
     def __post_init__(self):
         self._check_head_dim()
@@ -185,7 +190,7 @@ class Spec:
         if self.version not in VERSIONS:
             raise ValueError(f"unknown version {self.version!r}; expected 1 or 2")
         for flag in ("key_padding", "dropout", "deterministic", "varlen", "coord_offsets", "pack_gqa", "v_from_k",
-                     *BUILTIN_MODS):
+                     "sm80_backward", *BUILTIN_MODS):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         self._check_mods()
@@ -199,6 +204,10 @@ class Spec:
             raise ValueError(refusal)
         if self.sm90_block_n is not None and sm90_block_n_problem(self):
             raise ValueError(sm90_block_n_problem(self))
+        if self.sm80_backward and (self.arch_family != "sm90" or self.kv_cache is not None):
+            raise ValueError(f"sm80_backward=True gives an sm90 training spec the sm80 family's backward: it "
+                             f"needs arch_family='sm90' and no kv_cache, got arch_family={self.arch_family!r}, "
+                             f"kv_cache={self.kv_cache!r}")
         if self.coord_offsets and not self.dropout:
             raise ValueError("coord_offsets shift the dropout mask's coordinates: it needs dropout=True")
         # Unset tile fields take the fallback table's values.
@@ -474,6 +483,8 @@ class Spec:
             parts.append("vfromk")
         if self.arch_family != "sm80":
             parts.append(self.arch_family)
+        if self.sm80_backward:
+            parts.append("bwdsm80")
         return "_".join(parts)
 
     @property
@@ -496,7 +507,7 @@ class Spec:
         """The fields; the variant fields only where set, so that a spec without them reads
         (and its generated header renders) exactly as before they existed."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa", "v_from_k"):
+        for flag in (*BUILTIN_MODS, "varlen", "coord_offsets", "pack_gqa", "v_from_k", "sm80_backward"):
             if not data[flag]:
                 del data[flag]
         if data["head_dim_v"] == data["head_dim"]:
@@ -537,6 +548,7 @@ class Spec:
                  "drop": ("dropout", True), "det": ("deterministic", True), "varlen": ("varlen", True),
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
                  "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
+                 "bwdsm80": ("sm80_backward", True),
                  **{family: ("arch_family", family) for family in ARCH_FAMILIES if family != DEFAULT_FAMILY.name},
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None

@@ -5,7 +5,8 @@ kernels on a GPU runs one small case per template of the family (`templates`: a 
 feature of its forward, backward or decoding) in a child process under a watchdog
 (`watchdog`), and stores a verdict per template in the per-GPU cache (`verdicts`). Then
 `gate.serving_spec` serves each call: on compute capability 9.0 the sm90 family where its
-templates passed, else sm80, and never a template that failed.
+templates passed (its forward alone, with sm80's backward, where only `sm90.backward` did not),
+else sm80, and never a template that failed.
 
 `fagen selftest` (`command`) runs it on demand. This package sits below the ops (they ask the
 gate) and imports nothing of them. The cases themselves are users of the ops and live above

@@ -6,8 +6,11 @@ so a warm call never comes here). On a GPU, unless FAGEN_SELFTEST=0:
 
   - FAGEN_ARCH_FAMILY forces a family, and a tuned entry's family wins (the tuner checked its
     output on this GPU before timing it); otherwise, on compute capability 9.0, a Spec the sm90
-    family takes runs there when every sm90 template it uses passed (templates.templates_of),
-    else on sm80, with a warning naming the template, the log and `fagen selftest --verbose`;
+    family takes runs there when every sm90 template it uses passed (templates.templates_of);
+    where all but `sm90.backward` did, its forward still runs there and its backward is the sm80
+    family's (`Spec.sm80_backward`, whose sm80 templates are checked as below); else the whole
+    call runs on sm80. Each template that did not pass is named once in a warning, with what runs
+    instead, the log and `fagen selftest --verbose`;
   - a Spec whose sm80 templates failed or hung raises `SelftestFailure`: nothing safer is behind
     the sm80 family, and a wrong result must never come back silently.
 
@@ -143,8 +146,11 @@ def serving_spec(spec, device, *, decoding: bool = False, tuned: bool = False):
     if not requested and not tuned:
         for family in _made_for(capability):
             candidate = choose(spec, family.name, capability)
-            if candidate.arch_family == family.name and _proven(candidate, verdicts[family.name], facts):
-                chosen = candidate
+            if candidate.arch_family != family.name:   # the family does not take it
+                continue
+            served = _proven_spec(candidate, verdicts[family.name], facts)
+            if served is not None:
+                chosen = served
                 break
     _refuse_broken(chosen, verdicts["sm80"], facts)
     return chosen
@@ -174,22 +180,41 @@ def _made_for(capability) -> list:
 
 def _in_chosen_family(spec, requested: str, capability):
     family = chosen_family(spec, requested, capability)
-    return spec if family == spec.arch_family else spec.replace(arch_family=family)
+    # sm80_backward means something to an sm90 spec alone: another family's spec drops it.
+    return spec if family == spec.arch_family else spec.replace(arch_family=family, sm80_backward=False)
 
 
-def _proven(spec, verdict: Verdict, facts: DeviceFacts) -> bool:
-    """Whether every template of its own family (sm90's) `spec` uses passed; warns once per
-    template that did not."""
-    unproven = verdict.unproven([t for t in templates_of(spec) if t.startswith(spec.arch_family + ".")])
+def _proven_spec(spec, verdict: Verdict, facts: DeviceFacts):
+    """`spec` (of a family made for this GPU: sm90) where every template of its own family it uses
+    passed; where all but its own backward did (`sm90.backward`), `spec` with the sm80 family's
+    backward (Spec.sm80_backward), the forward staying on its family; else None. Warns once per
+    template that did not pass, saying what runs on sm80 instead."""
+    unproven = _unproven(spec, verdict)
+    if unproven == [f"{spec.arch_family}.backward"]:
+        fallback = spec.replace(sm80_backward=True)   # its sm80 templates: _refuse_broken's to check
+        if not _unproven(fallback, verdict):
+            _warn_unproven(verdict, unproven[0], facts, f"the calls it would serve run their backward on the sm80 "
+                                                        f"family, their forward on {spec.arch_family}")
+            return fallback
     for template in unproven:
-        if template not in _warned:
-            _warned.add(template)
-            result = verdict.results.get(template)
-            warnings.warn(f"fagen: the {spec.arch_family} kernel template {template} {_status_text(verdict, template)} on this GPU "
-                          f"({facts.gpu}){': ' + result.detail if result and result.detail else ''}; the calls it "
-                          f"would serve run on the sm80 family. Log: {verdict.log}. Rerun it with `fagen selftest "
-                          f"--verbose`.", RuntimeWarning, stacklevel=4)
-    return not unproven
+        _warn_unproven(verdict, template, facts, "the calls it would serve run on the sm80 family")
+    return None if unproven else spec
+
+
+def _unproven(spec, verdict: Verdict) -> list[str]:
+    """The templates of `verdict`'s family that `spec` uses and that did not pass."""
+    return verdict.unproven([t for t in templates_of(spec) if t.startswith(verdict.key.family + ".")])
+
+
+def _warn_unproven(verdict: Verdict, template: str, facts: DeviceFacts, instead: str) -> None:
+    """Warn once per process (until `forget`) that `template` did not pass, and what runs `instead`."""
+    if template in _warned:
+        return
+    _warned.add(template)
+    result = verdict.results.get(template)
+    warnings.warn(f"fagen: the {verdict.key.family} kernel template {template} {_status_text(verdict, template)} on "
+                  f"this GPU ({facts.gpu}){': ' + result.detail if result and result.detail else ''}; {instead}. "
+                  f"Log: {verdict.log}. Rerun it with `fagen selftest --verbose`.", RuntimeWarning, stacklevel=5)
 
 
 def _refuse_broken(spec, verdict: Verdict, facts: DeviceFacts) -> None:

@@ -9,8 +9,10 @@ proven one at a time, not every combination: the trade that keeps the self-test 
 
 A training Spec of the sm90 family runs its own backward where that takes it (`sm90.backward`,
 proven by a case of its own), else the sm80 family's, whose templates of the same features are
-then listed too. A decoding Spec's combine and cache-update kernels are proven by its own family's
-cases (they run the whole step).
+then listed too. So where `sm90.backward` alone did not pass, the gate serves the spec with
+`Spec.sm80_backward` set: its forward's sm90 templates and sm80's in place of `sm90.backward`. A
+decoding Spec's combine and cache-update kernels are proven by its own family's cases (they run
+the whole step).
 
 Imports nothing of the pipeline but the Spec's own modules: the gate (fagen.selftest.gate)
 classifies every call's Spec here.

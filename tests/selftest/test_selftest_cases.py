@@ -30,6 +30,7 @@ def _bias(score, b, h, q_idx, kv_idx):
 
 @pytest.mark.parametrize("spec, expected", [
     (Spec(64, arch_family="sm90"), ("sm90.d64", "sm90.backward")),   # its own backward takes it
+    (Spec(64, arch_family="sm90", sm80_backward=True), ("sm90.d64", "sm80.d64")),   # sm80's, asked for
     (Spec(64, dropout=True, arch_family="sm90"), ("sm90.d64", "sm90.dropout", "sm90.backward")),
     (Spec(128, dropout=True, arch_family="sm90"), ("sm90.d128", "sm90.dropout", "sm80.d128", "sm80.dropout")),
     (Spec(128, mask="causal", softcap=True, arch_family="sm90"),
@@ -44,8 +45,8 @@ def _bias(score, b, h, q_idx, kv_idx):
                                                                               "sm80.varlen_paged")),
     (Spec.for_kv_cache(576, "fp16", causal=True, page_size=None, head_dim_v=512, v_from_k=True),
      ("sm80.causal", "sm80.decode", "sm80.mla")),
-], ids=["sm90 plain", "sm90 dropout", "sm90 d128 dropout", "sm90 softcap causal", "sm80 d_v dropout", "fa1", "mods varlen", "sm90 paged packed",
-        "varlen paged", "mla"])
+], ids=["sm90 plain", "sm90 sm80 backward", "sm90 dropout", "sm90 d128 dropout", "sm90 softcap causal",
+        "sm80 d_v dropout", "fa1", "mods varlen", "sm90 paged packed", "varlen paged", "mla"])
 def test_a_spec_uses_the_templates_of_its_features(spec, expected):
     assert templates_of(spec) == expected
 

@@ -4,7 +4,9 @@ the self-test (planted cases: tests/support/selftest_planted.py) in a child; the
 recorded and stubbed (fagen.kernel_record), so no kernel is built.
 
   - after a passing self-test the stand-in takes the sm90 family by default, after a failing one
-    sm80 (with a warning naming the template, the log and `fagen selftest --verbose`);
+    sm80 (with a warning naming the template, the log and `fagen selftest --verbose`); where only
+    sm90.backward failed, the sm90 forward with the sm80 family's backward (Spec.sm80_backward),
+    whose gradients the emulator checks;
   - a failed sm80 template raises at first use (a generated op module's too), and
     FAGEN_SELFTEST=0 is the way past it;
   - the verdict is read back from disk, and a new key (here: the family's sources) tests again;
@@ -17,17 +19,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 import fagen
 from fagen.kernel_record import identity_for, record
-from fagen.selftest import gate
+from fagen.kernels.families import KERNEL_FAMILIES
+from fagen.selftest import gate, templates_of
 from fagen.selftest.gate import DeviceFacts, FirstUse, SelftestFailure
 from fagen.selftest.verdicts import selftest_dir
 from fagen.spec import Spec
 
+from kernel_cases import Shape, run_and_check
 from selftest_planted import CHILD_ENV, PAUSE_ENV, RUNS_ENV, SUPPORT
 
 STAND_IN = DeviceFacts((9, 0), "Stand-in H100", "580.0", "12.9", "12.9", "cpu")
@@ -57,11 +62,19 @@ def runs_of(runs) -> int:
     return len(runs.read_text().splitlines()) if runs.exists() else 0
 
 
-def family_of_call(call) -> str:
-    """The family of the first kernel `call` loads (recorded, not run)."""
+def spec_of_call(call) -> Spec:
+    """The spec of the first kernel `call` loads (recorded, not run)."""
     recorded = record([("call", call)], identity_for("sm_90"))
     assert recorded.specs, recorded.errors
-    return recorded.specs[0].arch_family
+    return recorded.specs[0]
+
+
+def family_of_call(call) -> str:
+    return spec_of_call(call).arch_family
+
+
+def fagen_warnings(warned) -> list[str]:
+    return [str(w.message) for w in warned if str(w.message).startswith("fagen: ")]
 
 
 def dense_call():
@@ -103,6 +116,46 @@ def test_sm80_serves_after_a_failing_selftest(stand_in, monkeypatch):
     assert family_of_call(decode_call) == "sm80"
     monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")   # forcing the family still runs it
     assert family_of_call(dense_call) == "sm90"
+
+
+def test_a_failed_sm90_backward_moves_the_backward_alone_to_sm80(stand_in, monkeypatch):
+    """sm90.backward failed and sm90.d64 passed: a d = 64 call keeps the sm90 forward and runs the
+    sm80 family's backward, whose templates replace sm90.backward; one warning says so."""
+    use(monkeypatch, "SM90_BACKWARD_WRONG")
+    with pytest.warns(RuntimeWarning) as warned:
+        spec = spec_of_call(dense_call)
+    assert spec.arch_family == "sm90" and spec.sm80_backward
+    assert templates_of(spec) == ("sm90.d64", "sm80.d64")
+    [message] = fagen_warnings(warned)
+    assert "sm90 kernel template sm90.backward failed its self-test" in message
+    assert "fagen selftest --verbose" in message and "Log: " in message
+    assert "run their backward on the sm80 family, their forward on sm90" in message
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # warned once: the next spec's fallback is quiet
+        assert gate.serving_spec(Spec(64, dtype="bf16"), cpu) == Spec(64, dtype="bf16", arch_family="sm90",
+                                                                     sm80_backward=True)
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm80")   # forced onto sm80, a spec drops sm90's fallback
+    assert gate.serving_spec(Spec(64, arch_family="sm90", sm80_backward=True), cpu) == Spec(64)
+
+
+def test_a_failed_sm90_forward_still_sends_the_whole_call_to_sm80(stand_in, monkeypatch):
+    use(monkeypatch, "SM90_BOTH_WRONG")
+    with pytest.warns(RuntimeWarning) as warned:
+        spec = spec_of_call(dense_call)
+    assert spec.arch_family == "sm80" and not spec.sm80_backward
+    messages = fagen_warnings(warned)
+    assert sorted(m.split(" kernel template ")[1].split()[0] for m in messages) == ["sm90.backward", "sm90.d64"]
+    assert all("the calls it would serve run on the sm80 family" in m for m in messages)
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+def test_the_sm90_forward_with_the_sm80_backward_matches_the_oracle():
+    """What the gate serves where sm90.backward alone failed: one source of the sm90 forward and the
+    sm80 family's backward, run by the emulator and held to FlashAttention-2's rule."""
+    spec = Spec(64, arch_family="sm90", sm80_backward=True)
+    assert KERNEL_FAMILIES["sm90"].backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
+    run_and_check(spec, Shape(1, 40, 40, heads=2, kv_heads=1))
 
 
 def test_a_failed_sm80_template_raises_at_first_use(stand_in, monkeypatch):

@@ -68,6 +68,10 @@ def table(**runs) -> dict:
 # a decoding step at d = 64 on sm90.
 PASSING = table(sm80__d64=passes, sm90__d64=passes, sm90__backward=passes, sm90__decode=passes)
 SM90_WRONG = table(sm80__d64=passes, sm90__d64=wrong_result)
+# sm90's backward alone wrong: a training call at d = 64 keeps sm90's forward and runs sm80's backward;
+# with sm90's forward wrong too, the whole call runs on sm80.
+SM90_BACKWARD_WRONG = table(sm80__d64=passes, sm90__d64=passes, sm90__backward=wrong_result)
+SM90_BOTH_WRONG = table(sm80__d64=passes, sm90__d64=wrong_result, sm90__backward=wrong_result)
 SM80_WRONG = table(sm80__d64=wrong_result, sm90__d64=passes)
 # The watchdog: a hang and a death among passing cases (run in this order: d64 first).
 HANG = table(sm90__d64=hangs, sm90__d128=passes)

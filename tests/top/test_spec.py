@@ -26,6 +26,12 @@ from fagen.tile_shapes import default_tiles
     ({"head_dim": 64, "bwd_stages": 0}, "bwd_stages must be an int in 1..4, got 0"),
     ({"head_dim": 64, "bwd_stages": 5}, "bwd_stages must be an int in 1..4, got 5"),
     ({"head_dim": 64, "bwd_stages": True}, "bwd_stages must be an int in 1..4, got True"),
+    ({"head_dim": 64, "sm80_backward": 1}, "sm80_backward must be True or False, got 1"),
+    ({"head_dim": 64, "sm80_backward": True}, "sm80_backward=True gives an sm90 training spec the sm80 family's "
+                                              "backward: it needs arch_family='sm90' and no kv_cache, got "
+                                              "arch_family='sm80'"),
+    ({"head_dim": 64, "kv_cache": "contiguous", "key_padding": True, "arch_family": "sm90", "sm80_backward": True},
+     "sm80_backward=True gives .* kv_cache='contiguous'"),
     ({"head_dim": 256, "block_m": 128, "block_n": 128, "num_stages": 2},
      "needs 337920 bytes of shared memory per block"),
 ])
@@ -106,10 +112,23 @@ def test_names_are_stable_and_readable():
     assert Spec(64, block_m=64).name == "fa2_d64_fp16_m64n64w4s2"
 
 
+def test_sm80_backward_is_named_and_dumped_only_when_set():
+    """Its default leaves every spec's name and fields (a rendered file's header) as before it
+    existed; set, the name says so (`bwdsm80`) and the dict holds it."""
+    for fields in ({}, {"arch_family": "sm90"}, {"mask": "causal", "arch_family": "sm90"}):
+        plain, explicit = Spec(64, **fields), Spec(64, sm80_backward=False, **fields)
+        assert plain.name == explicit.name and "sm80_backward" not in explicit.to_dict()
+    assert Spec(64, arch_family="sm90").name == "fa2_d64_fp16_sm90"
+    moved = Spec(64, mask="causal", arch_family="sm90", sm80_backward=True)
+    assert moved.name == "fa2_d64_causal_fp16_sm90_bwdsm80" and moved.to_dict()["sm80_backward"] is True
+    assert moved != Spec(64, mask="causal", arch_family="sm90")
+
+
 @pytest.mark.parametrize("spec", [Spec(64), Spec(128, mask="causal", dtype="bf16", version=1),
                                   Spec(32, block_m=64, block_n=32, num_warps=2, num_stages=3,
                                        key_padding=True, dropout=True),
-                                  Spec(128, block_n=32, bwd_stages=1), Spec(64, bwd_stages=3)])
+                                  Spec(128, block_n=32, bwd_stages=1), Spec(64, bwd_stages=3),
+                                  Spec(64, arch_family="sm90", sm80_backward=True, bwd_stages=3)])
 def test_name_and_dict_round_trip(spec):
     assert Spec.from_name(spec.name) == spec
     assert Spec.from_dict(spec.to_dict()) == spec
