@@ -1,10 +1,11 @@
 """The sm90 family's backward (templates/sm90/hopper_bwd.cu.j2: a TMA producer streaming Q, dO, L and
 D, two wgmma consumer warpgroups of 64 keys, dQ summed by cp.reduce.async.bulk) rendered from Specs
 and run by the emulator after the sm90 forward: dQ, dK and dV against the float64 oracle under
-FlashAttention-2's rule (kernel_cases.run_and_check), every output buffer poisoned; ragged blocks,
-Nq > Nk under causal, GQA and MQA; under the schedules that reorder producer and consumers, with the
-happens-before racecheck; through flash_attn_func; compiled by NVRTC for sm_90a without spills or
-serialised wgmma. The specs it does not take yet run the sm80 family's backward, as before."""
+FlashAttention-2's rule (kernel_cases.run_and_check), every output buffer poisoned; d 64 and 128,
+ragged blocks, Nq > Nk under causal, GQA and MQA, key padding, dropout; under the schedules that
+reorder producer and consumers, with the happens-before racecheck; through flash_attn_func;
+compiled by NVRTC for sm_90a without spills or serialised wgmma. Packed sequences: tests/ops/
+test_varlen.py. The specs it does not take yet run the sm80 family's backward, as before."""
 
 from __future__ import annotations
 
