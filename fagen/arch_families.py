@@ -280,7 +280,9 @@ def sm90_backward_refusal(spec) -> str | None:
         return "sm80_backward=True asks for the sm80 family's backward"
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
-                   ("deterministic", spec.deterministic), ("a variant", spec.has_mods),
+                   ("deterministic", spec.deterministic),
+                   # a score chain's derivative in dS (masks and sinks are taken: L holds the sinks)
+                   ("softcap, ALiBi or a score_mod", spec.softcap or spec.alibi or spec.score_mod is not None),
                    # Philox's rounds beside d = 128's dK and dV spill (140 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64)]
     found = [name for name, refused in unsupported if refused]

@@ -21,6 +21,7 @@ from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
 from kernel_cases import Shape, run_and_check
 from sm90_cases import check_sm90_kernel_compiles
+from variant_cases import run_variant_case
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -58,6 +59,34 @@ def test_dropout_replays_the_forwards_keep_bits(spec):
     run_and_check(spec, SHAPES["ragged_gqa"])
 
 
+def _documents(**fields) -> Spec:
+    """A mask_mod over captured document ids (summaries: tile classes from per-group bounds)."""
+    from fagen.variants import custom_mod, trace_mask_mod
+
+    return Spec(64, mask_mod=custom_mod(trace_mask_mod(checks.document_mask)), arch_family="sm90", **fields)
+
+
+# Masks and sinks: the variant's walk (query_range), tile classes (full blocks unmasked) and
+# element test; sinks only through L (their gradient is the op's). d 64 and 128.
+VARIANTS = [Spec(64, window=True, dtype="bf16", arch_family="sm90"),
+            Spec(128, window=True, mask="causal", arch_family="sm90"),
+            Spec(64, sinks=True, mask="causal", arch_family="sm90"),
+            _documents(dtype="bf16")]
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
+def test_masks_and_sinks_match_the_oracle(spec):
+    assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]
+    checks.variant_check(spec)
+
+
+def test_a_wide_window_runs_its_full_blocks_unmasked():
+    """A window wider than a tile: blocks the tile class calls full run without the element test
+    (Consumer::walk), beside the partial ones; causal aligned bottom-right within it."""
+    base = Spec(64, mask="causal", arch_family="sm90")
+    run_variant_case(base, Shape(1, 400, 450, heads=2, kv_heads=1), {"window_size": (300, 0)})
+
+
 @pytest.mark.parametrize("spec", [Spec(64, dtype="fp16", key_padding=True, arch_family="sm90"),
                                   Spec(64, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90"),
                                   Spec(128, dtype="bf16", mask="causal", key_padding=True, arch_family="sm90")],
@@ -90,7 +119,8 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
                         (Spec(128, head_dim_v=64, arch_family="sm90"), "head_dim"),
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
-                        (Spec(64, window=True, arch_family="sm90"), "a variant")]:
+                        (Spec(64, softcap=True, arch_family="sm90"), "softcap"),
+                        (Spec(64, alibi=True, arch_family="sm90"), "ALiBi")]:
         assert field in sm90_backward_refusal(spec)
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
         assert render(spec).kernels.bwd_main.threads != sm90_backward_tiles(spec).threads

@@ -354,6 +354,17 @@ MUTANTS += [KernelMutant(f"sm90 backward dropout: {name}", SM90_BWD_DROPOUT, (Ed
      "(4 * (2 * (i / 8) + i % 2) + 2 * ((i / 4) % 2))", "(4 * (2 * (i / 8) + (i / 4) % 2) + 2 * (i % 2))"),
     ("dV not scaled by 1 / (1 - p)", "pack2(dv[i] * dv_scale, dv[i + 1] * dv_scale)", "pack2(dv[i], dv[i + 1])"),
 ]]
+# A variant's mask (a window; document ids through summaries): its walk and its tile classes.
+SM90_BWD_WINDOW = Spec(64, window=True, dtype="bf16", arch_family="sm90")
+MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", spec, (Edit(old, new),), (checks.variant_check,))
+            for name, spec, old, new in [
+    ("partial blocks walked as full", SM90_BWD_WINDOW, "if (tile == fagen_variant::kFullTile && !ragged_keys)",
+     "if (tile != fagen_variant::kEmptyTile && !ragged_keys)"),
+    ("the walk starting a query block past query_range's first", SM90_BWD_WINDOW,
+     "return {met.first / kBlockM, met.last / kBlockM + 1};", "return {met.first / kBlockM + 1, met.last / kBlockM + 1};"),
+    ("every document block classed as full", _documents().replace(arch_family="sm90"),
+     "block_keys, ctx);", "block_keys, ctx) * 0 + fagen_variant::kFullTile;"),
+]]
 MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
                             (Edit("const bool visible = key < nk && (", "const bool visible = ("),),
                             (checks.negative_scores_check,)))
