@@ -283,8 +283,10 @@ def sm90_backward_refusal(spec) -> str | None:
                    ("deterministic", spec.deterministic),
                    # a score chain's derivative in dS (masks and sinks are taken: L holds the sinks)
                    ("softcap, ALiBi or a score_mod", spec.softcap or spec.alibi or spec.score_mod is not None),
-                   # Philox's rounds beside d = 128's dK and dV spill (140 bytes): sm80's backward there.
-                   ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64)]
+                   # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
+                   # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
+                   ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),
+                   ("a mask_mod at head_dim > 64", spec.mask_mod is not None and spec.head_dim > 64)]
     found = [name for name, refused in unsupported if refused]
     return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
 

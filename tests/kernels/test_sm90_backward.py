@@ -59,11 +59,11 @@ def test_dropout_replays_the_forwards_keep_bits(spec):
     run_and_check(spec, SHAPES["ragged_gqa"])
 
 
-def _documents(**fields) -> Spec:
+def _documents(head_dim: int = 64, **fields) -> Spec:
     """A mask_mod over captured document ids (summaries: tile classes from per-group bounds)."""
     from fagen.variants import custom_mod, trace_mask_mod
 
-    return Spec(64, mask_mod=custom_mod(trace_mask_mod(checks.document_mask)), arch_family="sm90", **fields)
+    return Spec(head_dim, mask_mod=custom_mod(trace_mask_mod(checks.document_mask)), arch_family="sm90", **fields)
 
 
 # Masks and sinks: the variant's walk (query_range), tile classes (full blocks unmasked) and
@@ -119,6 +119,7 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
                         (Spec(128, head_dim_v=64, arch_family="sm90"), "head_dim"),
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
+                        (_documents(head_dim=128), "a mask_mod at head_dim > 64"),
                         (Spec(64, softcap=True, arch_family="sm90"), "softcap"),
                         (Spec(64, alibi=True, arch_family="sm90"), "ALiBi")]:
         assert field in sm90_backward_refusal(spec)
@@ -145,7 +146,16 @@ def test_flash_attn_func_trains_on_it(monkeypatch):
         assert error <= bound, f"{name}: {error:.3g} > {bound:.3g}"
 
 
-@pytest.mark.parametrize("spec", SPECS[:2] + SPECS_128, ids=lambda s: s.name)
+# Features together, at the head dims that take them: each compiles without a spill (the refusals
+# keep the combinations that spilled, dropout or a mask_mod at d = 128, on the sm80 backward).
+COMBINATIONS = [Spec(64, mask="causal", dropout=True, window=True, sinks=True, arch_family="sm90"),
+                _documents(mask="causal", dropout=True, varlen=True),
+                _documents(mask="causal", key_padding=True),
+                Spec(128, mask="causal", window=True, sinks=True, varlen=True, dtype="bf16", arch_family="sm90"),
+                Spec(128, mask="causal", window=True, key_padding=True, arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", SPECS[:2] + SPECS_128 + COMBINATIONS, ids=lambda s: s.name)
 def test_it_compiles_for_sm90a_without_spills(spec):
     """NVRTC for sm_90a: ptxas does not serialise its wgmma (C7510-C7520 raise), and the main kernel
     spills nothing within 384 threads' 168 registers (the consumers' setmaxnreg takes 240)."""
