@@ -42,7 +42,8 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
                                                                      "producer", "softmax", "tile_span")))
 
-BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, refusal=sm90_backward_refusal)
+BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, includes=("sm90/hopper_bwd_dropout.j2",),
+                refusal=sm90_backward_refusal)
 
 FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, sm80.BACKWARD), decoding={2: FORWARD},
                       combine=COMBINE, headers=HEADERS, context=_context)
