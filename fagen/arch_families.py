@@ -281,8 +281,9 @@ def sm90_backward_refusal(spec) -> str | None:
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
                    ("deterministic", spec.deterministic),
-                   # a score chain's derivative in dS (masks and sinks are taken: L holds the sinks)
-                   ("softcap, ALiBi or a score_mod", spec.softcap or spec.alibi or spec.score_mod is not None),
+                   # of the score chains, the softcap alone and ALiBi alone (masks and sinks are taken)
+                   ("a score_mod", spec.score_mod is not None), ("a softcap with ALiBi", spec.softcap and spec.alibi),
+                   ("a softcap with dropout", spec.softcap and spec.dropout),
                    # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
                    # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),

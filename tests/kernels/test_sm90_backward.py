@@ -19,6 +19,7 @@ from fagen.kernels.families import KERNEL_FAMILIES
 from fagen.kernels.render import render
 from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
+from fagen.variants import custom_mod, trace_score_mod
 from kernel_cases import Shape, run_and_check
 from sm90_cases import check_sm90_kernel_compiles
 from variant_cases import run_variant_case
@@ -59,6 +60,10 @@ def test_dropout_replays_the_forwards_keep_bits(spec):
     run_and_check(spec, SHAPES["ragged_gqa"])
 
 
+def _shifted(score, b, h, q_idx, kv_idx):
+    return score + 0.25
+
+
 def _documents(head_dim: int = 64, **fields) -> Spec:
     """A mask_mod over captured document ids (summaries: tile classes from per-group bounds)."""
     from fagen.variants import custom_mod, trace_mask_mod
@@ -67,15 +72,20 @@ def _documents(head_dim: int = 64, **fields) -> Spec:
 
 
 # Masks and sinks: the variant's walk (query_range), tile classes (full blocks unmasked) and
-# element test; sinks only through L (their gradient is the op's). d 64 and 128.
+# element test; sinks only through L (their gradient is the op's). The softcap alone (in units of
+# the cap, dS times 1 - t^2) and ALiBi alone (its bias on the raw score). d 64 and 128.
 VARIANTS = [Spec(64, window=True, dtype="bf16", arch_family="sm90"),
             Spec(128, window=True, mask="causal", arch_family="sm90"),
             Spec(64, sinks=True, mask="causal", arch_family="sm90"),
-            _documents(dtype="bf16")]
+            _documents(dtype="bf16"),
+            Spec(64, softcap=True, arch_family="sm90"),
+            Spec(128, softcap=True, mask="causal", window=True, dtype="bf16", arch_family="sm90"),
+            Spec(64, alibi=True, mask="causal", dtype="bf16", arch_family="sm90"),
+            Spec(128, alibi=True, sinks=True, arch_family="sm90")]
 
 
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
-def test_masks_and_sinks_match_the_oracle(spec):
+def test_masks_sinks_softcap_and_alibi_match_the_oracle(spec):
     assert SM90.backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]
     checks.variant_check(spec)
 
@@ -120,8 +130,9 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
                         (_documents(head_dim=128), "a mask_mod at head_dim > 64"),
-                        (Spec(64, softcap=True, arch_family="sm90"), "softcap"),
-                        (Spec(64, alibi=True, arch_family="sm90"), "ALiBi")]:
+                        (Spec(64, softcap=True, alibi=True, arch_family="sm90"), "a softcap with ALiBi"),
+                        (Spec(64, softcap=True, dropout=True, arch_family="sm90"), "a softcap with dropout"),
+                        (Spec(64, score_mod=custom_mod(trace_score_mod(_shifted)), arch_family="sm90"), "a score_mod")]:
         assert field in sm90_backward_refusal(spec)
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
         assert render(spec).kernels.bwd_main.threads != sm90_backward_tiles(spec).threads

@@ -33,8 +33,8 @@ def _bias(score, b, h, q_idx, kv_idx):
     (Spec(64, arch_family="sm90", sm80_backward=True), ("sm90.d64", "sm80.d64")),   # sm80's, asked for
     (Spec(64, dropout=True, arch_family="sm90"), ("sm90.d64", "sm90.dropout", "sm90.backward")),
     (Spec(128, dropout=True, arch_family="sm90"), ("sm90.d128", "sm90.dropout", "sm80.d128", "sm80.dropout")),
-    (Spec(128, mask="causal", softcap=True, arch_family="sm90"),
-     ("sm90.d128", "sm90.causal", "sm90.softcap", "sm80.d128", "sm80.causal", "sm80.softcap")),
+    (Spec(256, mask="causal", softcap=True, arch_family="sm90"),
+     ("sm90.d256", "sm90.causal", "sm90.softcap", "sm80.d256", "sm80.causal", "sm80.softcap")),
     (Spec(192, head_dim_v=128, dropout=True), ("sm80.d256", "sm80.dropout", "sm80.head_dim_v")),
     (Spec(96, version=1, deterministic=True, key_padding=True), ("sm80.d128", "sm80.key_padding", "sm80.fa1",
                                                                   "sm80.deterministic")),

@@ -364,6 +364,10 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", spec, (Edit(old, new)
      "return {met.first / kBlockM, met.last / kBlockM + 1};", "return {met.first / kBlockM + 1, met.last / kBlockM + 1};"),
     ("every document block classed as full", _documents().replace(arch_family="sm90"),
      "block_keys, ctx);", "block_keys, ctx) * 0 + fagen_variant::kFullTile;"),
+    ("the softcap's chain rule dropped from dS", SM90_BWD_WINDOW.replace(window=False, softcap=True),
+     "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]) * grad[i];", "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]);"),
+    ("ALiBi's bias left out of P", SM90_BWD_WINDOW.replace(window=False, alibi=True),
+     "fagen_variant::alibi_biased(s[i], query, key, alibi_scale, ctx) * scale_log2", "s[i] * scale_log2"),
 ]]
 MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
                             (Edit("const bool visible = key < nk && (", "const bool visible = ("),),

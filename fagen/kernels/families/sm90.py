@@ -1,8 +1,8 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
-backward takes what `sm90_backward_refusal` lets through (d = 64 and 128; masks and sinks but no score
-chain or determinism yet, dropout at d = 64 only); the sm80 family's backward computes the others'
-gradients."""
+backward takes what `sm90_backward_refusal` lets through (d = 64 and 128; masks, sinks, the softcap or
+ALiBi alone, no score_mod or determinism yet, dropout and mask_mods at d = 64 only); the sm80 family's
+backward computes the others' gradients."""
 
 from __future__ import annotations
 
