@@ -212,6 +212,15 @@ SM90_BLOCK_N_STEP = 16
 SM90_MIN_BLOCK_N = 32
 
 
+def sm80_backward_problem(spec) -> str | None:
+    """Why `spec.sm80_backward` (set) asks for nothing it can have, or None: it gives an sm90
+    training spec the sm80 family's backward (the self-test's gate sets it)."""
+    if spec.arch_family != "sm90" or spec.kv_cache is not None:
+        return (f"sm80_backward=True gives an sm90 training spec the sm80 family's backward: it needs "
+                f"arch_family='sm90' and no kv_cache, got arch_family={spec.arch_family!r}, kv_cache={spec.kv_cache!r}")
+    return None
+
+
 def sm90_block_n_problem(spec) -> str | None:
     """Why `spec.sm90_block_n` (set) is not a key tile of its sm90 forward, or None."""
     block_n = spec.sm90_block_n

@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .arch_families import ARCH_FAMILIES, DEFAULT_FAMILY, family_of, sm90_block_n_problem
+from .arch_families import ARCH_FAMILIES, DEFAULT_FAMILY, family_of, sm80_backward_problem, sm90_block_n_problem
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                           BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
@@ -146,7 +146,7 @@ class Spec:
                  takes what arch_families.sm90_backward_refusal lets through, sm80's the rest
     sm90_block_n the sm90 forward's keys per K/V tile; unset takes arch_families.sm90_tiles' rule
                  (a narrower one keeps a heavy mod from spilling: kernels.spill_free)
-    sm80_backward  arch_family "sm90", training only: the backward is the sm80 family's even where
+    sm80_backward  an sm90 training spec only: the backward is the sm80 family's even where
                  sm90's own takes the spec (the self-test's gate sets it where sm90.backward did not
                  pass on this GPU but the forward's templates did: fagen.selftest.gate)
     """
@@ -204,10 +204,8 @@ class Spec:
             raise ValueError(refusal)
         if self.sm90_block_n is not None and sm90_block_n_problem(self):
             raise ValueError(sm90_block_n_problem(self))
-        if self.sm80_backward and (self.arch_family != "sm90" or self.kv_cache is not None):
-            raise ValueError(f"sm80_backward=True gives an sm90 training spec the sm80 family's backward: it "
-                             f"needs arch_family='sm90' and no kv_cache, got arch_family={self.arch_family!r}, "
-                             f"kv_cache={self.kv_cache!r}")
+        if self.sm80_backward and sm80_backward_problem(self):
+            raise ValueError(sm80_backward_problem(self))
         if self.coord_offsets and not self.dropout:
             raise ValueError("coord_offsets shift the dropout mask's coordinates: it needs dropout=True")
         # Unset tile fields take the fallback table's values.
