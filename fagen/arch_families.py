@@ -290,13 +290,15 @@ def sm90_backward_refusal(spec) -> str | None:
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
                    ("deterministic", spec.deterministic),
-                   # of the score chains, the softcap alone and ALiBi alone (masks and sinks are taken)
-                   ("a score_mod", spec.score_mod is not None), ("a softcap with ALiBi", spec.softcap and spec.alibi),
-                   ("a softcap with dropout", spec.softcap and spec.dropout),
+                   # a chain's derivative beside dropout's keep bits: not yet (ALiBi alone needs none)
+                   ("a softcap or score_mod with dropout", (spec.softcap or spec.score_mod is not None) and spec.dropout),
                    # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
                    # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),
-                   ("a mask_mod at head_dim > 64", spec.mask_mod is not None and spec.head_dim > 64)]
+                   ("a mask_mod at head_dim > 64", spec.mask_mod is not None and spec.head_dim > 64),
+                   # and a score chain in natural-log units (its ds'/dx per element: 160 bytes)
+                   ("a score_mod or the softcap with ALiBi at head_dim > 64",
+                    (spec.score_mod is not None or (spec.softcap and spec.alibi)) and spec.head_dim > 64)]
     found = [name for name, refused in unsupported if refused]
     return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
 

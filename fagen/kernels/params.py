@@ -111,7 +111,7 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
                + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
-                 + _dropout(spec) + _variant(spec))
+                 + _dropout(spec) + _variant(spec, grads=True))
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

@@ -3,9 +3,10 @@ child (fagen.selftest_cases.child) in the template's family (FAGEN_ARCH_FAMILY).
 
 Each template's case uses its feature at one head dim, d = 64 unless the template is a head
 dim; the head-dim cases run plain attention (sm90: the forward; sm80: forward and backward).
-The sm90 family's feature cases check O and L only: their backward is the sm80 family's, proven
-by the sm80 cases (packed sequences run both, as a call does); its own backward (d = 64 and 128,
-dropout at 64, masks, sinks, the softcap or ALiBi alone) is proven by `sm90.backward`.
+The sm90 family's feature cases check O and L only (packed sequences run both, as a call does):
+the backward of those features is proven by `sm90.backward` where the family's own takes them (d =
+64 and 128: masks, sinks, the softcap or ALiBi alone; at 64 dropout, mask_mods and score_mods),
+else by the sm80 cases.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def _features(family: str) -> dict:
         "deterministic": train(deterministic=True, dropout=True),
         # its own backward (sm90's at d = 64 and 128): causal with rows that see no key, ragged, GQA;
         # key padding; d = 128's second column box; dropout's keep bits of the transposed tile; a
-        # window's walk and tile classes; sinks; the softcap's and ALiBi's chains
+        # window's walk and tile classes; sinks; the softcap's and ALiBi's chains; a bias table's
+        # score_mod with its gradient, over documents
         "backward": partial(_every, (_training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
                                      _training(backward=True, key_padding=True, shape=(2, 140, 170, 2, 1)),
                                      _training(backward=True, head_dim=128, shape=(1, 150, 200, 2, 1)),
@@ -81,7 +83,8 @@ def _features(family: str) -> dict:
                                      _training(backward=True, window=(37, 11)),
                                      _training(backward=True, sinks=True),
                                      _training(backward=True, softcap=30.0, dtype="bf16"),
-                                     _training(backward=True, alibi=True, causal=True))),
+                                     _training(backward=True, alibi=True, causal=True),
+                                     _training(backward=True, mods=True))),
     }
 
 

@@ -21,7 +21,7 @@ from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
 from fagen.variants import custom_mod, trace_score_mod
 from kernel_cases import Shape, run_and_check
-from sm90_cases import check_sm90_kernel_compiles
+from sm90_cases import BIAS, check_sm90_kernel_compiles, relative_bias
 from variant_cases import run_variant_case
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
@@ -90,6 +90,25 @@ def test_masks_sinks_softcap_and_alibi_match_the_oracle(spec):
     checks.variant_check(spec)
 
 
+# Score chains in natural-log units (d = 64): a score_mod whose derivative is not 1 (ds'/dx per
+# element), a captured tensor's gradient (added from dS before the chain's derivative), ALiBi with a
+# softcap.
+def _gated(score, b, h, q_idx, kv_idx):
+    return score * torch.sigmoid(score)
+
+
+CHAINS = {"relative_bias": (Spec(64, mask="causal", arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,)),
+          "gated": (Spec(64, dtype="bf16", arch_family="sm90"), {"score_mod": _gated}, ()),
+          "alibi_softcap": (Spec(64, mask="causal", dtype="bf16", arch_family="sm90"),
+                            {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}, ())}
+
+
+@pytest.mark.parametrize("case", CHAINS.values(), ids=CHAINS)
+def test_score_chains_and_captured_gradients_match_the_oracle(case):
+    base, variant, captures = case
+    run_variant_case(base, Shape(2, 150, 200, heads=4, kv_heads=2), variant, captures=captures)
+
+
 def test_a_wide_window_runs_its_full_blocks_unmasked():
     """A window wider than a tile: blocks the tile class calls full run without the element test
     (Consumer::walk), beside the partial ones; causal aligned bottom-right within it."""
@@ -130,9 +149,10 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
                         (Spec(64, deterministic=True, arch_family="sm90"), "deterministic"),
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
                         (_documents(head_dim=128), "a mask_mod at head_dim > 64"),
-                        (Spec(64, softcap=True, alibi=True, arch_family="sm90"), "a softcap with ALiBi"),
-                        (Spec(64, softcap=True, dropout=True, arch_family="sm90"), "a softcap with dropout"),
-                        (Spec(64, score_mod=custom_mod(trace_score_mod(_shifted)), arch_family="sm90"), "a score_mod")]:
+                        (Spec(128, softcap=True, alibi=True, arch_family="sm90"), "the softcap with ALiBi"),
+                        (Spec(64, softcap=True, dropout=True, arch_family="sm90"), "a softcap or score_mod with dropout"),
+                        (Spec(128, score_mod=custom_mod(trace_score_mod(_shifted)), arch_family="sm90"),
+                         "a score_mod or the softcap with ALiBi at head_dim > 64")]:
         assert field in sm90_backward_refusal(spec)
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
         assert render(spec).kernels.bwd_main.threads != sm90_backward_tiles(spec).threads

@@ -21,6 +21,7 @@ from fagen.arch_families import chosen_decoding_spec
 from fagen.spec import Spec
 import barrier_mutations
 import kernel_checks as checks
+import sm90_cases
 import twin_mutants
 from kernel_cases import poisoned_empty
 
@@ -368,6 +369,15 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", spec, (Edit(old, new)
      "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]) * grad[i];", "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]);"),
     ("ALiBi's bias left out of P", SM90_BWD_WINDOW.replace(window=False, alibi=True),
      "fagen_variant::alibi_biased(s[i], query, key, alibi_scale, ctx) * scale_log2", "s[i] * scale_log2"),
+]]
+# A score_mod over a captured bias table: its gradient, taken from dS.
+SM90_BWD_BIAS = Spec(64, mask="causal", arch_family="sm90", **sm90_cases.traced(sm90_cases.relative_bias))
+MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", SM90_BWD_BIAS, (Edit(old, new),),
+                         (sm90_cases.relative_bias_check,))
+            for name, old, new in [
+    ("the captured bias's gradient never added", "    if (ds != 0.f) {\n", "    if (ds != ds) {\n"),
+    ("the captured bias's gradient from the key's row", "min(query, ctx.seqlen_q - 1), min(key, ctx.keys - 1), ctx);",
+     "min(key, ctx.seqlen_q - 1), min(query, ctx.keys - 1), ctx);"),
 ]]
 MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
                             (Edit("const bool visible = key < nk && (", "const bool visible = ("),),

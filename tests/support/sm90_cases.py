@@ -12,7 +12,7 @@ from fagen.arch_families import sm90_tiles
 from fagen.kernels.render import render
 from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
 
-# A relative-position bias table (its gradient checked through the sm80 backward) and documents.
+# A relative-position bias table (its gradient checked through either family's backward) and documents.
 BIAS = (torch.randn(4, 400, generator=torch.Generator().manual_seed(3)) * 0.5).requires_grad_()
 DOCUMENTS = torch.sort(torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(4), dtype=torch.int32),
                        dim=1).values
@@ -24,6 +24,16 @@ def relative_bias(score, b, h, q_idx, kv_idx):
 
 def same_document(b, h, q_idx, kv_idx):
     return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
+
+
+def relative_bias_check(spec, source=None) -> None:
+    """`relative_bias` on `spec` (its score_mod) against the oracle, BIAS's gradient included: a
+    ragged GQA shape (the mutants' check of the sm90 backward's score chain)."""
+    from kernel_cases import Shape
+    from variant_cases import run_variant_case
+
+    run_variant_case(spec.replace(score_mod=None), Shape(2, 150, 200, heads=4, kv_heads=2),
+                     {"score_mod": relative_bias}, captures=(BIAS,), source=source)
 
 
 def traced(score=None, mask=None) -> dict:

@@ -1,7 +1,7 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
 backward takes what `sm90_backward_refusal` lets through (d = 64 and 128; masks, sinks, the softcap or
-ALiBi alone, no score_mod or determinism yet, dropout and mask_mods at d = 64 only); the sm80 family's
+ALiBi alone; dropout, mask_mods and score_mods at d = 64 only; no determinism yet); the sm80 family's
 backward computes the others' gradients."""
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
                                                                      "producer", "softmax", "tile_span")))
 
-BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, includes=("sm90/hopper_bwd_dropout.j2",),
+BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries,
+                includes=("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2"),
                 refusal=sm90_backward_refusal)
 
 FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, sm80.BACKWARD), decoding={2: FORWARD},
