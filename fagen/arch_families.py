@@ -290,8 +290,6 @@ def sm90_backward_refusal(spec) -> str | None:
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
                    ("deterministic", spec.deterministic),
-                   # a chain's derivative beside dropout's keep bits: not yet (ALiBi alone needs none)
-                   ("a softcap or score_mod with dropout", (spec.softcap or spec.score_mod is not None) and spec.dropout),
                    # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
                    # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),

@@ -100,7 +100,11 @@ def _gated(score, b, h, q_idx, kv_idx):
 CHAINS = {"relative_bias": (Spec(64, mask="causal", arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,)),
           "gated": (Spec(64, dtype="bf16", arch_family="sm90"), {"score_mod": _gated}, ()),
           "alibi_softcap": (Spec(64, mask="causal", dtype="bf16", arch_family="sm90"),
-                            {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}, ())}
+                            {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}, ()),
+          # under dropout: the chain's derivative and the captured gradient beside the keep bits
+          "softcap_dropout": (Spec(64, mask="causal", dropout=True, arch_family="sm90"), {"softcap": 5.0}, ()),
+          "relative_bias_dropout": (Spec(64, dropout=True, dtype="bf16", arch_family="sm90"),
+                                    {"score_mod": relative_bias}, (BIAS,))}
 
 
 @pytest.mark.parametrize("case", CHAINS.values(), ids=CHAINS)
@@ -150,7 +154,6 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
                         (_documents(head_dim=128), "a mask_mod at head_dim > 64"),
                         (Spec(128, softcap=True, alibi=True, arch_family="sm90"), "the softcap with ALiBi"),
-                        (Spec(64, softcap=True, dropout=True, arch_family="sm90"), "a softcap or score_mod with dropout"),
                         (Spec(128, score_mod=custom_mod(trace_score_mod(_shifted)), arch_family="sm90"),
                          "a score_mod or the softcap with ALiBi at head_dim > 64")]:
         assert field in sm90_backward_refusal(spec)
@@ -180,6 +183,8 @@ def test_flash_attn_func_trains_on_it(monkeypatch):
 # Features together, at the head dims that take them: each compiles without a spill (the refusals
 # keep the combinations that spilled, dropout or a mask_mod at d = 128, on the sm80 backward).
 COMBINATIONS = [Spec(64, mask="causal", dropout=True, window=True, sinks=True, arch_family="sm90"),
+                Spec(64, mask="causal", dropout=True, softcap=True, window=True, arch_family="sm90"),
+                Spec(64, dropout=True, alibi=True, softcap=True, key_padding=True, arch_family="sm90"),
                 _documents(mask="causal", dropout=True, varlen=True),
                 _documents(mask="causal", key_padding=True),
                 Spec(128, mask="causal", window=True, sinks=True, varlen=True, dtype="bf16", arch_family="sm90"),

@@ -369,6 +369,8 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", spec, (Edit(old, new)
      "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]) * grad[i];", "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]);"),
     ("ALiBi's bias left out of P", SM90_BWD_WINDOW.replace(window=False, alibi=True),
      "fagen_variant::alibi_biased(s[i], query, key, alibi_scale, ctx) * scale_log2", "s[i] * scale_log2"),
+    ("the softcap's chain rule dropped from dS under dropout",
+     SM90_BWD_WINDOW.replace(window=False, softcap=True, dropout=True), "    dp[i] = ds * grad[i];\n", "    dp[i] = ds;\n"),
 ]]
 # A score_mod over a captured bias table: its gradient, taken from dS.
 SM90_BWD_BIAS = Spec(64, mask="causal", arch_family="sm90", **sm90_cases.traced(sm90_cases.relative_bias))
