@@ -366,7 +366,7 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", spec, (Edit(old, new)
     ("every document block classed as full", _documents().replace(arch_family="sm90"),
      "block_keys, ctx);", "block_keys, ctx) * 0 + fagen_variant::kFullTile;"),
     ("the softcap's chain rule dropped from dS", SM90_BWD_WINDOW.replace(window=False, softcap=True),
-     "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]) * grad[i];", "(dp[i] - delta[8 * (i / 4) + 2 * quad + i % 2]);"),
+     "    dp[i] = ds * grad[i];\n", "    dp[i] = ds;\n"),
     ("ALiBi's bias left out of P", SM90_BWD_WINDOW.replace(window=False, alibi=True),
      "fagen_variant::alibi_biased(s[i], query, key, alibi_scale, ctx) * scale_log2", "s[i] * scale_log2"),
     ("the softcap's chain rule dropped from dS under dropout",
