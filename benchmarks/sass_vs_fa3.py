@@ -253,7 +253,8 @@ def fagen_sm90_figure(row: dict):
     HMMA-equivalent (`cubin_reports`). (figure, report), or (None, None) where the family has no
     such kernel yet."""
     try:
-        spec = Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none", arch_family="sm90")
+        spec = Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none", arch_family="sm90",
+                    deterministic=row["pass"] != "fwd" and row.get("deterministic", False))
     except ValueError:   # a head dim the family does not take yet
         return None, None
     if row["pass"] != "fwd" and sm90_backward_refusal(spec) is not None:   # it runs the sm80 family's
@@ -360,7 +361,7 @@ def backward_table(rows: list[dict]) -> list[dict]:
             if not row["deterministic"] and (row["head_dim"], row["dtype"], row["causal"]) not in fagen:
                 fagen[row["head_dim"], row["dtype"], row["causal"]] = fagen_figure(row)
             ours = None if row["deterministic"] else fagen[row["head_dim"], row["dtype"], row["causal"]]
-            sm90 = None if row["deterministic"] else fagen_sm90_figure(row)[0]   # it has no deterministic mode yet
+            sm90 = fagen_sm90_figure(row)[0]   # deterministic rows: dQ's reductions take turns
             others = other_loops(row["instructions"], report)
             shown = ", ".join(f"{o['loop']}: {o['fa3']:.2f}" for o in others) or "-"
             reduce = sum(n for op, n in report.opcodes.items() if op.split(".")[0] in ("REDG", "RED", "ATOMG"))
@@ -396,7 +397,8 @@ def backward_table(rows: list[dict]) -> list[dict]:
           "  tensor work, on a tie the first); other loops: the kernel's other loops with as much, read the same way;\n"
           "  dQ: REDG n = reduced from the consumer loop, writer = bulk-reduced by the writer warp (UBLKRED);\n"
           "  fagen: the sm80 family's non-deterministic backward (mma.sync, fallback tiles, per useful HMMA);\n"
-          "  sm90: the sm90 family's own backward (wgmma, TMA; d 64 and 128, not deterministic yet), read as FA3 is")
+          "  sm90: the sm90 family's own backward (wgmma, TMA; d 64 and 128; det: dQ's reductions in key-block\n"
+          "  order, a semaphore per query block), read as FA3 is")
     if prototype is not None:
         print("proto (d64 rows): the prototype Hopper backward micro-kernel (tests/emulate/kernels/\n"
               "  hopper_backward.cu, not fagen's dispatched backward), compiled for sm_90a by NVRTC, read as FA3 is:\n"

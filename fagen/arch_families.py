@@ -289,7 +289,6 @@ def sm90_backward_refusal(spec) -> str | None:
         return "sm80_backward=True asks for the sm80 family's backward"
     unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
                     or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
-                   ("deterministic", spec.deterministic),
                    # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
                    # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),

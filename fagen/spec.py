@@ -114,7 +114,8 @@ class Spec:
     mask         "none" or "causal" (bottom-right aligned when Nq != Nk)
     key_padding  per-batch key lengths (seqlens_k) mask the tail of K/V
     dropout      the kernel applies Philox dropout (p is a run-time argument)
-    deterministic  the backward pass uses no atomics
+    deterministic  repeated backward passes are bit-identical: dQ by a pass of its own (sm80) or
+                 by reductions that take turns in key-block order (sm90), not by atomics
     bwd_stages   depth of the backward's Q/dO pipeline (and of the deterministic
                  dQ kernel's K/V pipeline); unset takes the backward tile table's.
     bwd_block_n  keys per backward thread block (BACKWARD_BLOCK_N lists the choices per

@@ -58,9 +58,9 @@ def fagen_attention_func() -> Callable:
 
 
 class FagenSystem(System):
-    """fagen's flash_attn_func, FlashAttention `version` 1 or 2; with `family` sm90 (arch_families.SM90), version 2's
-    forward on the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each call: the backward, which
-    autograd runs later, is the sm80 family's)."""
+    """fagen's flash_attn_func, FlashAttention `version` 1 or 2; with `family` sm90 (arch_families.SM90), version 2
+    on the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each call: the backward, which autograd runs
+    later, is that call's Spec's, the family's own where `sm90_backward_refusal` lets it through)."""
 
     is_fagen = True
 

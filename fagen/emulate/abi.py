@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ERROR_BUFFER_BYTES = 16384
 
 SCALAR_TYPES = {
@@ -88,6 +88,8 @@ class LaunchConfig(ctypes.Structure):
         ("tensors", ctypes.POINTER(TensorRange)),
         ("counters", ctypes.POINTER(LaunchCounters)),
         ("seed", ctypes.c_uint64),
+        ("block_interleave", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -216,11 +218,11 @@ class Library:
 
 def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: int, values: list,
            instrument: int = 0, tensors=None, counters: LaunchCounters | None = None,
-           block_order: int = 0, seed: int = 0) -> str | None:
+           block_order: int = 0, seed: int = 0, block_interleave: int = 0) -> str | None:
     """Run the grid; None, or the runtime's error message. `values` are ctypes objects, one per
     parameter; with `instrument`, `tensors` is a ctypes array of TensorRange (its counters are
     filled in) and `counters` a LaunchCounters to fill; `block_order` is a BlockOrder; `seed` the random
-    schedule's."""
+    schedule's; `block_interleave` a BlockInterleave."""
     config = LaunchConfig()
     config.grid[:] = grid
     config.block[:] = block
@@ -230,6 +232,7 @@ def launch(launcher, grid, block, shared_mem: int, os_threads: int, schedule: in
     config.instrument = instrument
     config.block_order = block_order
     config.seed = seed
+    config.block_interleave = block_interleave
     if tensors is not None and len(tensors):
         config.tensor_count = len(tensors)
         config.tensors = ctypes.cast(tensors, ctypes.POINTER(TensorRange))

@@ -36,7 +36,7 @@ import torch
 from . import abi
 from .build import BuiltModule, compiler
 from .errors import EmulationError
-from .launch_args import block_order, dim3, dtype_code, os_threads, schedule, schedule_seed
+from .launch_args import block_interleave, block_order, dim3, dtype_code, os_threads, schedule, schedule_seed
 
 CONTEXT_MARKER = "fagen-emulate-fault-context:"
 ASAN_OPTIONS = ("detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:detect_stack_use_after_return=0:"
@@ -213,7 +213,7 @@ class CheckedFunction:
             "library": str(self.module.library_path), "name": self.name,
             "grid": dim3(grid, "grid"), "block": dim3(block, "block"), "shared_mem": int(shared_mem),
             "os_threads": os_threads(), "schedule": schedule(), "block_order": block_order(),
-            "seed": schedule_seed(),
+            "seed": schedule_seed(), "block_interleave": block_interleave(),
             "args": described, "storages": storages,
         }
         result = runner().run(request)

@@ -68,7 +68,8 @@ def run(request: dict, libraries: dict) -> dict:
                 values.append(parameter.scalar(arg[1], name))
         error = abi.launch(launcher, request["grid"], request["block"], request["shared_mem"],
                            request["os_threads"], request["schedule"], values,
-                           block_order=request["block_order"], seed=request["seed"])
+                           block_order=request["block_order"], seed=request["seed"],
+                           block_interleave=request["block_interleave"])
         if error is not None:
             return {"ok": False, "error": error}
         written = [p.index for p in parameters if (p.is_pointer and not p.is_const and args[p.index][0] == "tensor")

@@ -1,8 +1,8 @@
 """What every emulated launch hands the runtime besides the kernel's own arguments.
 
-The environment's OS thread count, thread schedule and block order (read at each launch),
-grid and block dimensions, and the dtype codes pointer parameters are checked
-against. Shared by in-process launches (module.py) and checked ones in the
+The environment's OS thread count, thread schedule, block order and block interleave
+(read at each launch), grid and block dimensions, and the dtype codes pointer
+parameters are checked against. Shared by in-process launches (module.py) and checked ones in the
 helper process (checked.py).
 """
 
@@ -25,6 +25,9 @@ SEED_ENV = "FAGEN_EMULATE_SEED"
 BLOCK_ORDER_ENV = "FAGEN_EMULATE_BLOCK_ORDER"
 # The BlockOrder enum of include/fagen_emulate/export.h.
 BLOCK_ORDERS = {"forward": 0, "reverse": 1}
+BLOCK_INTERLEAVE_ENV = "FAGEN_EMULATE_BLOCK_INTERLEAVE"
+# The BlockInterleave enum of include/fagen_emulate/export.h.
+BLOCK_INTERLEAVES = {"parallel": 0, "serial": 1}
 RACECHECK_MODES = {"": 0, "0": 0, "1": abi.INSTRUMENT_RACECHECK,
                    "lenient": abi.INSTRUMENT_RACECHECK | abi.INSTRUMENT_LENIENT_WARP}
 
@@ -66,6 +69,17 @@ def block_order() -> int:
     if text not in BLOCK_ORDERS:
         raise EmulationError(f"{BLOCK_ORDER_ENV}={text!r}: expected one of {', '.join(BLOCK_ORDERS)}")
     return BLOCK_ORDERS[text]
+
+
+def block_interleave() -> int:
+    """FAGEN_EMULATE_BLOCK_INTERLEAVE: `parallel` (default: blocks run concurrently on the OS threads)
+    or `serial` (one block at a time, until it exits or parks on a semaphore; then the first parked
+    block in dispatch order whose awaited value is there, else the next block: the order of global
+    writes is a function of the program alone)."""
+    text = os.environ.get(BLOCK_INTERLEAVE_ENV, "parallel")
+    if text not in BLOCK_INTERLEAVES:
+        raise EmulationError(f"{BLOCK_INTERLEAVE_ENV}={text!r}: expected one of {', '.join(BLOCK_INTERLEAVES)}")
+    return BLOCK_INTERLEAVES[text]
 
 
 def dim3(value, what: str) -> tuple[int, int, int]:

@@ -22,6 +22,9 @@ Environment (read at each launch; fagen/emulate/README.md lists the build ones):
     FAGEN_EMULATE_SEED      the random schedule's seed (default 0)
     FAGEN_EMULATE_BLOCK_ORDER "forward" (default) or "reverse": the order blocks are taken
                             in (with one OS thread, the order they run in)
+    FAGEN_EMULATE_BLOCK_INTERLEAVE "parallel" (default) or "serial": blocks run concurrently,
+                            or one at a time until it exits or parks on a semaphore
+                            (deterministic order of the blocks' global writes)
     FAGEN_EMULATE_RACECHECK "1" (or "lenient"): modules are built instrumented and every
                             launch is race-checked (also read by load_module)
     FAGEN_EMULATE_STACK_KB  stack per emulated thread (default 256 KiB, 1 MiB checked)
@@ -37,7 +40,8 @@ from . import abi, instrumentation
 from .build import BuiltModule, build
 from .checked import CheckedModule
 from .errors import EmulationError
-from .launch_args import block_order, dim3, dtype_code, os_threads, racecheck_flags, schedule, schedule_seed
+from .launch_args import (block_interleave, block_order, dim3, dtype_code, os_threads, racecheck_flags, schedule,
+                          schedule_seed)
 
 
 class EmulatedFunction:
@@ -81,7 +85,7 @@ class EmulatedFunction:
         flags = self.module.instrument_flags()
         if not flags:
             error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
-                               block_order=block_order(), seed=schedule_seed())
+                               block_order=block_order(), seed=schedule_seed(), block_interleave=block_interleave())
             if error is not None:
                 raise EmulationError(error)
             return
@@ -89,7 +93,7 @@ class EmulatedFunction:
         counters = abi.LaunchCounters()
         error = abi.launch(self._launcher, grid, block, int(shared_mem), os_threads(), schedule(), values,
                            instrument=flags, tensors=tensors, counters=counters, block_order=block_order(),
-                           seed=schedule_seed())
+                           seed=schedule_seed(), block_interleave=block_interleave())
         if error is not None:
             raise instrumentation.launch_error(error, self.module.library_path, self.module.source_path)
         if flags & abi.INSTRUMENT_COUNTERS:

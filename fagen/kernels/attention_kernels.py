@@ -500,8 +500,11 @@ def _backward_plan(source: Source, q, k, v, out, dout, softmax_scale, drop, vari
                (dk_name, (*k.shape[:-2], heads, head_dim), f32 if grouped else q.dtype),
                (dv_name, (*k.shape[:-2], heads, v.shape[-1]), f32 if grouped else q.dtype),
                ("delta", (batch, heads, padded_rows), f32), ("lse_log2", (batch, heads, padded_rows), f32)]
-    if not spec.deterministic:
+    taken = {p.name.removesuffix("_packed") for e in kernels.backward for p in e.params}
+    if "dq_accum" in taken:   # not where a deterministic dQ has a pass of its own (sm80's)
         buffers.append(("dq_accum", (batch, heads, seqlen_q, head_dim), f32))
+    if "dq_semaphore" in taken:   # dQ's reductions in a fixed order (sm90's deterministic): zeroed by the preprocess
+        buffers.append(("dq_semaphore", (batch, heads, padded_rows), torch.int32))
     unused_ones = ({"dk_out": unused(device, q.dtype), "dv_out": unused(device, q.dtype)} if grouped else
                    {"dk_out_fp32": unused(device), "dv_out_fp32": unused(device)})
     values = {**drop, **dict(variant_scalars), **packed_scalars(q, k, varlen), "heads": heads, "kv_heads": kv_heads,

@@ -107,7 +107,7 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
                                ("dout", tiles.block_m))]
     rows = [Param(name, TENSOR_MAP, "tensor_map", box=(1, 1, tiles.block_m), swizzle=Swizzle.NONE)
             for name in ("lse_log2", "delta")]
-    outputs = ([_tensor("dq_accum", "float")] + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
+    outputs = ([_tensor("dq_accum", "float")] + dq_order(spec) + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
                + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
@@ -188,10 +188,21 @@ def _debug(spec: Spec, debug: bool, *counters: str) -> list[Param]:
     return params
 
 
-def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, ...]]:
+def dq_order(spec: Spec) -> list[Param]:
+    """A deterministic spec's turn counters for dQ's ordered reductions (sm90): one int per query
+    block of every (batch, head), at its first row of a (B, H, padded Nq) tensor as D's rows; key
+    block j's reduction into query block i waits until the counter says the earlier ones are done."""
+    return [_tensor("dq_semaphore", "int")] if spec.deterministic else []
+
+
+def backward_params(spec: Spec, debug: bool = False, ordered_dq: bool = False) -> dict[str, tuple[Param, ...]]:
+    """The backward's kernels' parameters. A deterministic spec's dQ comes from its own pass without
+    atomics (the sm80 family), or with `ordered_dq` from the fp32 accumulator summed in a fixed order
+    of key blocks (the sm90 family): the preprocess then also zeroes `dq_order`'s turn counters."""
     elem = ELEM_CTYPE[spec.dtype]
     scales = [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
-    dq_accum = [] if spec.deterministic else [_tensor("dq_accum", "float")]
+    dq_pass = spec.deterministic and not ordered_dq
+    dq_accum = [] if dq_pass else [_tensor("dq_accum", "float")] + dq_order(spec)
     # The preprocess kernel turns the forward's statistics into lse_log2 (and D) for the
     # others, in rows padded to whole backward Q blocks.
     inputs = [_tensor(n, elem, const=True) for n in ("q", "k", "v", "dout")]
@@ -208,7 +219,7 @@ def backward_params(spec: Spec, debug: bool = False) -> dict[str, tuple[Param, .
                     + _strides("q", "k", "v", "do", "dk", "dv") + scales + _dropout(spec)
                     + _variant(spec, grads=True) + _debug(spec, debug),
     }
-    if spec.deterministic:
+    if dq_pass:
         params["bwd_dq"] = (inputs + [_tensor("dq", elem)] + _sizes(spec)
                             + _strides("q", "k", "v", "do", "dq") + scales + _dropout(spec) + _variant(spec))
     else:
@@ -226,7 +237,7 @@ VARLEN_Q_ROWS = {"q": "q", "out": "o", "dout": "do", "dq": "dq"}
 VARLEN_K_ROWS = {"k": "k", "v": "v", "dk_out": "dk", "dv_out": "dv", "dk_out_fp32": "dk", "dv_out_fp32": "dv"}
 VARLEN_STATS = ("lse", "row_max", "row_sum", "row_max_out", "row_sum_out")
 VARLEN_ROW_WORKSPACES = ("o_accum", "dq_accum")      # (B, H, max_seqlen_q, d)
-VARLEN_PADDED = ("delta", "lse_log2")                # (B, H, padded max_seqlen_q)
+VARLEN_PADDED = ("delta", "lse_log2", "dq_semaphore")   # (B, H, padded max_seqlen_q)
 VARLEN_PACKED = (*VARLEN_Q_ROWS, *VARLEN_K_ROWS, *VARLEN_STATS, *VARLEN_ROW_WORKSPACES, *VARLEN_PADDED)
 
 

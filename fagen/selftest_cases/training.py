@@ -73,7 +73,7 @@ def check_training(call: Training, device: torch.device) -> list[str]:
     checks.lse("L", lse, oracle["lse"])
     if call.backward:
         leaves = [q, k, v] + variant["leaves"]
-        grads = torch.autograd.grad(out, leaves, dout)
+        grads = torch.autograd.grad(out, leaves, dout, retain_graph=call.deterministic)   # a repeat's
         for name, got, want, base in zip(("dQ", "dK", "dV"), grads, (oracle["dq"], oracle["dk"], oracle["dv"]),
                                          same[1:4]):
             checks.gradient(name, got, want, base)
@@ -81,6 +81,11 @@ def check_training(call: Training, device: torch.device) -> list[str]:
             checks.gradient("dsinks", grads[3], oracle["dsinks"], same[4]["dsinks"])
         if call.mods:
             checks.gradient("d(captured bias)", grads[-1], oracle["captures"][0], same[4]["captures"][0])
+        if call.deterministic:   # the promise itself: the same bits again
+            again = torch.autograd.grad(out, leaves, dout)
+            checks.problems += [f"{name}: deterministic=True, but a second backward differs"
+                                for name, first, second in zip(("dQ", "dK", "dV"), grads, again)
+                                if not torch.equal(first, second)]
     return checks.problems
 
 

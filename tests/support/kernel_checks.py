@@ -155,22 +155,40 @@ REPEAT_RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS":
                {"FAGEN_EMULATE_BLOCK_ORDER": "reverse"})
 
 
-def repeat_check(spec: Spec, source: Source | None = None) -> None:
+def repeat_check(spec: Spec, source: Source | None = None, runs: tuple = REPEAT_RUNS,
+                 shape: Shape = REPEAT_SHAPE) -> None:
     """Backward repeats are bit-identical (a deterministic variant), with the blocks run in
-    opposite orders: a variant that accumulates dq with atomics fails it every time."""
+    opposite orders: a variant that accumulates dq with atomics fails it every time. `runs`: the
+    emulator settings of each repeat."""
     source = render(spec) if source is None else source
-    q, k, v, dout, _ = make_inputs(spec, REPEAT_SHAPE)
+    q, k, v, dout, seqlens_k = make_inputs(spec, shape)
     drop = attention_kernels.dropout_args(DROPOUT_P, SEED, OFFSET) if spec.dropout else None
     out, stats = attention_kernels.forward(source, q, k, v, dropout_p=DROPOUT_P if spec.dropout else 0.0, seed=SEED,
-                                           philox_offset=OFFSET)
-    runs = []
-    for run in REPEAT_RUNS:
+                                           philox_offset=OFFSET, seqlens_k=seqlens_k)
+    grads = []
+    for run in runs:
         with mock.patch.dict(os.environ, run):
-            runs.append(attention_kernels.backward(source, q, k, v, out, stats, dout, dropout_args=drop))
-    for run, grads in zip(REPEAT_RUNS[1:], runs[1:]):
-        for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
+            grads.append(attention_kernels.backward(source, q, k, v, out, stats, dout, dropout_args=drop,
+                                                    seqlens_k=seqlens_k))
+    for run, repeat in zip(runs[1:], grads[1:]):
+        for name, first, again in zip(("dq", "dk", "dv"), grads[0], repeat):
             assert torch.equal(first.view(torch.int16), again.view(torch.int16)), (
                 f"{spec.name}: {name} differs between block orders ({run})")
+
+
+# The sm90 backward's deterministic dQ (its turns): one block resident, in grid order; then every
+# block resident, started in reverse and interleaved at their waits in a fixed order. A sum whose
+# order follows the blocks' differs between the two; a turn that waits on a later block deadlocks
+# the first.
+TURN_RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "1",
+              "FAGEN_EMULATE_BLOCK_INTERLEAVE": "serial"},
+             {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64",
+              "FAGEN_EMULATE_BLOCK_INTERLEAVE": "serial"})
+
+
+def sm90_turns_check(spec: Spec, source: Source | None = None) -> None:
+    """dQ, dK and dV the same bits in both of TURN_RUNS (REPEAT_SHAPE: eight partials per query block)."""
+    repeat_check(spec, source, runs=TURN_RUNS)
 
 
 # -- variants -----------------------------------------------------------------------------------------

@@ -39,11 +39,6 @@ bool same_site(Site a, Site b) {
   return a.line == b.line && (a.file == b.file || (a.file && b.file && std::strcmp(a.file, b.file) == 0));
 }
 
-std::string describe_block(const BlockRun& block) {
-  return "block (" + std::to_string(block.block_idx.x) + "," + std::to_string(block.block_idx.y) + "," +
-         std::to_string(block.block_idx.z) + ")";
-}
-
 Worker& worker_of(const Fiber& fiber) { return *fiber.block->worker; }
 
 void switch_to_scheduler(Fiber& fiber, bool finished) {
@@ -60,21 +55,7 @@ std::vector<unsigned> threads_at_barrier(const BlockRun& block) {
 }
 
 std::string describe_deadlock(const BlockRun& block) {
-  std::string message = "deadlock: no thread can make progress.";
-  if (block.barrier_arrived > 0) {
-    message += " Threads " + format_threads(threads_at_barrier(block)) + " wait at __syncthreads at " +
-               format_site(block.barrier_site) + ".";
-  }
-  for (unsigned warp = 0; warp < block.warp_count; ++warp) {
-    const WarpState& state = block.warps[warp];
-    for (unsigned i = 0; i < state.count; ++i) {
-      const PendingCollective& p = state.pending[i];
-      message += " Warp " + std::to_string(warp) + ": lanes " + format_lanes(p.arrived) + " wait in " + p.op +
-                 " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
-    }
-  }
-  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_warpgroup_waits(block);
-  return message;
+  return "deadlock: no thread can make progress." + describe_blocked_threads(block);
 }
 
 void fiber_main(void* argument) {
@@ -123,6 +104,36 @@ void resume(Worker& worker, Fiber& fiber) {
 
 // -- formatting -----------------------------------------------------------------
 
+std::string describe_block(const BlockRun& block) {
+  return "block (" + std::to_string(block.block_idx.x) + "," + std::to_string(block.block_idx.y) + "," +
+         std::to_string(block.block_idx.z) + ")";
+}
+
+std::string describe_blocked_threads(const BlockRun& block) {
+  std::string message;
+  if (block.barrier_arrived > 0) {
+    message += " Threads " + format_threads(threads_at_barrier(block)) + " wait at __syncthreads at " +
+               format_site(block.barrier_site) + ".";
+  }
+  for (unsigned warp = 0; warp < block.warp_count; ++warp) {
+    const WarpState& state = block.warps[warp];
+    for (unsigned i = 0; i < state.count; ++i) {
+      const PendingCollective& p = state.pending[i];
+      message += " Warp " + std::to_string(warp) + ": lanes " + format_lanes(p.arrived) + " wait in " + p.op +
+                 " at " + format_site(p.site) + " for lanes " + format_lanes(p.mask & ~p.arrived) + ".";
+    }
+  }
+  message += describe_mbarrier_waits(block) + describe_named_barrier_waits(block) + describe_warpgroup_waits(block);
+  return message;
+}
+
+std::string describe_thread(const Fiber& fiber) {
+  const uint3 t = fiber.coords.thread_idx;
+  return "thread " + std::to_string(fiber.coords.linear) + " (threadIdx (" + std::to_string(t.x) + "," +
+         std::to_string(t.y) + "," + std::to_string(t.z) + "), warp " + std::to_string(fiber.coords.warp) +
+         ", lane " + std::to_string(fiber.coords.lane) + "): ";
+}
+
 std::string format_site(Site site) {
   if (!site.file) return "<unknown>";
   const char* base = std::strrchr(site.file, '/');
@@ -156,10 +167,7 @@ void fail_current(const std::string& message) {
   Fiber& fiber = *current_fiber;
   BlockRun& block = *fiber.block;
   block.failed = true;
-  const uint3 t = fiber.coords.thread_idx;
-  block.error = "thread " + std::to_string(fiber.coords.linear) + " (threadIdx (" + std::to_string(t.x) + "," +
-                std::to_string(t.y) + "," + std::to_string(t.z) + "), warp " + std::to_string(fiber.coords.warp) +
-                ", lane " + std::to_string(fiber.coords.lane) + "): " + message;
+  block.error = describe_thread(fiber) + message;
   switch_to_scheduler(fiber, /*finished=*/true);
   __builtin_unreachable();
 }
@@ -374,11 +382,23 @@ void Worker::ensure_fibers(unsigned count, std::size_t wanted_stack_size) {
 
 namespace {
 
+// The end of a scheduling pass. Threads blocked in semaphore waits are re-checked if some block
+// arrived since (they become runnable, or the block fails on a value past theirs). A pass that ran
+// nothing while threads wait on semaphores parks the block until an arrive (block_residency.cpp);
+// with none waiting, nothing can ever run again: a deadlock within the block.
 void mark_deadlock_unless(bool ran, BlockRun& block) {
-  if (!ran && !block.failed) {
-    block.failed = true;
-    block.error = describe_deadlock(block);
+  if (block.failed) return;
+  if (block.semaphore_waiters > 0 && recheck_semaphore_waits(block)) return;
+  if (ran) return;
+  if (block.semaphore_waiters > 0) {
+    if (!park_block(block) && !block.failed) {
+      block.failed = true;
+      block.error = "abandoned while parked on a semaphore: the launch failed elsewhere";
+    }
+    return;
   }
+  block.failed = true;
+  block.error = describe_deadlock(block);
 }
 
 // forward / reverse: pass over the threads in order, each running until it blocks.
@@ -442,12 +462,13 @@ void reschedule_after_release() {
   if (schedule_reorders(fiber.block->launch->config.schedule)) switch_to_scheduler(fiber, /*finished=*/false);
 }
 
-bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
+bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block, uint64_t dispatch) {
   const LaunchConfig& config = launch.config;
   BlockRun block;
   block.launch = &launch;
   block.worker = &worker;
   block.linear_block = linear_block;
+  block.dispatch = dispatch;
   block.block_idx = uint3{static_cast<unsigned>(linear_block % config.grid[0]),
                           static_cast<unsigned>(linear_block / config.grid[0] % config.grid[1]),
                           static_cast<unsigned>(linear_block / config.grid[0] / config.grid[1])};
@@ -475,6 +496,7 @@ bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block) {
     fiber.blocked_in = nullptr;
     fiber.committed_groups = 0;
     fiber.copies.clear();
+    fiber.semaphore = nullptr;
     fiber.block = &block;
     prepare_context(fiber.context, fiber.stack, fiber.stack_size, &fiber_main, &fiber);
     block.live_lanes[fiber.coords.warp] |= 1u << fiber.coords.lane;

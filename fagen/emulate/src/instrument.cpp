@@ -203,6 +203,21 @@ void named_barrier_completed(unsigned id, const unsigned* waiting) {
   if (racechecking()) race_named_completed(id, waiting);
 }
 
+void semaphore_release(int* sem) {
+  if (racechecking()) {
+    race_semaphore_release(sem);  // the increment, under the lock that orders the clocks
+  } else {
+    __atomic_fetch_add(sem, 1, __ATOMIC_ACQ_REL);
+  }
+  if (hook.inst && current_fiber)  // counters: an atomic read-modify-write of the counter
+    global_access(thread_ref(*current_fiber), sem, sizeof(int), true, true, kRuntimeSiteBit - 1);
+}
+
+void semaphore_acquired(BlockRun&, const int* sem) {
+  // Also from the scheduler (a parked wait released, no fiber running): the block's OS thread.
+  if (hook.inst && hook.inst->racecheck()) race_semaphore_acquire(sem);
+}
+
 void proxy_fence_ran() {
   if (racechecking()) race_proxy_fence(running_thread());
 }

@@ -1,5 +1,6 @@
 // Grid launch: blocks spread over a pool of OS threads, one block per OS
-// thread at a time; the per-block shared memory; the module's C entry points.
+// thread at a time (block_residency.cpp hands them out); the per-block shared
+// memory; the module's C entry points.
 #include "runtime_internal.h"
 
 #include <dlfcn.h>
@@ -235,6 +236,8 @@ std::string check_config(const LaunchConfig& c) {
            std::to_string(c.grid[2]) + ")";
   if (c.block_order != kBlockOrderForward && c.block_order != kBlockOrderReverse)
     return "invalid block order " + std::to_string(c.block_order);
+  if (c.block_interleave != kBlockInterleaveParallel && c.block_interleave != kBlockInterleaveSerial)
+    return "invalid block interleave " + std::to_string(c.block_interleave);
   if (c.shared_mem_bytes > kMaxDynamicSharedBytes)
     return "dynamic shared memory of " + std::to_string(c.shared_mem_bytes) + " bytes exceeds the " +
            std::to_string(kMaxDynamicSharedBytes) + " bytes a block may have (sm_90)";
@@ -315,16 +318,13 @@ int launch(const KernelEntry& entry, const LaunchConfig* config, void** args, ch
     const int os_threads = static_cast<int>(std::clamp<int64_t>(
         std::min<int64_t>(config->os_threads, static_cast<int64_t>(state.total_blocks)), 1, kMaxOsThreads));
     while (static_cast<int>(m.workers.size()) < os_threads) m.workers.push_back(std::make_unique<Worker>());
+    start_residency(state, os_threads);
 
     m.pool.run(os_threads - 1, [&](int index) {
       Worker& worker = *m.workers[static_cast<std::size_t>(index)];
+      worker.index = index;
       try {
-        while (!state.failed.load()) {
-          const uint64_t taken = state.next_block.fetch_add(1);
-          if (taken >= state.total_blocks) break;
-          const uint64_t block = config->block_order == kBlockOrderReverse ? state.total_blocks - 1 - taken : taken;
-          if (!run_block(worker, state, block)) break;
-        }
+        run_blocks(worker, state);  // block_residency.cpp: parallel or serial, parking on semaphores
       } catch (const std::exception& exception) {
         state.record_error(std::string(entry.name) + ": emulator error: " + exception.what());
       }

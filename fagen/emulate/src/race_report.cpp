@@ -19,11 +19,6 @@ std::string describe_thread(unsigned linear) {
          std::to_string(linear % 32) + ")";
 }
 
-std::string describe_block(const BlockRun& block) {
-  return "block (" + std::to_string(block.block_idx.x) + "," + std::to_string(block.block_idx.y) + "," +
-         std::to_string(block.block_idx.z) + ")";
-}
-
 std::string site_of(const RaceContext& context, SiteCode site) {
   return context.block->launch->instrumentation->describe_site(site);
 }
@@ -107,7 +102,8 @@ void report_global_write(const RaceContext& context, const ThreadRef& t, const T
             coords(block.linear_block) + " at " + site_of(context, site) + " and by " +
             describe_thread(static_cast<unsigned>(seen & 1023u)) + " of block " + coords((seen >> 10) - 1) + " at " +
             site_of(context, seen_site) +
-            "; blocks run in no defined order: use an atomic, or give each element one block");
+            "; blocks run in no defined order: use an atomic, give each element one block, or order the blocks "
+            "with a semaphore (fagen/semaphore.cuh)");
 }
 
 }  // namespace fagen_emu

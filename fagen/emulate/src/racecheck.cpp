@@ -28,8 +28,11 @@
 //   hazard; the retirement is a read by the issuing thread.
 //
 // Global memory: every plain store to a tensor argument records the block
-// that made it; a second block storing to the same byte without an atomic is
-// a hazard (two blocks of one launch run in no defined order).
+// that made it (and its epoch: the block's semaphore arrives before it); a
+// second block storing to the same byte without an atomic is a hazard (two
+// blocks of one launch run in no defined order) unless semaphores order them:
+// an arrive releases the block's clock (per block, FastTrack's scheme at block
+// granularity) into the semaphore, a wait that returns acquires it.
 #include "happens_before.h"
 #include "race_report.h"
 
@@ -93,6 +96,8 @@ struct RaceShadow {
   std::vector<InFlightLoad> loads;
   const void* landing_bar = nullptr;  // a TMA load's complete_tx is the agent's, not the thread's
   BlockRun* block = nullptr;
+  BlockClock global_clock;    // global memory: the other blocks' epochs this block acquired
+  uint32_t global_epoch = 0;  // its semaphore arrives so far: the epoch of its global writes
 };
 
 namespace {
@@ -295,6 +300,8 @@ void race_block_start(BlockRun& block) {
   s.loads.clear();
   s.landing_bar = nullptr;
   s.block = &block;
+  s.global_clock.clear();
+  s.global_epoch = 0;
 }
 
 void race_barrier() {
@@ -427,21 +434,64 @@ void race_async_read_retired(const ThreadRef& t, const void* source, std::size_t
 }
 
 void race_global_write(const ThreadRef& t, int tensor, uintptr_t address, std::size_t bytes, SiteCode site) {
-  Instrumentation& inst = *shadow().block->launch->instrumentation;
+  RaceShadow& s = shadow();
+  Instrumentation& inst = *s.block->launch->instrumentation;
   GlobalShadow* written = inst.written_by[static_cast<std::size_t>(tensor)].get();
   if (!written) return;
   const TensorRange& range = *inst.tensors[static_cast<std::size_t>(tensor)];
-  const uint64_t me = ((shadow().block->linear_block + 1) << 10) | t.linear;
+  const uint64_t me = ((s.block->linear_block + 1) << 10) | t.linear;
   for (std::size_t i = 0; i < bytes; ++i) {
     const uint64_t offset = address + i - range.begin;
     if (offset >= range.bytes) break;
-    uint64_t seen = 0;
-    if (written->owner[offset].compare_exchange_strong(seen, me, std::memory_order_relaxed)) {
-      written->site[offset].store(site, std::memory_order_relaxed);
-      continue;
+    uint64_t seen = written->owner[offset].load(std::memory_order_relaxed);
+    for (;;) {
+      if (seen == me && written->epoch[offset].load(std::memory_order_relaxed) == s.global_epoch) break;
+      // Ordered: the same block (its own barriers order it), or a block whose write this one
+      // acquired through semaphores. Then this write is the byte's latest.
+      const bool ordered = seen == 0 || (seen >> 10) == (me >> 10) || [&] {
+        const auto found = s.global_clock.find((seen >> 10) - 1);
+        return found != s.global_clock.end() &&
+               found->second >= written->epoch[offset].load(std::memory_order_relaxed);
+      }();
+      if (!ordered) {
+        report_global_write(context(), t, range, offset, site, seen,
+                            written->site[offset].load(std::memory_order_relaxed));
+      }
+      if (written->owner[offset].compare_exchange_weak(seen, me, std::memory_order_relaxed)) {
+        written->site[offset].store(site, std::memory_order_relaxed);
+        written->epoch[offset].store(s.global_epoch, std::memory_order_relaxed);
+        break;
+      }
     }
-    if ((seen >> 10) == (me >> 10)) continue;  // the same block: its own barriers order it
-    report_global_write(context(), t, range, offset, site, seen, written->site[offset].load(std::memory_order_relaxed));
+  }
+}
+
+// A semaphore arrive: the block's global writes so far (and those it acquired) are released into
+// the semaphore together with the increment, under one lock, so that a block that reads the new
+// value acquires them. The semaphore's clock accumulates every arrive, an over-approximation that
+// can only hide a hazard.
+void race_semaphore_release(int* sem) {
+  RaceShadow& s = shadow();
+  Instrumentation& inst = *s.block->launch->instrumentation;
+  std::lock_guard<std::mutex> lock(inst.semaphore_mutex);
+  BlockClock& released = inst.semaphore_clocks[reinterpret_cast<uintptr_t>(sem)];
+  for (const auto& [block, epoch] : s.global_clock) released[block] = std::max(released[block], epoch);
+  uint32_t& mine = released[s.block->linear_block];
+  mine = std::max(mine, s.global_epoch);
+  __atomic_fetch_add(sem, 1, __ATOMIC_ACQ_REL);
+  s.global_epoch += 1;
+}
+
+void race_semaphore_acquire(const int* sem) {
+  RaceShadow& s = shadow();
+  Instrumentation& inst = *s.block->launch->instrumentation;
+  std::lock_guard<std::mutex> lock(inst.semaphore_mutex);
+  const auto found = inst.semaphore_clocks.find(reinterpret_cast<uintptr_t>(sem));
+  if (found == inst.semaphore_clocks.end()) return;
+  for (const auto& [block, epoch] : found->second) {
+    if (block == s.block->linear_block) continue;
+    uint32_t& known = s.global_clock[block];
+    known = std::max(known, epoch);
   }
 }
 

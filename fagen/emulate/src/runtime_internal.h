@@ -14,6 +14,9 @@
 //   warpgroup.cpp        the warpgroup rendezvous (4 warps, 128 threads)
 //   wgmma.cpp            wgmma twins and their shared-memory descriptors
 //   launch.cpp           grid launch on a pool of OS threads, per-block shared memory
+//   block_residency.cpp  resident blocks: parking on semaphores, the serial interleave,
+//                        deadlock between blocks
+//   semaphore.cpp        the global semaphore twins (wait until *sem == value, arrive)
 //   instrument.cpp       the hooks an instrumented kernel module calls on every
 //                        load and store (ThreadSanitizer's ABI, no libtsan)
 //   racecheck.cpp        shadow state of shared memory: hazards between threads
@@ -28,11 +31,13 @@
 #include <fagen_emulate/runtime.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -112,6 +117,9 @@ struct Fiber {
   void* collective_out = nullptr;
   uint32_t committed_groups = 0;     // cp.async groups committed so far
   std::vector<PendingCopy> copies;   // cp.async copies not yet landed, in issue order
+  const int* semaphore = nullptr;    // while blocked in a semaphore wait: the counter and its awaited value
+  int semaphore_value = 0;
+  bool semaphore_at_least = false;   // ... or any value past it (semaphore_wait_ge)
   BlockRun* block = nullptr;
 };
 
@@ -168,10 +176,16 @@ constexpr SiteCode kRuntimeSiteBit = 0x80000000u;
 // Racecheck: which block (and thread) stored each byte of a tensor.
 struct GlobalShadow {
   explicit GlobalShadow(std::size_t bytes)
-      : owner(new std::atomic<uint64_t>[bytes]()), site(new std::atomic<uint32_t>[bytes]()) {}
+      : owner(new std::atomic<uint64_t>[bytes]()), site(new std::atomic<uint32_t>[bytes]()),
+        epoch(new std::atomic<uint32_t>[bytes]()) {}
   std::unique_ptr<std::atomic<uint64_t>[]> owner;  // (block + 1) << 10 | thread; 0: not written
   std::unique_ptr<std::atomic<uint32_t>[]> site;
+  std::unique_ptr<std::atomic<uint32_t>[]> epoch;  // the writer block's semaphore arrives before the write
 };
+
+// Racecheck across blocks: per block, the latest epoch (its semaphore arrives) of each other block
+// whose global writes happen before (semaphore release -> acquire, transitively).
+using BlockClock = std::unordered_map<uint64_t, uint32_t>;
 
 // Counters: which bytes of a tensor were touched, one bit each.
 struct UniqueBytes {
@@ -194,6 +208,8 @@ struct Instrumentation {
   std::mutex mutex;  // the site table and the launch totals
   std::vector<Site> sites;
   LaunchCounters totals{};
+  std::mutex semaphore_mutex;  // racecheck: the clocks released into each semaphore, with its increments
+  std::unordered_map<uintptr_t, BlockClock> semaphore_clocks;
 
   Instrumentation();
   ~Instrumentation();
@@ -204,6 +220,31 @@ struct Instrumentation {
   std::string describe_site(SiteCode code);
   // The tensor holding [address, address + bytes), or -1.
   int tensor_of(uintptr_t address) const;
+};
+
+// The launch's resident blocks (block_residency.cpp): one per worker (OS thread). A block none of
+// whose threads can run while some wait on semaphores is parked: it keeps its worker (resident, as a
+// block keeps its SM) until some block arrives on a semaphore. All resident blocks parked with no
+// arrive since they last checked: a deadlock. The serial interleave passes one token between them.
+struct ParkedBlock {
+  BlockRun* block;
+  std::string waits;  // its other blocked threads, described on its own OS thread when it parked
+};
+
+struct Residency {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::atomic<uint64_t> arrivals{0};  // semaphore arrives so far (the epoch parked blocks wait past)
+  int workers = 0;
+  int resident = 0;          // parallel: workers not yet out of blocks; serial: workers holding a block
+  int parked_unchanged = 0;  // parked blocks that checked their waits after the latest arrive
+  std::vector<ParkedBlock> parked;  // in dispatch order
+  bool ended = false;        // failed (a fault, a deadlock): parked blocks are abandoned
+  // serial interleave
+  int token = 0;             // the worker that may run
+  bool finished = false;     // every block has run
+  std::vector<uint8_t> busy; // per worker: holds a block
+  uint64_t next_block = 0;
 };
 
 struct LaunchState {
@@ -217,6 +258,7 @@ struct LaunchState {
   std::mutex error_mutex;
   std::string error;
   std::unique_ptr<Instrumentation> instrumentation;  // null unless config.instrument != 0
+  Residency residency;
 
   void record_error(const std::string& message);
 };
@@ -273,6 +315,9 @@ struct BlockRun {
   uint64_t barriers_completed = 0;
   bool yielded = false;              // a thread yielded in __nanosleep (warp-serial moves on)
   Fiber* running = nullptr;          // the fiber the scheduler resumed last
+  unsigned semaphore_waiters = 0;    // threads blocked in a semaphore wait
+  uint64_t semaphore_epoch = 0;      // Residency::arrivals when their values were last read
+  uint64_t dispatch = 0;             // the block's place in the order blocks were handed out
   uint64_t linear_block = 0;
   bool failed = false;
   std::string error;
@@ -280,6 +325,7 @@ struct BlockRun {
 
 // Per OS thread that runs blocks: the fibers and their stacks, reused.
 struct Worker {
+  int index = 0;  // in the launch's pool
   FiberContext scheduler_context;
   StackBounds scheduler_stack;
   std::vector<Fiber> fibers;
@@ -292,8 +338,15 @@ struct Worker {
 
 extern __thread Fiber* current_fiber;
 
-// Runs one block to completion; false (with the launch error recorded) on a fault.
-bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block);
+// Runs one block to completion; false (with the launch error recorded) on a fault. `dispatch`:
+// the block's place in the order blocks are handed out.
+bool run_block(Worker& worker, LaunchState& launch, uint64_t linear_block, uint64_t dispatch);
+// "block (x,y,z)", and what the block's blocked threads wait for (barriers, warp ops, mbarriers,
+// named barriers, warpgroups; not semaphores), for deadlock messages. Call it on the block's OS thread.
+std::string describe_block(const BlockRun& block);
+std::string describe_blocked_threads(const BlockRun& block);
+// "thread 3 (threadIdx (3,0,0), warp 0, lane 3): " for fault messages.
+std::string describe_thread(const Fiber& fiber);
 
 // Fault in the running fiber: abandons the block. Never returns.
 [[noreturn]] void fail_current(const std::string& message);
@@ -371,6 +424,8 @@ bool race_shared_access(const ThreadRef& thread, const void* address, std::size_
 void race_cp_async_issued(const ThreadRef& thread, const void* destination, SiteCode site);
 void race_cp_async_landed(const ThreadRef& thread, const void* destination, SiteCode site);
 void race_global_write(const ThreadRef& thread, int tensor, uintptr_t address, std::size_t bytes, SiteCode site);
+void race_semaphore_release(int* sem);
+void race_semaphore_acquire(const int* sem);
 void race_mbarrier_release(const void* bar, unsigned thread);
 void race_mbarrier_phase_completed(const void* bar);
 void race_mbarrier_acquire(const void* bar, unsigned thread);
@@ -423,7 +478,8 @@ inline uintptr_t swizzled_shared_address(uintptr_t address, unsigned bits) {
 void land_all_copies(Fiber& fiber);
 
 // -- warp specialisation: mbarrier.cpp, named_barrier.cpp, warp_specialize.cpp -------
-// Their per-block state is thread_local (one block per OS thread at a time), cleared
+// Their per-block state is thread_local (one block per OS thread at a time; a block parked on a
+// semaphore keeps its OS thread, block_residency.cpp), cleared
 // when a block starts (the *_block_start calls); the describe_* name what blocked
 // threads wait for, for the deadlock message.
 void mbarrier_block_start();
@@ -438,6 +494,33 @@ void tma_land_loads(void* bar);
 bool mbarrier_waits_for_tx_only(void* bar);  // mbarrier.cpp: no arrival pending, tx bytes, a waiter
 void tma_block_start();
 std::string tma_block_end();  // "" or why the block may not end so (a bulk operation still reading)
+// "" or the calling thread's first bulk operation whose writes no wait_group has seen done.
+std::string bulk_writes_in_flight();
+
+// -- blocks that wait on each other: block_residency.cpp, semaphore.cpp -------------------
+// Before the workers start: `workers` OS threads will run the grid.
+void start_residency(LaunchState& launch, int workers);
+// The worker loop: takes blocks (parallel: as fast as it can; serial: when handed the token) until
+// the grid is done or the launch fails.
+void run_blocks(Worker& worker, LaunchState& launch);
+// The scheduler found no runnable thread while some wait on semaphores: the block waits (keeping
+// its OS thread) until an arrive may have released one (true), or the launch ended (false).
+bool park_block(BlockRun& block);
+// Every semaphore arrive: parked blocks re-check their waits.
+void semaphore_arrived(LaunchState& launch);
+// semaphore.cpp: re-reads the waits of a block's blocked threads if some arrive came since they
+// were last read; true if one became runnable or one is past its value (the block has failed).
+bool recheck_semaphore_waits(BlockRun& block);
+// A waiting thread's value is there (or past it): the parked block can go on. Called under the
+// residency lock, on any OS thread, while `block` is parked.
+bool semaphore_waits_ready(const BlockRun& block);
+// " Thread t waits in semaphore wait at SITE for the semaphore at ARG + OFFSET to equal M (it is N)."
+std::string describe_semaphore_waits(const BlockRun& block);
+// The arrive's increment (instrument.cpp); under racecheck the running block's global writes so far
+// happen before those of a block that acquires the semaphore after it (the clock is released into
+// the semaphore together with the increment).
+void semaphore_release(int* sem);
+void semaphore_acquired(BlockRun& block, const int* sem);
 
 // -- the reordering schedules (schedule_orders.cpp) ----------------------------------
 bool schedule_reorders(int32_t schedule);  // producer-first, consumer-first, random

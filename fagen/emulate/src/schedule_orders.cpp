@@ -76,8 +76,8 @@ void run_random(Worker& worker, BlockRun& block) {
         }
       }
     }
-    fail_deadlock_unless(!warps.empty(), block);
-    if (warps.empty()) return;
+    fail_deadlock_unless(!warps.empty(), block);  // or parks the block on its semaphore waits
+    if (warps.empty()) continue;
     const unsigned w = warps[next_random(state) % warps.size()];
     const unsigned last = std::min(block.thread_count, 32 * w + 32);
     for (unsigned id = 32 * w; id < last && !block.failed; ++id)

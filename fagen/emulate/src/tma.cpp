@@ -47,6 +47,9 @@ struct BulkOperation {
 struct ThreadBulk {
   uint32_t committed = 0;
   std::vector<BulkOperation> operations;  // issued, not yet completed, in issue order
+  // Retired by a wait_group.read alone: their source is read, but the ISA does not say their
+  // writes are done until a wait_group (without .read) retires their group too.
+  std::vector<std::pair<uint32_t, Site>> unconfirmed;  // (group, issue site)
 };
 
 thread_local std::vector<InFlightLoad> loads;
@@ -173,7 +176,12 @@ void bulk_reduce_add_f32(float* global_dst, const float* shared_src, uint32_t by
 
 void bulk_commit_group(Site) { my_bulk().committed += 1; }
 
-void bulk_wait_group(int pending_groups, Site site) {
+namespace {
+
+// wait_group(.read) N: retires every committed group of this thread but the N most recent. The
+// twin writes global memory here either way (as late as it may); `.read` leaves the writes
+// unconfirmed for semaphore_arrive's check.
+void retire_groups(int pending_groups, bool read_only, Site site) {
   if (pending_groups < 0) fail(site, "cp.async.bulk.wait_group %d: the count must be >= 0", pending_groups);
   ThreadBulk& mine = my_bulk();
   const auto kept = static_cast<uint32_t>(pending_groups);
@@ -183,11 +191,34 @@ void bulk_wait_group(int pending_groups, Site site) {
     if (operation.group < first_kept) {
       complete(operation);
       async_read_retired(operation.source, operation.issued.size(), site);
+      if (read_only) mine.unconfirmed.emplace_back(operation.group, operation.site);
     } else {
       remaining.push_back(std::move(operation));
     }
   }
   mine.operations = std::move(remaining);
+  if (!read_only) {
+    auto& list = mine.unconfirmed;
+    list.erase(std::remove_if(list.begin(), list.end(), [first_kept](const auto& retired) {
+                 return retired.first < first_kept;
+               }), list.end());
+  }
+}
+
+}  // namespace
+
+void bulk_wait_group(int pending_groups, Site site) { retire_groups(pending_groups, false, site); }
+
+void bulk_wait_group_read(int pending_groups, Site site) { retire_groups(pending_groups, true, site); }
+
+std::string bulk_writes_in_flight() {
+  const ThreadBulk& mine = my_bulk();
+  if (!mine.operations.empty()) return "the bulk operation issued at " + format_site(mine.operations.front().site);
+  if (!mine.unconfirmed.empty()) {
+    return "the bulk operation issued at " + format_site(mine.unconfirmed.front().second) +
+           " (a wait_group.read retired it: its source is read, its writes may not be done)";
+  }
+  return {};
 }
 
 void tma_block_start() {

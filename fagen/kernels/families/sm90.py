@@ -1,8 +1,8 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
 backward takes what `sm90_backward_refusal` lets through (d = 64 and 128; masks, sinks, the softcap or
-ALiBi alone; dropout, mask_mods and score_mods at d = 64 only; no determinism yet); the sm80 family's
-backward computes the others' gradients."""
+ALiBi alone; dropout, mask_mods and score_mods at d = 64 only; a deterministic dQ by reductions in a
+fixed order); the sm80 family's backward computes the others' gradients."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def _forward_entries(spec, debug: bool) -> dict:
 
 def _backward_entries(spec, debug: bool) -> dict:
     """The row kernels the sm80 backward launches too (the preprocess, dQ's conversion) around its
-    own main kernel: a block per key block, dQ summed into the fp32 accumulator by bulk reductions."""
+    own main kernel: a block per key block, dQ summed into the fp32 accumulator by bulk reductions
+    (deterministic: in the order of the key blocks, `params.dq_order`)."""
     tiles = sm90_backward_tiles(spec)   # its block_m is the preprocess's padding (the template asserts it)
-    return {**sm80.row_entries(spec, backward_params(spec)),
+    return {**sm80.row_entries(spec, backward_params(spec, ordered_dq=True)),
             "bwd_main": entry(spec, "bwd", sm90_backward_params(spec), tiles.threads, tiles.block_n, "k",
                               tiles.shared_bytes)}
 

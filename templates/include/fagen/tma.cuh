@@ -117,7 +117,7 @@ __device__ __forceinline__ void bulk_commit_group(FAGEN_CALL_SITE_PARAMS_FIRST) 
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_group_read(FAGEN_CALL_SITE_PARAMS_FIRST) {
 #ifdef FAGEN_EMULATE
-  ::fagen_emu::bulk_wait_group(kPending, FAGEN_CALL_SITE);
+  ::fagen_emu::bulk_wait_group_read(kPending, FAGEN_CALL_SITE);
 #else
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 #endif

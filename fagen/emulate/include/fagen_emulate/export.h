@@ -12,7 +12,7 @@
 //     "f32", "f64", ..., and pointers as "p:<pointee>" or "pc:<pointee>"
 //     (pointer to const), e.g. "pc:f16,p:f32,i32,i64".
 // and registers k so that fagen_emulate_kernels() lists it. Every module also
-// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (4).
+// exports fagen_emulate_kernels() ("k1,k2") and fagen_emulate_abi_version() (5).
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,15 @@ enum Schedule : int32_t {
 enum BlockOrder : int32_t {
   kBlockOrderForward = 0,
   kBlockOrderReverse = 1,
+};
+
+// How blocks interleave (FAGEN_EMULATE_BLOCK_INTERLEAVE): in parallel on the OS threads, or one at a
+// time, the running block going on until it exits or parks on a semaphore, then the first parked
+// block (in dispatch order) whose awaited value is there, else the next block of the grid; serial
+// makes the order of the blocks' global writes a function of the program alone.
+enum BlockInterleave : int32_t {
+  kBlockInterleaveParallel = 0,
+  kBlockInterleaveSerial = 1,
 };
 
 // Instrumentation a launch asks for; it needs a module built with instrument=True
@@ -102,6 +111,8 @@ struct LaunchConfig {
   TensorRange* tensors;
   LaunchCounters* counters;
   uint64_t seed;       // the random schedule's (FAGEN_EMULATE_SEED)
+  int32_t block_interleave;  // a BlockInterleave
+  int32_t reserved;
 };
 
 using KernelThunk = void (*)(void (*kernel)(), void** args);
@@ -203,7 +214,7 @@ struct KernelRegistration {
 // Defined once per kernel module: a generated source includes the prelude,
 // hence this header, exactly once.
 FAGEN_EMU_API const char* fagen_emulate_kernels() { return ::fagen_emu::module_kernel_list(); }
-FAGEN_EMU_API int fagen_emulate_abi_version() { return 4; }
+FAGEN_EMU_API int fagen_emulate_abi_version() { return 5; }
 #endif
 
 #define FAGEN_EXPORT(kernel)                                                                            \

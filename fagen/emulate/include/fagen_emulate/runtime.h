@@ -135,4 +135,5 @@ FAGEN_EMU_RUNTIME_API void count_philox_call();
 #include <fagen_emulate/mbarrier.h>
 #include <fagen_emulate/warp_specialize.h>
 #include <fagen_emulate/wgmma.h>
+#include <fagen_emulate/semaphore.h>
 #include <fagen_emulate/export.h>

@@ -32,8 +32,12 @@ FAGEN_EMU_RUNTIME_API void tma_store(const EmulatedTensorMap* map, int rank, con
                                      const void* shared_src, Site site);
 FAGEN_EMU_RUNTIME_API void bulk_reduce_add_f32(float* global_dst, const float* shared_src, uint32_t bytes, Site site);
 FAGEN_EMU_RUNTIME_API void bulk_commit_group(Site site);
-// wait_group(.read) N: every committed bulk group of this thread but the N most recent completes.
+// wait_group N: every committed bulk group of this thread but the N most recent completes.
 FAGEN_EMU_RUNTIME_API void bulk_wait_group(int pending_groups, Site site);
+// wait_group.read N: the same groups have read their sources (the twin writes their destinations
+// then too), but their writes count as done only once a wait_group retires them: a semaphore
+// arrive before that is a fault (fagen_emulate/semaphore.h).
+FAGEN_EMU_RUNTIME_API void bulk_wait_group_read(int pending_groups, Site site);
 
 FAGEN_EMU_RUNTIME_API void tma_load_box_now(void* shared_dst, const EmulatedTensorMap* map, const int32_t* coords,
                                             Site site);

@@ -1,0 +1,104 @@
+"""deterministic=True on the sm90 family's backward (templates/sm90/hopper_bwd_dq_order.j2): the
+key blocks' reductions into each query block of dQ's fp32 accumulator take turns, counted by a
+semaphore per query block (fagen/semaphore.cuh). Checked on the emulator: the gradients against the
+float64 oracle; dQ, dK and dV bit-identical whichever order the blocks start in, whether they
+interleave at their waits in a fixed order or run in parallel, and under the schedules that reorder
+a block's threads; with a positive control, the same check failing on the spec without turns. GQA
+(REPEAT_SHAPE: two query heads per K/V head), key padding, a window (a variant's walk: the turns
+counted over query_range) and packed sequences (through the ops)."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+import fagen
+import kernel_checks as checks
+from fagen.kernels.families import KERNEL_FAMILIES
+from fagen.spec import Spec
+from kernel_cases import Shape, run_and_check
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
+INTERLEAVE = "FAGEN_EMULATE_BLOCK_INTERLEAVE"
+# One block resident, in grid order; every block resident, started in reverse and interleaved at
+# their waits in a fixed order (then freely, in parallel), the block's threads reordered; two
+# resident in parallel under a random thread schedule.
+RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "1", INTERLEAVE: "serial"},
+        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "serial",
+         "FAGEN_EMULATE_SCHEDULE": "producer-first"},
+        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "parallel",
+         "FAGEN_EMULATE_SCHEDULE": "consumer-first"},
+        {"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "2", INTERLEAVE: "parallel",
+         "FAGEN_EMULATE_SCHEDULE": "random", "FAGEN_EMULATE_SEED": "5"})
+
+DENSE = Spec(64, mask="causal", deterministic=True, arch_family="sm90")
+
+
+@pytest.mark.parametrize("spec, shape", [(DENSE, Shape(2, 150, 200, heads=4, kv_heads=2)),
+                                         (Spec(128, dtype="bf16", deterministic=True, arch_family="sm90"),
+                                          Shape(1, 130, 300, heads=2, kv_heads=1))],
+                         ids=lambda x: getattr(x, "name", ""))
+def test_it_matches_the_oracle(spec, shape):
+    assert KERNEL_FAMILIES["sm90"].backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]   # its own
+    run_and_check(spec, shape)
+
+
+@pytest.mark.parametrize("spec", [DENSE, Spec(64, dtype="fp16", key_padding=True, deterministic=True,
+                                              arch_family="sm90")], ids=lambda s: s.name)
+def test_repeats_are_bit_identical_in_any_block_order_and_schedule(spec):
+    """REPEAT_SHAPE: four key blocks (eight warpgroups' partials) into each query block, whose sum
+    in another order differs in its last bits."""
+    checks.repeat_check(spec, runs=RUNS)
+
+
+def test_the_repeat_check_fails_without_turns():
+    """The positive control: the same spec without deterministic=True sums dQ in the order the
+    blocks run, so reversing them changes its bits."""
+    with pytest.raises(AssertionError, match="dq differs between block orders"):
+        checks.sm90_turns_check(DENSE.replace(deterministic=False))
+
+
+def _gradients(call) -> list[tuple]:
+    """call() -> (out, leaves) under each of RUNS (the sm90 family on the emulator): the leaves'
+    gradients of one fixed dout."""
+    found = []
+    for run in RUNS:
+        with mock.patch.dict(os.environ, {**run, "FAGEN_ARCH_FAMILY": "sm90"}):
+            out, leaves = call()
+            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+            found.append(torch.autograd.grad(out, leaves, dout))
+    return found
+
+
+def _assert_identical(found: list[tuple]) -> None:
+    for run, grads in zip(RUNS[1:], found[1:]):
+        for name, first, again in zip(("dq", "dk", "dv"), found[0], grads):
+            assert torch.equal(first, again), f"{name} differs ({run})"
+
+
+def test_a_windows_turns_are_counted_over_its_query_ranges():
+    """A window: each key block walks the query blocks its query_range gives, so a query block's
+    turns start past the key blocks that do not see it (dq_turn counts them)."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, n, h, 64, generator=generator).to(torch.float16).requires_grad_()
+               for n, h in ((300, 2), (520, 1), (520, 1)))
+    found = _gradients(lambda: (fagen.flash_attn_func(q, k, v, window_size=(150, 40), deterministic=True),
+                                (q, k, v)))
+    _assert_identical(found)
+
+
+def test_packed_sequences_repeat_bit_for_bit():
+    """flash_attn_varlen_func: each sequence's query blocks have turns of their own (the counters
+    are (B, H, padded max_seqlen_q) as D's rows); a sequence shorter than a key block, one of four."""
+    generator = torch.Generator().manual_seed(12)
+    lengths = [300, 40, 410]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), h, 64, generator=generator).to(torch.float16).requires_grad_()
+               for h in (2, 1, 1))
+    found = _gradients(lambda: (fagen.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                             causal=True, deterministic=True), (q, k, v)))
+    _assert_identical(found)
