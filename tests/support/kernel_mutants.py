@@ -386,14 +386,16 @@ SM90_BWD_TURNS = SM90_BWD.replace(deterministic=True, dtype="fp16")   # bf16's r
 MUTANTS += [KernelMutant(f"sm90 backward deterministic: {name}", SM90_BWD_TURNS, (Edit(old, new),),
                          (checks.sm90_turns_check,))
             for name, old, new in [
-    ("the turn's wait deleted", "    fagen::semaphore_wait_ge_warp(turns, dq_turn(n_block, consumer));\n", ""),
+    ("the turn's wait deleted", "    fagen::semaphore_wait_ge_warp(turns(i), dq_turn(n_block, consumer));\n", ""),
     ("the turns' order flipped (a block waits for later ones)", "{ return n_block * kConsumers + consumer; }",
      "{ return (static_cast<int>(gridDim.x) - 1 - n_block) * kConsumers + consumer; }"),
     ("the turn passed on before the partial's writes are done",
-     "      fagen::bulk_wait_group<0>();   // this partial is in the sum before the next one's turn\n", ""),
+     "    if (t == 0 && i > first) {\n      fagen::bulk_wait_group<0>();\n", "    if (t == 0 && i > first) {\n"),
     ("the turn passed on once the partial's source is read, its writes maybe not",
-     "      fagen::bulk_wait_group<0>();   // this partial is in the sum before the next one's turn\n",
-     "      fagen::bulk_wait_group_read<0>();\n"),
+     "    if (t == 0 && i > first) {\n      fagen::bulk_wait_group<0>();\n",
+     "    if (t == 0 && i > first) {\n      fagen::bulk_wait_group_read<0>();\n"),
+    ("the last query block's turn never passed on",
+     "      fagen::semaphore_arrive(turns(end - 1));\n", ""),
     ("the counters left unzeroed", "  if (threadIdx.x == 0) dq_semaphore[padded0 + blockIdx.x * kBlockM] = 0;\n", ""),
 ]]
 MUTANTS.append(KernelMutant("sm90 backward: keys past Nk left unmasked (TMA's zero rows)", SM90_BWD.replace(mask="none"),
