@@ -1,11 +1,11 @@
 """deterministic=True on the sm90 family's backward (templates/sm90/hopper_bwd_dq_order.j2): the
 key blocks' reductions into each query block of dQ's fp32 accumulator take turns, counted by a
 semaphore per query block (fagen/semaphore.cuh). Checked on the emulator: the gradients against the
-float64 oracle; dQ, dK and dV bit-identical whichever order the blocks start in, whether they
-interleave at their waits in a fixed order or run in parallel, and under the schedules that reorder
-a block's threads; with a positive control, the same check failing on the spec without turns. GQA
-(REPEAT_SHAPE: two query heads per K/V head), key padding, a window (a variant's walk: the turns
-counted over query_range) and packed sequences (through the ops)."""
+float64 oracle, under the schedules with racecheck; dQ, dK and dV bit-identical whichever order the
+blocks start in, whether they interleave at their waits in a fixed order or run in parallel, and
+under the schedules that reorder a block's threads; with a positive control, the same check failing
+on the spec without turns. GQA (REPEAT_SHAPE: two query heads per K/V head), key padding, a window
+(a variant's walk: the turns counted over query_range) and packed sequences (through the ops)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ DENSE = Spec(64, mask="causal", deterministic=True, arch_family="sm90")
 def test_it_matches_the_oracle(spec, shape):
     assert KERNEL_FAMILIES["sm90"].backward_of(spec) is not KERNEL_FAMILIES["sm80"].backward[0]   # its own
     run_and_check(spec, shape)
+
+
+def test_every_schedule_is_race_free():
+    """Producer-first, consumer-first, a seeded random order and the plain one, with the happens-before
+    racecheck (a semaphore's arrive releases the block's global writes, a wait acquires them)."""
+    checks.sm90_backward_check(DENSE)
 
 
 @pytest.mark.parametrize("spec", [DENSE, Spec(64, dtype="fp16", key_padding=True, deterministic=True,
