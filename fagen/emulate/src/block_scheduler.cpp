@@ -363,7 +363,13 @@ void Worker::ensure_fibers(unsigned count, std::size_t wanted_stack_size) {
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   const std::size_t stride = wanted_stack_size + page;  // a guard page below each stack
   if (fibers.size() >= count && stack_size == wanted_stack_size) return;
-  if (stack_region) munmap(stack_region, region_bytes);
+  if (stack_region) {
+    // Under ASan: frames that never returned (a finished fiber's last switch) leave poisoned stack
+    // redzones in the shadow, which a later mapping at these addresses (a kernel module's .so
+    // loaded in the checked runner) would inherit as false stack-buffer-overflows.
+    unpoison_stack(stack_region, region_bytes);
+    munmap(stack_region, region_bytes);
+  }
   stack_region = nullptr;
   region_bytes = stride * count;
   void* region = mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
