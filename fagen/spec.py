@@ -115,7 +115,8 @@ class Spec:
     key_padding  per-batch key lengths (seqlens_k) mask the tail of K/V
     dropout      the kernel applies Philox dropout (p is a run-time argument)
     deterministic  repeated backward passes are bit-identical: dQ by a pass of its own (sm80) or
-                 by reductions that take turns in key-block order (sm90), not by atomics
+                 by reductions that take turns in key-block order (sm90), not by atomics;
+                 captured tensors' gradients in order-free sums (fagen/exact_sum.cuh)
     bwd_stages   depth of the backward's Q/dO pipeline (and of the deterministic
                  dQ kernel's K/V pipeline); unset takes the backward tile table's.
     bwd_block_n  keys per backward thread block (BACKWARD_BLOCK_N lists the choices per
@@ -232,9 +233,6 @@ class Spec:
             if mod is not None and (not isinstance(mod, CustomMod) or mod.kind != kind):
                 raise ValueError(f"{field} must be a traced {kind} mod (fagen.variants.trace_{kind}_mod), "
                                  f"got {mod!r}")
-        if self.deterministic and any(any(m.grads) for m in (self.score_mod,) if m is not None):
-            raise ValueError("deterministic=True cannot accumulate the gradients of tensors a score_mod "
-                             "captures (they are summed with atomics); detach them, or use deterministic=False")
 
     @classmethod
     def for_kv_cache(cls, head_dim: int, dtype: str, *, causal: bool, page_size: int | None, varlen: bool = False,

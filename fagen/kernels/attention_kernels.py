@@ -14,10 +14,10 @@ from fractions import Fraction
 
 import torch
 
-from . import launch
+from . import exact_sum, launch
 from .params import VARLEN_PACKED, variant_arguments
 from .render import Source
-from ..errors import assert_lazily
+from ..errors import InputError, assert_lazily
 from ..variants.cuda import variant_code
 
 LOG2E = 1.4426950408889634
@@ -432,7 +432,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dq, dk, dv = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
     _add_stats(tensors, stats)
-    grads = _capture_gradients(spec, variant_tensors, q.device) if variant_values else {}
+    grads = _capture_gradients(spec, variant_tensors, q, k, varlen) if variant_values else {}
     _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,
                  {**variant_tensors, **grads} if grads else variant_tensors, debug)
     delta = tensors["delta"]   # (renamed delta_packed for packed sequences)
@@ -442,7 +442,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     if varlen is not None:
         _raise_refused(tensors)
     if extras is not None and variant_values:
-        extras.update(grads)
+        extras.update({n: exact_sum.value(g) for n, g in grads.items()} if spec.deterministic else grads)
         if spec.sinks:
             extras["dsinks"] = sink_gradient(variant_tensors["sinks"], stats, spec.version,
                                              delta[:, :, :stats[0].shape[-1]],
@@ -468,10 +468,23 @@ def _summed_groups(dk, dv, group: int, dtype) -> tuple:
     return tuple(g.view(*outer, heads // group, group, g.shape[-1]).sum(-2).to(dtype) for g in (dk, dv))
 
 
-def _capture_gradients(spec, variant_tensors: dict, device) -> dict:
-    """Zeroed fp32 gradients of the captured tensors the backward kernel accumulates (by atomics)."""
-    return {name: torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32, device=device)
-            for name, _, _ in variant_code(spec).grad_params}
+def _capture_gradients(spec, variant_tensors: dict, q, k, varlen) -> dict:
+    """Zeroed gradients of the captured tensors the backward kernel accumulates: fp32 (float
+    atomics), or for a deterministic spec an order-free sum's digits (fagen.kernels.exact_sum),
+    whose int64 digits hold the terms of at most exact_sum.MAX_TERMS scores."""
+    grads = [name for name, _, _ in variant_code(spec).grad_params]
+    if not spec.deterministic:
+        return {name: torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32,
+                                  device=q.device) for name in grads}
+    batch, rows, keys = ((varlen[0].numel() - 1, varlen[2], varlen[3]) if varlen is not None
+                         else (q.shape[0], q.shape[1], k.shape[1]))
+    scores = batch * q.shape[-2] * rows * keys   # a bound on the terms one element can take
+    if grads and scores >= exact_sum.MAX_TERMS:
+        raise InputError(f"deterministic=True sums a captured tensor's gradient exactly over fewer than "
+                         f"2^{exact_sum.MAX_TERMS.bit_length() - 1} scores; "
+                         f"this call has {scores} (batch {batch} x heads {q.shape[-2]} x queries {rows} x "
+                         f"keys {keys}): split the call, or use deterministic=False")
+    return {name: exact_sum.zeros(variant_tensors[name[:-len("_grad")]].shape, q.device) for name in grads}
 
 
 def _subtract_dlse(delta: torch.Tensor, dlse: torch.Tensor):

@@ -105,7 +105,7 @@ def _spec_of(options: CallOptions) -> Spec:
                     mask="causal" if options.causal else "none", key_padding=options.key_padding,
                     dropout=options.dropout, deterministic=options.deterministic, varlen=options.varlen,
                     head_dim_v=options.head_dim_v or None, **fields)
-    except ValueError as exc:   # e.g. deterministic=True with a captured tensor's gradient
+    except ValueError as exc:   # e.g. a combination the family refuses
         raise InputError(f"fagen: {exc}") from None
 
 

@@ -71,12 +71,15 @@ def _features(family: str) -> dict:
         "mla": partial(check_decoding, Decoding(mla=True, heads=(16, 1), nq=1, new=1, seqlens=(37, 90),
                                                 capacity=128, page=64, splits=(1, 2))),
         "fa1": train(version=1, causal=True),
-        "deterministic": train(deterministic=True, dropout=True),
+        # ... and with a bias table's gradient, in an exact sum: repeated bit for bit
+        "deterministic": partial(_every, (train(deterministic=True, dropout=True),
+                                          train(deterministic=True, mods=True))),
         # its own backward (sm90's at d = 64 and 128): causal with rows that see no key, ragged, GQA;
         # key padding; d = 128's second column box; dropout's keep bits of the transposed tile; a
         # window's walk and tile classes; sinks; the softcap's and ALiBi's chains; a bias table's
-        # score_mod with its gradient, over documents; deterministic dQ (turns in key-block order),
-        # four key blocks into each query block, repeated bit for bit
+        # score_mod with its gradient, over documents (deterministic too: the gradient's exact sum);
+        # deterministic dQ (turns in key-block order), four key blocks into each query block,
+        # repeated bit for bit
         "backward": partial(_every, (_training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
                                      _training(backward=True, key_padding=True, shape=(2, 140, 170, 2, 1)),
                                      _training(backward=True, head_dim=128, shape=(1, 150, 200, 2, 1)),
@@ -86,6 +89,7 @@ def _features(family: str) -> dict:
                                      _training(backward=True, softcap=30.0, dtype="bf16"),
                                      _training(backward=True, alibi=True, causal=True),
                                      _training(backward=True, mods=True),
+                                     _training(backward=True, mods=True, deterministic=True),
                                      _training(backward=True, deterministic=True, causal=True,
                                                shape=(1, 150, 400, 2, 1)))),
     }

@@ -83,8 +83,9 @@ def check_training(call: Training, device: torch.device) -> list[str]:
             checks.gradient("d(captured bias)", grads[-1], oracle["captures"][0], same[4]["captures"][0])
         if call.deterministic:   # the promise itself: the same bits again
             again = torch.autograd.grad(out, leaves, dout)
+            names = ["dQ", "dK", "dV"] + ["dsinks"] * call.sinks + ["d(captured bias)"] * call.mods   # leaves
             checks.problems += [f"{name}: deterministic=True, but a second backward differs"
-                                for name, first, second in zip(("dQ", "dK", "dV"), grads, again)
+                                for name, first, second in zip(names, grads, again)
                                 if not torch.equal(first, second)]
     return checks.problems
 

@@ -237,13 +237,16 @@ class DeviceFunctions:
         return f"const fagen_variant::Context ctx = {{{', '.join(fields)}}};"
 
 
-def _capture_params(math: VariantMath):
+def _capture_params(math: VariantMath, exact: bool):
+    """The captured tensors' parameters and their gradients' buffers: fp32, or with `exact`
+    (a deterministic spec) an order-free sum's digits per element (fagen/exact_sum.cuh)."""
+    grad_ctype = "long long* __restrict__" if exact else "float* __restrict__"
     params, grads = [], []
     for c in math.captures:
         params.append((c.name, f"const {CAPTURE_CTYPES[c.dtype]}* __restrict__", "tensor"))
         params += [(f"{c.name}_stride{i}", "long long", "int64") for i in range(c.ndim)]
         if c.grad:
-            grads.append((f"{c.name}_grad", "float* __restrict__", "tensor"))
+            grads.append((f"{c.name}_grad", grad_ctype, "tensor"))
     return params, grads
 
 
@@ -259,7 +262,7 @@ def _params(spec: Spec, math: VariantMath):
     # The mods' lifted numbers (closure / global constants): arguments, never part of the kernel.
     params += [(name, "float" if kind == "float" else "int", "float32" if kind == "float" else "int32")
                for name, kind in math.params]
-    captures, grads = _capture_params(math)
+    captures, grads = _capture_params(math, spec.deterministic)
     for s in summaries(math.mask):   # per-group min / max of document ids (tiles.Summary)
         ndim = next(c.ndim for c in math.captures if c.name == s.capture)
         ids = summary_ctype(math, s.capture)
@@ -298,7 +301,7 @@ def capped(math: VariantMath) -> bool:
     return math.score == CAPPED_SCORE
 
 
-def _score_functions(printer, math: VariantMath) -> list[str]:
+def _score_functions(printer, math: VariantMath, exact: bool) -> list[str]:
     score, grad = math.score, math.score_grad
     lines = [f"// s' = {_comment(str(score))}" + (f"   (score_mod: {_comment(math.score_source)})"
                                                   if math.score_source else ""),
@@ -326,18 +329,28 @@ def _score_functions(printer, math: VariantMath) -> list[str]:
                   "// ds'/dx = 1 - t^2. tau / c and c log2(e) are parameters (params.variant_arguments).",
                   "__device__ __forceinline__ float capped_score(float raw, const Context& ctx) {",
                   "  return fagen::tanh_approx(raw * ctx.softcap_scale);", "}", ""]
+    return lines + _capture_grad_function(printer, math, exact)
+
+
+def _capture_grad_function(printer, math: VariantMath, exact: bool) -> list[str]:
+    """add_capture_grads: each captured tensor's gradient term, added where its load reads; by
+    float atomics, or with `exact` (a deterministic spec) into an order-free sum's digits."""
     loads = capture_load_grads(math)
-    if loads:
-        lines += ["// The captured tensors' gradients: ds times ds'/d(load), added where each load reads.",
-                  f"__device__ __forceinline__ void add_capture_grads(float score, float ds, {SIGNATURE}) {{"]
-        for load, derivative in loads:
-            name = load.func.__name__
-            index = " + ".join(f"(long long)({printer._print(a)}) * ctx.{name}_stride[{i}]"
-                               for i, a in enumerate(load.args)) or "0"
-            lines.append(f"  // d s' / d {_comment(str(load))} = {_comment(str(derivative))}")
-            lines.append(f"  atomicAdd(ctx.{name}_grad + ({index}), ds * ({printer.doprint(derivative)}));")
-        lines += ["}", ""]
-    return lines
+    if not loads:
+        return []
+    lines = ["// The captured tensors' gradients: ds times ds'/d(load), added where each load reads."]
+    if exact:
+        lines.append("// Deterministic: into an order-free sum's digits (fagen/exact_sum.cuh), not by float atomics.")
+    lines.append(f"__device__ __forceinline__ void add_capture_grads(float score, float ds, {SIGNATURE}) {{")
+    for load, derivative in loads:
+        name = load.func.__name__
+        index = " + ".join(f"(long long)({printer._print(a)}) * ctx.{name}_stride[{i}]"
+                           for i, a in enumerate(load.args)) or "0"
+        lines.append(f"  // d s' / d {_comment(str(load))} = {_comment(str(derivative))}")
+        term = f"ds * ({printer.doprint(derivative)})"
+        lines.append(f"  fagen::exact_sum_add(ctx.{name}_grad + ({index}) * fagen::kExactSumWords, {term});"
+                     if exact else f"  atomicAdd(ctx.{name}_grad + ({index}), {term});")
+    return lines + ["}", ""]
 
 
 def _summary_functions(printer, math: VariantMath) -> list[str]:
@@ -525,7 +538,7 @@ def variant_code(spec: Spec) -> DeviceFunctions | None:
              "functions. `score` is the scaled score", "// tau q.k; the indices are absolute.", "// " + "-" * 75,
              "namespace fagen_variant {", ""]
     lines += _context_struct(params, grads) + [""]
-    lines += _score_functions(printer, math)
+    lines += _score_functions(printer, math, spec.deterministic)
     if math.masks:
         lines += _mask_functions(printer, math)
         if spec.pack_gqa:

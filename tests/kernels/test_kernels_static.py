@@ -99,16 +99,18 @@ def test_compiles_without_spills(spec, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_custom_mods_compile(head_dim, arch):
-    """A custom score_mod with a captured tensor's gradient (atomics) beside a document mask
-    compiles for both archs. (Per-element loads cost registers: at some tiles such mods spill,
-    which `fagen build` reports; the built-ins never do.)"""
-    spec = Spec(head_dim, mask="causal", dropout=True, **_custom_mods())
+@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (128, False), (256, False), (64, True),
+                                                     (256, True)])
+def test_custom_mods_compile(head_dim, deterministic, arch):
+    """A custom score_mod with a captured tensor's gradient (atomics; deterministic, an order-free
+    sum's integer atomics) beside a document mask compiles for both archs. (Per-element loads cost
+    registers: at some tiles such mods spill, which `fagen build` reports; the built-ins never do.)"""
+    spec = Spec(head_dim, mask="causal", dropout=True, deterministic=deterministic, **_custom_mods())
     source = render(spec)
     compiled = compile_source(source, arch)
     assert set(compiled.resources) == {e.name for e in source.entries}
-    assert "atomicAdd(ctx.score_cap0_grad" in source.code
+    adds = "fagen::exact_sum_add(ctx.score_cap0_grad" if deterministic else "atomicAdd(ctx.score_cap0_grad"
+    assert adds in source.code
 
 
 def assert_spill_free_and_fits(spec: Spec, arch: str) -> None:

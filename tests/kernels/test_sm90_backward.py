@@ -190,7 +190,10 @@ COMBINATIONS = [Spec(64, mask="causal", dropout=True, window=True, sinks=True, a
                 Spec(128, mask="causal", window=True, key_padding=True, arch_family="sm90"),
                 # deterministic: dQ's turns (the counter's pointer kept, the warpgroup's index not)
                 Spec(128, mask="causal", deterministic=True, arch_family="sm90"),
-                Spec(64, mask="causal", window=True, dropout=True, deterministic=True, arch_family="sm90")]
+                Spec(64, mask="causal", window=True, dropout=True, deterministic=True, arch_family="sm90"),
+                # ... with a captured tensor's gradient in an order-free sum (fagen/exact_sum.cuh)
+                Spec(64, mask="causal", deterministic=True, arch_family="sm90",
+                     score_mod=custom_mod(trace_score_mod(relative_bias)))]
 
 
 @pytest.mark.parametrize("spec", SPECS[:2] + SPECS_128 + COMBINATIONS, ids=lambda s: s.name)

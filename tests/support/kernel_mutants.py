@@ -381,6 +381,18 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", SM90_BWD_BIAS, (Edit(
     ("the captured bias's gradient from the key's row", "min(query, ctx.seqlen_q - 1), min(key, ctx.keys - 1), ctx);",
      "min(key, ctx.seqlen_q - 1), min(query, ctx.keys - 1), ctx);"),
 ]]
+# deterministic=True: the bias's gradient in an order-free sum (fagen/exact_sum.cuh); the header's
+# unit tests (tests/kernels/test_exact_sum.py) check its order-freedom, these its use.
+MUTANTS += [KernelMutant(f"deterministic captured gradient: {name}", SM90_BWD_BIAS.replace(deterministic=True),
+                         (Edit(old, new, header="exact_sum.cuh"),), (sm90_cases.relative_bias_check,))
+            for name, old, new in [
+    ("the carry into the next digit dropped",
+     "  atomicAdd(reinterpret_cast<unsigned long long*>(words + digit + 1), static_cast<unsigned long long>(high));\n",
+     ""),
+    ("a normal float's place off by one", "const int place = biased ? biased - 1 : 0;",
+     "const int place = biased;"),
+    ("the sign dropped", "const int sign = static_cast<int>(bits) >> 31;", "const int sign = 0;"),
+]]
 # deterministic=True: dQ's turns (templates/sm90/hopper_bwd_dq_order.j2).
 SM90_BWD_TURNS = SM90_BWD.replace(deterministic=True, dtype="fp16")   # bf16's rounding hides a reordered sum
 MUTANTS += [KernelMutant(f"sm90 backward deterministic: {name}", SM90_BWD_TURNS, (Edit(old, new),),
@@ -494,7 +506,8 @@ SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scal
           "softcap: the chain rule through the score dropped",
           "documents: tiles whose id ranges touch skipped as empty",
           "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row",
-          "d_v: dV's slices at dK's columns", "sm90 backward: the dQ tile rewritten before its bulk reduction has read it")
+          "d_v: dV's slices at dK's columns", "sm90 backward: the dQ tile rewritten before its bulk reduction has read it",
+          "deterministic captured gradient: the carry into the next digit dropped")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:
