@@ -25,6 +25,10 @@ _TARGET = re.compile(r"(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)\b")
 # ptxas uses `@P CALL.REL.NOINC` as a loop break too, so its target is an edge as well.
 TARGETED = frozenset({"BRA", "JMP", "CALL"})
 ENDS_PATH = frozenset({"EXIT", "RET", "BRX", "JMX", "KILL", "BPT"})
+# A branch with one of these modifiers decides by the warp's state, guard or not, and may fall
+# through: BRA.DIV (to ptxas's collective fallback when the warp is not converged, before an
+# ELECT or a uniform-datapath instruction), BRA.CONV, and BRA.ANY / .ALL (by a vote).
+WARP_CONDITIONAL = frozenset({"DIV", "CONV", "ANY", "ALL"})
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,11 @@ class Instruction:
     @property
     def ends_path(self) -> bool:
         """Control never falls through past it: an unguarded exit, return or branch."""
-        return self.always and (self.base in ENDS_PATH or self.base in ("BRA", "JMP"))
+        if not self.always:
+            return False
+        if self.base == "BRA":
+            return not WARP_CONDITIONAL.intersection(self.opcode.split(".")[1:])
+        return self.base in ENDS_PATH or self.base == "JMP"
 
     @property
     def guard_may_fail(self) -> bool:

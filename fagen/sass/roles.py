@@ -162,8 +162,22 @@ def find_roles(graph: Graph, main: Loop, main_iteration: Iteration) -> dict[str,
     for role, found in (("producer", producer), ("writer", writer)):
         if found is not None:
             loop, opcodes = found
-            roles[role] = _role(graph, role, loop, steady_iteration(graph, loop, prefer=opcodes))
+            roles[role] = _role(graph, role, *_readable_iteration(graph, loop, opcodes))
     return roles
+
+
+def _readable_iteration(graph: Graph, loop: Loop, opcodes: frozenset[str]) -> tuple[Loop, Iteration]:
+    """`loop` and its steady-state iteration; where the walk cannot read it, the loop around it.
+    ptxas wraps a uniform-datapath instruction whose operands a warp's lanes may not share (a bulk
+    reduction's addresses, say) in a loop of its own (`ELECT` ... `BRA.U.ANY`, once per distinct
+    value) whose exit is its only way on: that loop is part of an iteration of the one around it."""
+    while True:
+        try:
+            return loop, steady_iteration(graph, loop, prefer=opcodes)
+        except ValueError:
+            if loop.parent is None:
+                raise
+            loop = loop.parent
 
 
 def register_settings(graph: Graph, roles: dict[str, RoleLoop]) -> list[RegisterSetting]:

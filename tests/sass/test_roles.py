@@ -267,3 +267,25 @@ def test_fa3_d64_forward_and_d128_backward_roles():
     assert set(bwd.roles) == {"consumer", "producer", "writer"} and bwd.roles["writer"].work["UBLKRED"] > 0
     assert f"{bwd.roles['consumer'].non_tensor_per_tensor_op:.2f}" == "1.21"
     assert [s.roles for s in bwd.register_settings] == [("consumer",), ("producer", "writer")]
+
+
+# ptxas's guard before an ELECT or a uniform-datapath instruction: BRA.DIV jumps to a collective
+# fallback only when the warp is not converged, so it falls through too (unguarded as it is).
+DIVERGENCE_CHECK = """
+0000 IADD3 R1, R1, 0x1, RZ
+0010 BRA.DIV UR6, 0x50
+0020 ELECT P0, URZ, PT
+0030 @P4 BRA 0x0
+0040 EXIT
+0050 WARPSYNC.COLLECTIVE R5, 0x60
+0060 BRA 0x20
+"""
+
+
+def test_a_branch_on_divergence_falls_through_as_well():
+    (name, instructions), = parse_listing(listing(DIVERGENCE_CHECK)).items()
+    graph = build_graph(instructions)
+    check = next(block for block in graph.blocks if block.instructions[-1].opcode == "BRA.DIV")
+    assert sorted(graph.blocks[s].instructions[0].address for s in check.successors) == [0x20, 0x50]
+    loop = next(loop for loop in graph.loops if graph.blocks[loop.header].start == 0x0)
+    assert steady_iteration(graph, loop).path == (0x0, 0x20)   # converged: the fallback not taken

@@ -4,7 +4,9 @@
 // Instructions: red" with .release, and "membar / fence" for fence.proxy.async.global):
 //   semaphore_wait_eq(sem, value)   ld.acquire.gpu.global.b32 until *sem == value,
 //                                   then fence.proxy.async.global
-//   semaphore_wait_ge_warp(...)     until *sem >= value, warp-collective (a vote ends the loop)
+//   semaphore_wait_ge_warp(...)     until *sem >= value, warp-collective (a vote ends the loop:
+//                                   for a wait inside a wgmma warpgroup's loop, where a one-thread
+//                                   spin costs the descriptors their uniform registers)
 //   semaphore_arrive(sem)           fence.proxy.async.global, then red.release.gpu.global.add.s32 +1
 //
 // Why: a deterministic reduction across blocks (FlashAttention-3's dQ) makes the blocks that add
