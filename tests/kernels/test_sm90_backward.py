@@ -188,6 +188,10 @@ COMBINATIONS = [Spec(64, mask="causal", dropout=True, window=True, sinks=True, a
                 _documents(mask="causal", key_padding=True),
                 Spec(128, mask="causal", window=True, sinks=True, varlen=True, dtype="bf16", arch_family="sm90"),
                 Spec(128, mask="causal", window=True, key_padding=True, arch_family="sm90"),
+                # d128's score chains, at the register file's edge (the dQ writer's barrier moved once
+                # to keep them spill-free)
+                Spec(128, mask="causal", softcap=True, arch_family="sm90"),
+                Spec(128, alibi=True, arch_family="sm90"),
                 # deterministic: dQ's turns (the counter's pointer kept, the warpgroup's index not)
                 Spec(128, mask="causal", deterministic=True, arch_family="sm90"),
                 Spec(64, mask="causal", window=True, dropout=True, deterministic=True, arch_family="sm90"),
