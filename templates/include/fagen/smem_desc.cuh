@@ -51,6 +51,11 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t address, uint32_t lb
          static_cast<uint64_t>(swizzle & 0x3u) << 62;
 }
 
+// A descriptor moved `bytes` further into shared memory: the start address is its low field
+// (address >> 4), so adding there is enough while the tiles stay below 256 KiB. A loop builds its
+// descriptors once and only moves them (rebuilding them per k-step costs ~50 instructions).
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // `desc`, as a value the compiler must take to be new on each pass through a loop. A loop's
 // descriptors that never change (a block's K and V tiles, read by every iteration) are otherwise
 // hoisted out of it, with every step's offset added in advance: one 64-bit value per wgmma, more
