@@ -30,11 +30,12 @@ def _backward_entries(spec, debug: bool) -> dict:
     return kernels
 
 
-def row_entries(spec, params: dict) -> dict:
+def row_entries(spec, params: dict, block_m: int | None = None) -> dict:
     """The backward's row kernels (templates/bwd_rows.j2), which every family's backward launches
     around its main kernel: the preprocess, and dQ's conversion where dQ is summed in the fp32
-    accumulator (not where a deterministic spec's dQ has a pass of its own)."""
-    block_m = spec.backward_tiles.block_m
+    accumulator (not where a deterministic spec's dQ has a pass of its own). `block_m`: the main
+    kernel's query block, to which L's and D's rows are padded (default: this family's)."""
+    block_m = block_m or spec.backward_tiles.block_m
     kernels = {"bwd_preprocess": entry(spec, "bwd_preprocess", params["bwd_preprocess"], 128, block_m, "q", 0)}
     if "bwd_dq_convert" in params:
         kernels["bwd_dq_convert"] = entry(spec, "bwd_dq_convert", params["bwd_dq_convert"], 128, block_m, "q", 0)
