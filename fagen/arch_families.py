@@ -280,8 +280,9 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
     """128-query blocks at d = 64 (FlashAttention-3's 128 x 128: wgmma's N of 128 halves each step's
     descriptors, barriers and stores per unit of tensor work), except where a thread's elements carry
     more than S^T and dP^T (dropout's keep bits, a score chain's derivative, a mask_mod's loads) or
-    the registers run out (measured: packed sequences spill 4 bytes, a deterministic window's turn
-    count 4 in the loop): those keep 64, as d = 128 does (its dK and dV hold 128 registers)."""
+    the registers run out; measured at 128 rows: dropout's keep words for 128 queries spill 8-28
+    bytes, packed sequences 4 (outside the loop), a deterministic window's turn count 4 (in it).
+    Those keep 64, as d = 128 does (its dK and dV hold 128 registers)."""
     lean = not (spec.dropout or spec.softcap or spec.alibi or spec.score_mod is not None or spec.mask_mod is not None
                 or spec.varlen or (spec.deterministic and spec.window))
     return Sm90BackwardTiles(spec.head_dim, block_m=128 if spec.head_dim == 64 and lean else 64)
