@@ -44,7 +44,8 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                                                                      "producer", "softmax", "tile_span")))
 
 BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries,
-                includes=("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2"),
+                includes=("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2",
+                          "sm90/hopper_bwd_dq_writer.j2"),
                 refusal=sm90_backward_refusal)
 
 FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, sm80.BACKWARD), decoding={2: FORWARD},
