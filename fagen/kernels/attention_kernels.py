@@ -472,19 +472,18 @@ def _capture_gradients(spec, variant_tensors: dict, q, k, varlen) -> dict:
     """Zeroed gradients of the captured tensors the backward kernel accumulates: fp32 (float
     atomics), or for a deterministic spec an order-free sum's digits (fagen.kernels.exact_sum),
     whose int64 digits hold the terms of at most exact_sum.MAX_TERMS scores."""
-    grads = [name for name, _, _ in variant_code(spec).grad_params]
+    shapes = {name: variant_tensors[name.removesuffix("_grad")].shape for name, _, _ in variant_code(spec).grad_params}
     if not spec.deterministic:
-        return {name: torch.zeros(variant_tensors[name[:-len("_grad")]].shape, dtype=torch.float32,
-                                  device=q.device) for name in grads}
+        return {name: torch.zeros(shape, dtype=torch.float32, device=q.device) for name, shape in shapes.items()}
     batch, rows, keys = ((varlen[0].numel() - 1, varlen[2], varlen[3]) if varlen is not None
                          else (q.shape[0], q.shape[1], k.shape[1]))
     scores = batch * q.shape[-2] * rows * keys   # a bound on the terms one element can take
-    if grads and scores >= exact_sum.MAX_TERMS:
+    if shapes and scores >= exact_sum.MAX_TERMS:
         raise InputError(f"deterministic=True sums a captured tensor's gradient exactly over fewer than "
                          f"2^{exact_sum.MAX_TERMS.bit_length() - 1} scores; "
                          f"this call has {scores} (batch {batch} x heads {q.shape[-2]} x queries {rows} x "
                          f"keys {keys}): split the call, or use deterministic=False")
-    return {name: exact_sum.zeros(variant_tensors[name[:-len("_grad")]].shape, q.device) for name in grads}
+    return {name: exact_sum.zeros(shape, q.device) for name, shape in shapes.items()}
 
 
 def _subtract_dlse(delta: torch.Tensor, dlse: torch.Tensor):

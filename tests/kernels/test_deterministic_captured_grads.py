@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fagen
+import kernel_checks as checks
 from fagen.kernels import attention_kernels, exact_sum
 from fagen.kernels.families import KERNEL_FAMILIES
 from fagen.spec import Spec
@@ -25,17 +26,7 @@ from variant_cases import run_variant_case
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
 FAMILIES = ("sm80", "sm90")
-INTERLEAVE = "FAGEN_EMULATE_BLOCK_INTERLEAVE"
-# One block resident in grid order; all resident, started in reverse, interleaved in a fixed order
-# (then freely, in parallel), producer-first (consumer-first); two resident in parallel with a
-# block's threads in a random order.
-RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "1", INTERLEAVE: "serial"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "serial",
-         "FAGEN_EMULATE_SCHEDULE": "producer-first"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "parallel",
-         "FAGEN_EMULATE_SCHEDULE": "consumer-first"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "2", INTERLEAVE: "parallel",
-         "FAGEN_EMULATE_SCHEDULE": "random", "FAGEN_EMULATE_SEED": "5"})
+RUNS = checks.SCHEDULE_RUNS   # one block in grid order, ... a random schedule (kernel_checks)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -54,20 +45,13 @@ def _gradients(family: str, deterministic: bool, runs) -> list[tuple]:
     q, k, v = (torch.randn(1, n, h, 64, generator=generator).to(torch.float16).requires_grad_()
                for n, h in ((150, 2), (260, 1), (260, 1)))
     bias = (torch.randn(2, 512, generator=generator) * 0.5).requires_grad_()
-    dout = torch.randn(q.shape, generator=generator).to(q.dtype)
-    found = []
-    for run in runs:
-        with mock.patch.dict(os.environ, {**run, "FAGEN_ARCH_FAMILY": family}):
-            out = fagen.flash_attn_func(q, k, v, causal=True, deterministic=deterministic,
-                                        score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 256])
-            found.append(torch.autograd.grad(out, (q, k, v, bias), dout))
-    return found
+    return checks.op_gradients(lambda: (fagen.flash_attn_func(q, k, v, causal=True, deterministic=deterministic,
+                                                              score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 256]),
+                                        (q, k, v, bias)), family, runs)
 
 
-def _differing(found: list[tuple]) -> list[str]:
-    return [f"{name} ({run})" for run, grads in zip(RUNS[1:], found[1:])
-            for name, first, again in zip(("dq", "dk", "dv", "dbias"), found[0], grads)
-            if not torch.equal(first, again)]
+def _differing(found: list[tuple], runs=RUNS) -> list[str]:
+    return checks.differing(found, ("dq", "dk", "dv", "dbias"), runs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,7 +61,7 @@ def test_repeats_are_bit_identical_in_any_block_order_and_schedule(family):
 
 def test_without_deterministic_the_captured_gradient_depends_on_the_block_order():
     """The positive control: float atomics sum the bias's terms in the order the blocks run."""
-    assert any(d.startswith("dbias") for d in _differing(_gradients("sm80", False, RUNS[:2])))
+    assert any(d.startswith("dbias") for d in _differing(_gradients("sm80", False, RUNS[:2]), RUNS[:2]))
 
 
 def test_a_call_past_the_sums_range_is_refused_before_any_launch(monkeypatch):

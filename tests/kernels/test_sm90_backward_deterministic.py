@@ -9,8 +9,6 @@ on the spec without turns. GQA (REPEAT_SHAPE: two query heads per K/V head), key
 
 from __future__ import annotations
 
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -23,17 +21,7 @@ from kernel_cases import Shape, run_and_check
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
-INTERLEAVE = "FAGEN_EMULATE_BLOCK_INTERLEAVE"
-# One block resident, in grid order; every block resident, started in reverse and interleaved at
-# their waits in a fixed order (then freely, in parallel), the block's threads reordered; two
-# resident in parallel under a random thread schedule.
-RUNS = ({"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "1", INTERLEAVE: "serial"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "serial",
-         "FAGEN_EMULATE_SCHEDULE": "producer-first"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64", INTERLEAVE: "parallel",
-         "FAGEN_EMULATE_SCHEDULE": "consumer-first"},
-        {"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "2", INTERLEAVE: "parallel",
-         "FAGEN_EMULATE_SCHEDULE": "random", "FAGEN_EMULATE_SEED": "5"})
+RUNS = checks.SCHEDULE_RUNS   # one block in grid order, ... a random schedule (kernel_checks)
 
 DENSE = Spec(64, mask="causal", deterministic=True, arch_family="sm90")
 
@@ -69,21 +57,12 @@ def test_the_repeat_check_fails_without_turns():
 
 
 def _gradients(call) -> list[tuple]:
-    """call() -> (out, leaves) under each of RUNS (the sm90 family on the emulator): the leaves'
-    gradients of one fixed dout."""
-    found = []
-    for run in RUNS:
-        with mock.patch.dict(os.environ, {**run, "FAGEN_ARCH_FAMILY": "sm90"}):
-            out, leaves = call()
-            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
-            found.append(torch.autograd.grad(out, leaves, dout))
-    return found
+    """call() -> (out, leaves) under each of RUNS (the sm90 family on the emulator)."""
+    return checks.op_gradients(call, "sm90", RUNS)
 
 
 def _assert_identical(found: list[tuple]) -> None:
-    for run, grads in zip(RUNS[1:], found[1:]):
-        for name, first, again in zip(("dq", "dk", "dv"), found[0], grads):
-            assert torch.equal(first, again), f"{name} differs ({run})"
+    assert checks.differing(found, ("dq", "dk", "dv"), RUNS) == []
 
 
 def test_a_windows_turns_are_counted_over_its_query_ranges():

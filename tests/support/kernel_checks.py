@@ -191,6 +191,35 @@ def sm90_turns_check(spec: Spec, source: Source | None = None) -> None:
     repeat_check(spec, source, runs=TURN_RUNS)
 
 
+# Every order a deterministic backward must not depend on: TURN_RUNS's two, the second with the
+# blocks' threads producer-first; every block resident, started in reverse and running in parallel,
+# consumer-first; two resident in parallel under a random thread schedule.
+SCHEDULE_RUNS = (TURN_RUNS[0], {**TURN_RUNS[1], "FAGEN_EMULATE_SCHEDULE": "producer-first"},
+                 {"FAGEN_EMULATE_BLOCK_ORDER": "reverse", "FAGEN_EMULATE_THREADS": "64",
+                  "FAGEN_EMULATE_BLOCK_INTERLEAVE": "parallel", "FAGEN_EMULATE_SCHEDULE": "consumer-first"},
+                 {"FAGEN_EMULATE_BLOCK_ORDER": "forward", "FAGEN_EMULATE_THREADS": "2",
+                  "FAGEN_EMULATE_BLOCK_INTERLEAVE": "parallel", "FAGEN_EMULATE_SCHEDULE": "random",
+                  "FAGEN_EMULATE_SEED": "5"})
+
+
+def op_gradients(call, family: str, runs: tuple = SCHEDULE_RUNS) -> list[tuple]:
+    """call() -> (out, leaves), an op's call on the emulator, under each of `runs` with `family`'s
+    kernels (FAGEN_ARCH_FAMILY): the leaves' gradients of one fixed dout."""
+    found = []
+    for run in runs:
+        with mock.patch.dict(os.environ, {**run, "FAGEN_ARCH_FAMILY": family}):
+            out, leaves = call()
+            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+            found.append(torch.autograd.grad(out, leaves, dout))
+    return found
+
+
+def differing(found: list[tuple], names: tuple, runs: tuple = SCHEDULE_RUNS) -> list[str]:
+    """The gradients (by name) of op_gradients' later runs whose bits differ from the first run's."""
+    return [f"{name} ({run})" for run, grads in zip(runs[1:], found[1:])
+            for name, first, again in zip(names, found[0], grads) if not torch.equal(first, again)]
+
+
 # -- variants -----------------------------------------------------------------------------------------
 
 VARIANT_SHAPE = Shape(2, 150, 170, heads=2, kv_heads=1)

@@ -119,7 +119,6 @@ struct Fiber {
   std::vector<PendingCopy> copies;   // cp.async copies not yet landed, in issue order
   const int* semaphore = nullptr;    // while blocked in a semaphore wait: the counter and its awaited value
   int semaphore_value = 0;
-  bool semaphore_at_least = false;   // ... or any value past it (semaphore_wait_ge)
   BlockRun* block = nullptr;
 };
 

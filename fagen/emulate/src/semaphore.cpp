@@ -93,33 +93,25 @@ void check_semaphore(const int* sem, const char* op, Site site) {
 
 // -- the twins ---------------------------------------------------------------------------
 
-namespace {
-
-// Until *sem == value, or with `at_least` any value from it on.
-void semaphore_wait(const int* sem, int value, bool at_least, Site site) {
-  check_semaphore(sem, at_least ? "semaphore_wait_ge" : "semaphore_wait_eq", site);
+// Until *sem == value.
+void semaphore_wait_eq(const int* sem, int value, Site site) {
+  check_semaphore(sem, "semaphore_wait_eq", site);
   Fiber& self = *current_fiber;
   BlockRun& block = *self.block;
   // The epoch first: an arrive after this read bumps it, so the block re-reads the value then.
   const uint64_t epoch = block.launch->residency.arrivals.load();
   const int seen = load(sem);
-  if (seen == value || (at_least && seen > value)) {
+  if (seen == value) {
     semaphore_acquired(block, sem);
     return;
   }
   if (seen > value) fail(site, "%s", past_value(*block.launch, sem, seen, value).c_str());
   self.semaphore = sem;
   self.semaphore_value = value;
-  self.semaphore_at_least = at_least;
   if (block.semaphore_waiters++ == 0 || epoch < block.semaphore_epoch) block.semaphore_epoch = epoch;
   block_current(kWaitOp, site);  // runnable again once the scheduler reads the value there (and acquired)
 }
 
-}  // namespace
-
-void semaphore_wait_eq(const int* sem, int value, Site site) { semaphore_wait(sem, value, false, site); }
-
-void semaphore_wait_ge(const int* sem, int value, Site site) { semaphore_wait(sem, value, true, site); }
 
 void semaphore_arrive(int* sem, Site site) {
   check_semaphore(sem, "semaphore_arrive", site);
@@ -146,7 +138,7 @@ bool recheck_semaphore_waits(BlockRun& block) {
     if (fiber.state != FiberState::blocked || fiber.blocked_in != kWaitOp) continue;
     const int seen = load(fiber.semaphore);
     if (seen < fiber.semaphore_value) continue;
-    if (seen > fiber.semaphore_value && !fiber.semaphore_at_least) {
+    if (seen > fiber.semaphore_value) {
       block.failed = true;
       block.error = describe_thread(fiber) + past_value(*block.launch, fiber.semaphore, seen, fiber.semaphore_value) +
                     " (at " + format_site(fiber.blocked_site) + ")";
@@ -179,7 +171,7 @@ std::string describe_semaphore_waits(const BlockRun& block) {
     const Fiber& fiber = block.fibers[id];
     if (fiber.state != FiberState::blocked || fiber.blocked_in != kWaitOp) continue;
     text += " Thread " + std::to_string(id) + " waits in " + kWaitOp + " at " + format_site(fiber.blocked_site) +
-            " for the semaphore at " + describe_semaphore(*block.launch, fiber.semaphore) + (fiber.semaphore_at_least ? " to reach " : " to equal ") +
+            " for the semaphore at " + describe_semaphore(*block.launch, fiber.semaphore) + " to equal " +
             std::to_string(fiber.semaphore_value) + " (it is " + std::to_string(load(fiber.semaphore)) + ").";
   }
   return text;

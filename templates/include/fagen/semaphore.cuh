@@ -4,9 +4,6 @@
 // Instructions: red" with .release, and "membar / fence" for fence.proxy.async.global):
 //   semaphore_wait_eq(sem, value)   ld.acquire.gpu.global.b32 until *sem == value,
 //                                   then fence.proxy.async.global
-//   semaphore_wait_ge_warp(...)     until *sem >= value, warp-collective (a vote ends the loop:
-//                                   for a wait inside a wgmma warpgroup's loop, where a one-thread
-//                                   spin costs the descriptors their uniform registers)
 //   semaphore_arrive(sem)           fence.proxy.async.global, then red.release.gpu.global.add.s32 +1
 //
 // Why: a deterministic reduction across blocks (FlashAttention-3's dQ) makes the blocks that add
@@ -43,25 +40,6 @@ __device__ __forceinline__ void semaphore_wait_eq(const int* sem, int value FAGE
   do {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
   } while (seen != value);
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
-// Warp-collective: every lane returns once *sem >= value. Every lane loads (one request for the
-// warp), and the loop runs until a vote says all saw it, so its condition is the warp's and ptxas
-// keeps the warp converged: a single thread's spin loop inside a kernel's main loop costs that loop
-// its uniform registers (the sm90 backward's wgmma descriptors: R2UR per wgmma, +1 non-tensor
-// instruction per tensor-core one at d = 64). At least, not equal: when the warps of a warpgroup
-// all wait for the group's turn, one of them may pass and arrive before another's first load.
-__device__ __forceinline__ void semaphore_wait_ge_warp(const int* sem, int value FAGEN_CALL_SITE_PARAMS) {
-#ifdef FAGEN_EMULATE
-  ::fagen_emu::semaphore_wait_ge(sem, value, FAGEN_CALL_SITE);
-  __syncwarp();   // collective, as the vote is
-#else
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(sem) : "memory");
-  } while (!__all_sync(0xffffffffu, seen >= value));
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 #endif
 }

@@ -23,7 +23,6 @@ namespace fagen_emu {
 FAGEN_EMU_RUNTIME_API void semaphore_wait_eq(const int* sem, int value, Site site);
 // The same until *sem >= value: no value past it is a fault (the lanes of a warpgroup that all wait
 // for one turn, some of them after that turn's arrive).
-FAGEN_EMU_RUNTIME_API void semaphore_wait_ge(const int* sem, int value, Site site);
 FAGEN_EMU_RUNTIME_API void semaphore_arrive(int* sem, Site site);
 
 }  // namespace fagen_emu
