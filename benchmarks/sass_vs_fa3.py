@@ -27,8 +27,8 @@ way, the kernel's other loops with as much tensor work as the consumer's: FA3 ru
 block's masked iterations in a loop of their own at d <= 64 (`SeparateMaskingIterations`), and
 the main-loop rule (`fagen.sass.report`: on a tie, the first) reads the masked one. It is issue
 44's SASS target. Its `fagen` column is the sm80 family's backward; `sm90` is the sm90 family's own
-backward (templates/sm90/hopper_bwd.cu.j2) where it takes the problem (d 64 and 128 so far), read
-as FA3's cubins are. Its d64 rows end with the prototype Hopper backward micro-kernel's figures
+backward (templates/sm90/hopper_bwd.cu.j2 at d 64 and 128, hopper_bwd_paired.cu.j2 at 192 and 256),
+read as FA3's cubins are. Its d64 rows end with the prototype Hopper backward micro-kernel's figures
 (tests/emulate/kernels/hopper_backward.cu, not fagen's dispatched backward; `prototype_figures`):
 compiled for sm_90a by fagen's NVRTC path and read as FA3's cubins are (`cubin_reports`). Its
 `causal` is a runtime argument and it masks every tile, so one consumer loop serves causal and
@@ -397,7 +397,7 @@ def backward_table(rows: list[dict]) -> list[dict]:
           "  tensor work, on a tie the first); other loops: the kernel's other loops with as much, read the same way;\n"
           "  dQ: REDG n = reduced from the consumer loop, writer = bulk-reduced by the writer warp (UBLKRED);\n"
           "  fagen: the sm80 family's non-deterministic backward (mma.sync, fallback tiles, per useful HMMA);\n"
-          "  sm90: the sm90 family's own backward (wgmma, TMA; d 64 and 128; det: dQ's reductions in key-block\n"
+          "  sm90: the sm90 family's own backward (wgmma, TMA; d 64-256; det: dQ's reductions in key-block\n"
           "  order, a semaphore per query block), read as FA3 is")
     if prototype is not None:
         print("proto (d64 rows): the prototype Hopper backward micro-kernel (tests/emulate/kernels/\n"

@@ -29,7 +29,7 @@ Imports nothing of the pipeline: the Spec's validation uses it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .tile_shapes import SPLIT_O_ABOVE, default_tiles
@@ -248,16 +248,20 @@ def narrower_sm90_tiles(spec) -> list[int]:
 class Sm90BackwardTiles:
     """The sm90 backward's geometry (templates/sm90/hopper_bwd.cu.j2), FlashAttention-3's: a thread
     block per key block of `block_n` keys, 64 per consumer warpgroup, walking the query blocks of
-    `block_m` rows that can see it through `stages` Q/dO stages; one producer warpgroup."""
+    `block_m` rows that can see it through `stages` Q/dO stages; one producer warpgroup.
+    `paired` (templates/sm90/hopper_bwd_paired.cu.j2, d > 128, where one warpgroup's dK and dV would
+    take d registers a thread): two consumer warpgroups share the block's 64 keys, each computing
+    S^T and dP^T for half the queries, and one accumulates dK, the other dV."""
 
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
+    paired: bool = False
 
     @property
     def consumers(self) -> int:
-        return self.block_n // 64
+        return 2 if self.paired else self.block_n // 64
 
     @property
     def threads(self) -> int:
@@ -270,10 +274,12 @@ class Sm90BackwardTiles:
         q_tile, k_tile = self.block_m * self.head_dim * 2, self.block_n * self.head_dim * 2
         per_consumer = 64 * self.block_m * 2 + self.block_m * self.head_dim * 4
         rows = self.stages * 2 * self.block_m * 4
+        if self.paired:   # P^T's and dS^T's tiles, one dQ partial
+            return 1024 + 2 * k_tile + self.stages * 2 * q_tile + 2 * 64 * self.block_m * 2 + q_tile * 2 + rows
         return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + rows
 
 
-SM90_BACKWARD_HEAD_DIMS = (64, 128)
+SM90_BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
 
 
 def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
@@ -282,7 +288,11 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
     more than S^T and dP^T (dropout's keep bits, a score chain's derivative, a mask_mod's loads) or
     the registers run out; measured at 128 rows: dropout's keep words for 128 queries spill 8-28
     bytes, packed sequences 4 (outside the loop), a deterministic window's turn count 4 (in it).
-    Those keep 64, as d = 128 does (its dK and dV hold 128 registers)."""
+    Those keep 64, as d = 128 does (its dK and dV hold 128 registers). Past d = 128 the paired form's
+    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256)."""
+    if spec.head_dim > 128:   # the paired form: 64 x 64 tiles; two stages of Q and dO where they fit in 227 KB
+        two = Sm90BackwardTiles(spec.head_dim, block_n=64, paired=True)
+        return two if two.shared_bytes <= 227 * 1024 else replace(two, stages=1)
     lean = not (spec.dropout or spec.softcap or spec.alibi or spec.score_mod is not None or spec.mask_mod is not None
                 or spec.varlen or (spec.deterministic and spec.window))
     return Sm90BackwardTiles(spec.head_dim, block_m=128 if spec.head_dim == 64 and lean else 64)

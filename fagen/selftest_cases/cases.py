@@ -74,7 +74,8 @@ def _features(family: str) -> dict:
         # ... and with a bias table's gradient, in an exact sum: repeated bit for bit
         "deterministic": partial(_every, (train(deterministic=True, dropout=True),
                                           train(deterministic=True, mods=True))),
-        # its own backward (sm90's at d = 64 and 128): causal with rows that see no key, ragged, GQA;
+        # its own backward (sm90's at d = 64 and 128, and its paired form at 192 and 256: odd boxes of
+        # dQ, one stage): causal with rows that see no key, ragged, GQA;
         # key padding; d = 128's second column box; dropout's keep bits of the transposed tile; a
         # window's walk and tile classes; sinks; the softcap's and ALiBi's chains; a bias table's
         # score_mod with its gradient, over documents (deterministic too: the gradient's exact sum);
@@ -83,6 +84,10 @@ def _features(family: str) -> dict:
         "backward": partial(_every, (_training(backward=True, causal=True, shape=(1, 170, 140, 4, 2), dtype="bf16"),
                                      _training(backward=True, key_padding=True, shape=(2, 140, 170, 2, 1)),
                                      _training(backward=True, head_dim=128, shape=(1, 150, 200, 2, 1)),
+                                     _training(backward=True, head_dim=192, causal=True, shape=(1, 150, 200, 2, 1),
+                                               dtype="bf16"),
+                                     _training(backward=True, head_dim=256, deterministic=True,
+                                               shape=(1, 150, 200, 2, 1)),
                                      _training(backward=True, dropout=True, causal=True),
                                      _training(backward=True, window=(37, 11)),
                                      _training(backward=True, sinks=True),

@@ -4,6 +4,8 @@ rule, yardstick the same-dtype implementation on the same sequence), with zero-l
 key sequences, causal bottom-right per sequence, GQA, dropout keyed on each sequence's own
 coordinates, variants, and every bad input."""
 
+import sys
+
 import pytest
 import torch
 
@@ -82,7 +84,7 @@ def test_kernels_per_sequence(version, causal, deterministic):
 # The sm90 family on packed sequences: its TMA maps see (1, total, H, d) and each block's sequence
 # starts at its cu_seqlens row (a tile past the sequence's end reads the next one's rows, masked as
 # keys and unstored as queries; in the backward, P = 0 on them by L's +inf padding); its own
-# backward at d 64 and 128, the sm80 family's at 256. Every output buffer poisoned.
+# backward at d 64 and 128, and its paired form at 256. Every output buffer poisoned.
 SM90 = [Spec(64, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
         Spec(128, varlen=True, dtype="fp16", arch_family="sm90"),
         Spec(256, varlen=True, mask="causal", dtype="bf16", arch_family="sm90")]
@@ -99,6 +101,19 @@ def test_the_sm90_family_per_sequence(spec):
     dlse = torch.randn(len(LENGTHS_Q), 4, max(LENGTHS_Q))
     dq, dk, dv = attention_kernels.backward(source, q, k, v, out, stats, dout, varlen=varlen, dlse=dlse)
     check_sequences({"out": out, "lse": stats[0], "dq": dq, "dk": dk, "dv": dv}, q, k, v, dout, dlse, spec.causal)
+
+
+@pytest.mark.usefixtures("poisoned_outputs")
+@pytest.mark.parametrize("spec", [Spec(64, varlen=True, arch_family="sm90"),
+                                  Spec(192, varlen=True, mask="causal", dtype="bf16", arch_family="sm90")],
+                         ids=lambda s: s.name)
+def test_the_sm90_backward_loads_no_keys_past_the_last_sequence(spec, monkeypatch):
+    """The last sequence is shorter than a key block: the grid's later key blocks start past the
+    packed rows. They walk nothing, so their K_j and V_j are not loaded (a TMA box wholly outside
+    its tensor, which the emulator refuses; the hardware's behaviour there is not documented)."""
+    monkeypatch.setattr(sys.modules[__name__], "LENGTHS_Q", [140, 20])
+    monkeypatch.setattr(sys.modules[__name__], "LENGTHS_K", [150, 20])
+    test_the_sm90_family_per_sequence(spec)
 
 
 @pytest.mark.parametrize("family", ["sm80", "sm90"])

@@ -356,6 +356,46 @@ MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old,
      "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, kQBox, 1024", "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, 0, 1024"),
     ("dQ's second box computed from K's first", "advance(kmn, box * kKBox + kk * 2048)", "advance(kmn, kk * 2048)"),
 ]]
+# The paired form (d > 128, templates/sm90/hopper_bwd_paired.cu.j2): two warpgroups share the key block,
+# each making half of P^T and dS^T; one accumulates dK, the other dV; dQ's boxes split between them
+# into one tile. d = 192: three boxes (the first warpgroup takes two), two stages; d = 256: one stage.
+SM90_BWD_PAIRED = Spec(192, dtype="bf16", mask="causal", arch_family="sm90")
+MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),), (checks.sm90_backward_check,))
+            for name, spec, old, new in [
+    ("the consumers' wait for a full stage deleted", SM90_BWD_PAIRED,
+     "    fagen::mbarrier_wait_parity(&bars->full[s], static_cast<uint32_t>(it / kStages) & 1);\n", ""),
+    ("the producer's wait for its one stage to empty deleted",
+     Spec(256, dtype="bf16", mask="causal", arch_family="sm90"),
+     "    fagen::mbarrier_wait_parity(&bars->empty[s], (static_cast<uint32_t>(it / kStages) & 1) ^ 1);", ""),
+    ("P^T and dS^T read before the other warpgroup has stored its half", SM90_BWD_PAIRED,
+     "    fagen::named_barrier_sync(kSyncBarrier, kConsumerThreads);\n", ""),
+    ("the consumers' wait for the writer to hand the tiles back deleted", SM90_BWD_PAIRED,
+     "    if (i > first) fagen::named_barrier_sync(kDqEmptyBarrier, kWriterThreads);\n", ""),
+    ("the writer's wait for the dQ tile deleted", SM90_BWD_PAIRED,
+     "      fagen::named_barrier_sync(kDqFullBarrier + c, kWriterThreads);\n", ""),
+    ("the dQ tile rewritten before its bulk reduction has read it", SM90_BWD_PAIRED,
+     "        fagen::bulk_wait_group_read<0>();\n", ""),
+    ("the dQ tile handed to the writer before the warpgroups have written it", SM90_BWD_PAIRED,
+     "    fagen::fence_proxy_async_shared();   // the tile's stores, visible to the bulk reduction's async proxy\n"
+     "    fagen::named_barrier_arrive(kDqFullBarrier, kWriterThreads);   // the tile is the writer's (write_dq)\n", ""),
+    ("the second warpgroup's S^T made from the first half's queries", SM90_BWD_PAIRED,
+     "base + kStageOffset + query_half * 128, 16", "base + kStageOffset, 16"),
+    ("L read from the first half's rows", SM90_BWD_PAIRED, "probabilities<kMasked>(st, rows + query_half,",
+     "probabilities<kMasked>(st, rows,"),
+    ("D read from the first half's rows", SM90_BWD_PAIRED, "dscores(st, dpt, rows + kBlockM + query_half,",
+     "dscores(st, dpt, rows + kBlockM,"),
+    ("a half's second k16 step stored over its first", SM90_BWD_PAIRED,
+     "const uint32_t query = query0 + 16 * kk + 8 * (matrix / 2);", "const uint32_t query = query0 + 8 * (matrix / 2);"),
+    ("dK made from P^T and dV from dS^T", SM90_BWD_PAIRED, "consumer == 0 ? ds_window : p_window",
+     "consumer == 0 ? p_window : ds_window"),
+    ("both warpgroups computing dQ's even boxes", SM90_BWD_PAIRED, "kKOffset + consumer * kKBox, kKBox",
+     "kKOffset, kKBox"),
+    ("both warpgroups storing into dQ's even boxes", SM90_BWD_PAIRED, "+ 64 * consumer + 2 * quad;", "+ 2 * quad;"),
+    ("S^T's and dP^T's k-steps past the first box read the first box again", SM90_BWD_PAIRED,
+     "const uint32_t a_step = kk / 4 * kKBox + kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;",
+     "const uint32_t a_step = kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;"),
+    ("dK not scaled (GQA's fp32 dK)", SM90_BWD_PAIRED, "dk ? softmax_scale : 1.f", "1.f"),
+]]
 # Dropout (d = 64): the keep bits of the transposed tile, half of them drawn by the partner lane.
 SM90_BWD_DROPOUT = SM90_BWD.replace(dropout=True)
 MUTANTS += [KernelMutant(f"sm90 backward dropout: {name}", SM90_BWD_DROPOUT, (Edit(old, new),),

@@ -1,8 +1,9 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
-backward takes what `sm90_backward_refusal` lets through (d = 64 and 128; masks, sinks, the softcap or
-ALiBi alone; dropout, mask_mods and score_mods at d = 64 only; a deterministic dQ by reductions in a
-fixed order); the sm80 family's backward computes the others' gradients."""
+backward takes what `sm90_backward_refusal` lets through (d = 64 and 128, and d = 192 and 256 in its
+paired form; masks, sinks, the softcap or ALiBi alone; dropout, mask_mods and score_mods at d = 64
+only; a deterministic dQ by reductions in a fixed order); the sm80 family's backward computes the
+others' gradients."""
 
 from __future__ import annotations
 
@@ -43,10 +44,27 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
                                                                      "producer", "softmax", "tile_span")))
 
-BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries,
-                includes=("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2",
-                          "sm90/hopper_bwd_dq_writer.j2"),
-                refusal=sm90_backward_refusal)
 
-FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, sm80.BACKWARD), decoding={2: FORWARD},
-                      combine=COMBINE, headers=HEADERS, context=_context)
+def _refusal(paired: bool):
+    """A form's refusal: the family's own (`sm90_backward_refusal`), then the other form's head
+    dims (`sm90_backward_tiles(spec).paired` picks the form)."""
+    template = "sm90/hopper_bwd_paired.cu.j2" if paired else "sm90/hopper_bwd.cu.j2"
+
+    def refusal(spec):
+        found = sm90_backward_refusal(spec)
+        if found is None and sm90_backward_tiles(spec).paired != paired:
+            return f"head_dim={spec.head_dim} is not {template}'s"
+        return found
+    return refusal
+
+
+_PARTS = ("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dq_order.j2", "sm90/hopper_bwd_dq_writer.j2",
+          "sm90/hopper_bwd_walk.j2")
+BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, includes=_PARTS + ("sm90/hopper_bwd_dropout.j2",),
+                refusal=_refusal(paired=False))
+# d > 128 (Sm90BackwardTiles.paired): two consumer warpgroups share a key block, one accumulating dK, one dV.
+PAIRED_BACKWARD = Pass(("sm90/hopper_bwd_paired.cu.j2",), _backward_entries, includes=_PARTS,
+                       refusal=_refusal(paired=True))
+
+FAMILY = KernelFamily(SM90, forward={2: FORWARD}, backward=(BACKWARD, PAIRED_BACKWARD, sm80.BACKWARD),
+                      decoding={2: FORWARD}, combine=COMBINE, headers=HEADERS, context=_context)
