@@ -250,14 +250,15 @@ class Sm90BackwardTiles:
     block per key block of `block_n` keys, 64 per consumer warpgroup, walking the query blocks of
     `block_m` rows that can see it through `stages` Q/dO stages; one producer warpgroup.
     `paired` (templates/sm90/hopper_bwd_paired.cu.j2, d > 128, where one warpgroup's dK and dV would
-    take d registers a thread): two consumer warpgroups share the block's 64 keys, each computing
-    S^T and dP^T for half the queries, and one accumulates dK, the other dV."""
+    take d registers a thread, and d_v != d): two consumer warpgroups share the block's 64 keys,
+    each computing S^T and dP^T for half the queries, and one accumulates dK, the other dV."""
 
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     stages: int = 2
     paired: bool = False
+    head_dim_v: int | None = None   # V's, dO's and dV's (the paired form's), if not d
 
     @property
     def consumers(self) -> int:
@@ -274,8 +275,11 @@ class Sm90BackwardTiles:
         q_tile, k_tile = self.block_m * self.head_dim * 2, self.block_n * self.head_dim * 2
         per_consumer = 64 * self.block_m * 2 + self.block_m * self.head_dim * 4
         rows = self.stages * 2 * self.block_m * 4
-        if self.paired:   # P^T's and dS^T's tiles, one dQ partial
-            return 1024 + 2 * k_tile + self.stages * 2 * q_tile + 2 * 64 * self.block_m * 2 + q_tile * 2 + rows
+        if self.paired:   # V and dO d_v wide; P^T's and dS^T's tiles, one dQ partial
+            v_cols = self.head_dim_v or self.head_dim
+            v_tile, do_tile = self.block_n * v_cols * 2, self.block_m * v_cols * 2
+            return (1024 + k_tile + v_tile + self.stages * (q_tile + do_tile) + 2 * 64 * self.block_m * 2 + q_tile * 2
+                    + rows)
         return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + rows
 
 
@@ -289,9 +293,11 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
     the registers run out; measured at 128 rows: dropout's keep words for 128 queries spill 8-28
     bytes, packed sequences 4 (outside the loop), a deterministic window's turn count 4 (in it).
     Those keep 64, as d = 128 does (its dK and dV hold 128 registers). Past d = 128 the paired form's
-    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256)."""
-    if spec.head_dim > 128:   # the paired form: 64 x 64 tiles; two stages of Q and dO where they fit in 227 KB
-        two = Sm90BackwardTiles(spec.head_dim, block_n=64, paired=True)
+    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256); and where d_v != d."""
+    head_dim_v = spec.head_dim_v or spec.head_dim
+    if spec.head_dim > 128 or head_dim_v != spec.head_dim:   # two stages of Q and dO where they fit in 227 KB
+        two = Sm90BackwardTiles(spec.head_dim, block_n=64, paired=True,
+                                head_dim_v=None if head_dim_v == spec.head_dim else head_dim_v)
         return two if two.shared_bytes <= 227 * 1024 else replace(two, stages=1)
     lean = not (spec.dropout or spec.softcap or spec.alibi or spec.score_mod is not None or spec.mask_mod is not None
                 or spec.varlen or (spec.deterministic and spec.window))
@@ -305,8 +311,9 @@ def sm90_backward_refusal(spec) -> str | None:
     one did not pass on the GPU."""
     if spec.sm80_backward:
         return "sm80_backward=True asks for the sm80 family's backward"
-    unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS
-                    or (spec.head_dim_v or spec.head_dim) != spec.head_dim),
+    unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS),
+                   # d_v > d would not fit dV in dK's registers (the paired form's accumulator)
+                   ("head_dim_v above head_dim", (spec.head_dim_v or spec.head_dim) > spec.head_dim or spec.v_from_k),
                    # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
                    # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
                    ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),

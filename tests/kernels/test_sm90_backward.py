@@ -148,8 +148,6 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
     """A spec its backward refuses (named in the refusal) keeps the sm80 family's backward: the
     same kernels by name and threads as before it had one."""
     for spec, field in [(Spec(320, arch_family="sm90"), "head_dim"),
-                        (Spec(192, head_dim_v=128, arch_family="sm90"), "head_dim"),
-                        (Spec(128, head_dim_v=64, arch_family="sm90"), "head_dim"),
                         (Spec(128, dropout=True, arch_family="sm90"), "dropout at head_dim > 64"),
                         (_documents(head_dim=128), "a mask_mod at head_dim > 64"),
                         (Spec(128, softcap=True, alibi=True, arch_family="sm90"), "the softcap with ALiBi"),

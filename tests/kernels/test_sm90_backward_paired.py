@@ -1,13 +1,13 @@
-"""The sm90 family's paired backward (templates/sm90/hopper_bwd_paired.cu.j2, d > 128): two consumer
-warpgroups share a key block's 64 keys, each computing S^T and dP^T for half the queries and storing
-its half of P^T and dS^T to shared tiles; one then accumulates dK, the other dV, and each adds its
-boxes of dQ into one tile, which the writer warp reduces. Run by the emulator after the sm90
-forward: dQ, dK and dV against the float64 oracle under FlashAttention-2's rule, every output
-buffer poisoned; d 192 (two Q/dO stages, three dQ boxes: an odd one for the first warpgroup) and
-d 256 (one stage); GQA, MQA, ragged blocks, key padding, masks and score chains (packed sequences:
-tests/ops/test_varlen.py);
-under the schedules that reorder producer and consumers, with the racecheck; deterministic;
-compiled by NVRTC for sm_90a without spills or serialised wgmma."""
+"""The sm90 family's paired backward (templates/sm90/hopper_bwd_paired.cu.j2, d > 128 or d_v != d):
+two consumer warpgroups share a key block's 64 keys, each computing S^T and dP^T for half the
+queries and storing its half of P^T and dS^T to shared tiles; one then accumulates dK, the other
+dV, and each adds its boxes of dQ into one tile, which the writer warp reduces. Run by the emulator
+after the sm90 forward: dQ, dK and dV against the float64 oracle under FlashAttention-2's rule,
+every output buffer poisoned; d 192 (two Q/dO stages, three dQ boxes: an odd one for the first
+warpgroup) and d 256 (one stage); d_v != d (DeepSeek-V3's 192/128, and 128/64: V, dO and dV d_v
+wide); GQA, MQA, ragged blocks, key padding, masks and score chains (packed sequences:
+tests/ops/test_varlen.py); under the schedules that reorder producer and consumers, with the
+racecheck; deterministic; compiled by NVRTC for sm_90a without spills or serialised wgmma."""
 
 from __future__ import annotations
 
@@ -44,11 +44,23 @@ def test_the_paired_backward_matches_the_oracle(spec, shape):
     run_and_check(spec, shape)
 
 
+# d_v != d: dP^T over d_v, dV's accumulator in the first d_v / 2 of dK's registers.
+HEAD_DIM_V = [Spec(192, head_dim_v=128, dtype="bf16", mask="causal", arch_family="sm90"),
+              Spec(128, head_dim_v=64, dtype="fp16", arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", HEAD_DIM_V, ids=lambda s: s.name)
+def test_a_narrower_v_matches_the_oracle(spec):
+    assert _is_paired(spec)
+    run_and_check(spec, SHAPES["ragged_gqa"])
+    run_and_check(spec, SHAPES["more_queries_mqa"])
+
+
 def test_d256_takes_one_stage_and_d192_two():
     """Two stages of Q and dO at d = 256 would need 272 KB: it runs one, within 227 KB."""
     tiles = [sm90_backward_tiles(spec) for spec in PAIRED]
     assert [(t.paired, t.stages, t.block_m, t.block_n, t.consumers) for t in tiles] == [(True, 2, 64, 64, 2),
-                                                                                    (True, 1, 64, 64, 2)]
+                                                                                      (True, 1, 64, 64, 2)]
     for spec, found in zip(PAIRED, tiles):
         assert render(spec).kernels.bwd_main.shared_bytes == found.shared_bytes <= 227 * 1024
 
@@ -114,16 +126,18 @@ def test_the_repeat_check_fails_without_turns():
 
 
 def test_what_it_does_not_take_runs_the_sm80_backward():
-    """Dropout and d_v != d past d = 128 (arch_families.sm90_backward_refusal), and d past 256
-    (wgmma's N: dK's and dV's accumulators), are computed by the sm80 family's backward."""
-    for spec in (Spec(256, dropout=True, arch_family="sm90"), Spec(192, head_dim_v=128, arch_family="sm90"),
-                 Spec(320, arch_family="sm90")):
+    """Dropout past d = 64 (arch_families.sm90_backward_refusal), and d past 256 (wgmma's N: dK's
+    and dV's accumulators), are computed by the sm80 family's backward."""
+    for spec in (Spec(256, dropout=True, arch_family="sm90"),
+                 Spec(192, head_dim_v=128, dropout=True, arch_family="sm90"), Spec(320, arch_family="sm90")):
         assert sm90_backward_refusal(spec) is not None
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
 
 
-@pytest.mark.parametrize("spec", [*PAIRED, DETERMINISTIC[1], Spec(256, dtype="bf16", window=True, deterministic=True,
-                                                                  softcap=True, varlen=True, arch_family="sm90")],
+@pytest.mark.parametrize("spec", [*PAIRED, *HEAD_DIM_V, DETERMINISTIC[1],
+                                  Spec(256, dtype="bf16", window=True, deterministic=True, softcap=True, varlen=True,
+                                       arch_family="sm90"),
+                                  Spec(256, head_dim_v=192, mask="causal", deterministic=True, arch_family="sm90")],
                          ids=lambda s: s.name)
 def test_compiles_for_sm90a_without_spills(spec):
     check_sm90_kernel_compiles(spec, "bwd_main")

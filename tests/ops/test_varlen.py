@@ -84,10 +84,11 @@ def test_kernels_per_sequence(version, causal, deterministic):
 # The sm90 family on packed sequences: its TMA maps see (1, total, H, d) and each block's sequence
 # starts at its cu_seqlens row (a tile past the sequence's end reads the next one's rows, masked as
 # keys and unstored as queries; in the backward, P = 0 on them by L's +inf padding); its own
-# backward at d 64 and 128, and its paired form at 256. Every output buffer poisoned.
+# backward at d 64 and 128, and its paired form at 256 and 192/128. Every output buffer poisoned.
 SM90 = [Spec(64, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
         Spec(128, varlen=True, dtype="fp16", arch_family="sm90"),
-        Spec(256, varlen=True, mask="causal", dtype="bf16", arch_family="sm90")]
+        Spec(256, varlen=True, mask="causal", dtype="bf16", arch_family="sm90"),
+        Spec(192, head_dim_v=128, varlen=True, dtype="bf16", arch_family="sm90")]
 
 
 @pytest.mark.usefixtures("poisoned_outputs")

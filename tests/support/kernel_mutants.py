@@ -358,8 +358,10 @@ MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old,
 ]]
 # The paired form (d > 128, templates/sm90/hopper_bwd_paired.cu.j2): two warpgroups share the key block,
 # each making half of P^T and dS^T; one accumulates dK, the other dV; dQ's boxes split between them
-# into one tile. d = 192: three boxes (the first warpgroup takes two), two stages; d = 256: one stage.
+# into one tile. d = 192: three boxes (the first warpgroup takes two), two stages; d = 256: one stage;
+# d_v != d.
 SM90_BWD_PAIRED = Spec(192, dtype="bf16", mask="causal", arch_family="sm90")
+SM90_BWD_PAIRED_V = Spec(192, head_dim_v=128, dtype="bf16", arch_family="sm90")   # DeepSeek-V3's 192/128
 MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),), (checks.sm90_backward_check,))
             for name, spec, old, new in [
     ("the consumers' wait for a full stage deleted", SM90_BWD_PAIRED,
@@ -394,7 +396,15 @@ MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),
     ("S^T's and dP^T's k-steps past the first box read the first box again", SM90_BWD_PAIRED,
      "const uint32_t a_step = kk / 4 * kKBox + kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;",
      "const uint32_t a_step = kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;"),
-    ("dK not scaled (GQA's fp32 dK)", SM90_BWD_PAIRED, "dk ? softmax_scale : 1.f", "1.f"),
+    ("dK not scaled (GQA's fp32 dK)", SM90_BWD_PAIRED, "consumer.key0, seqlen_k, softmax_scale,",
+     "consumer.key0, seqlen_k, 1.f,"),
+    # d_v != d: V's, dO's and dV's own width.
+    ("dP^T's k-steps past d_v read from Q's tile", SM90_BWD_PAIRED_V, "product_over_d<kHeadDimV>(dpt",
+     "product_over_d<kHeadDim>(dpt"),
+    ("the producer's stages two Q tiles apart", SM90_BWD_PAIRED_V,
+     "tiles + kStageOffset + s * kStageBytes;\n      unsigned char* rows",
+     "tiles + kStageOffset + s * 2 * kQTileBytes;\n      unsigned char* rows"),
+    ("dV's tile loaded d wide", SM90_BWD_PAIRED_V, "load_boxes<kBoxesV>(tiles + kVOffset", "load_boxes(tiles + kVOffset"),
 ]]
 # Dropout (d = 64): the keep bits of the transposed tile, half of them drawn by the partner lane.
 SM90_BWD_DROPOUT = SM90_BWD.replace(dropout=True)

@@ -1,7 +1,7 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
-backward takes what `sm90_backward_refusal` lets through (d = 64 and 128, and d = 192 and 256 in its
-paired form; masks, sinks, the softcap or ALiBi alone; dropout, mask_mods and score_mods at d = 64
+backward takes what `sm90_backward_refusal` lets through (d = 64 and 128, and d = 192 and 256 and
+d_v < d in its paired form; masks, sinks, the softcap or ALiBi alone; dropout, mask_mods and score_mods at d = 64
 only; a deterministic dQ by reductions in a fixed order); the sm80 family's backward computes the
 others' gradients."""
 
