@@ -293,9 +293,14 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
     the registers run out; measured at 128 rows: dropout's keep words for 128 queries spill 8-28
     bytes, packed sequences 4 (outside the loop), a deterministic window's turn count 4 (in it).
     Those keep 64, as d = 128 does (its dK and dV hold 128 registers). Past d = 128 the paired form's
-    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256); and where d_v != d."""
+    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256); where d_v != d; and at
+    d = 128 for what spilled beside its 128 registers of dK and dV: dropout's Philox rounds (140
+    bytes), a mask_mod's loads (32-68), a natural-log chain's ds'/dx (160)."""
     head_dim_v = spec.head_dim_v or spec.head_dim
-    if spec.head_dim > 128 or head_dim_v != spec.head_dim:   # two stages of Q and dO where they fit in 227 KB
+    heavy = (spec.dropout or spec.mask_mod is not None or spec.score_mod is not None
+             or bool(spec.softcap and spec.alibi))
+    if spec.head_dim > 128 or head_dim_v != spec.head_dim or (spec.head_dim == 128 and heavy):
+        # two stages of Q and dO where they fit in 227 KB
         two = Sm90BackwardTiles(spec.head_dim, block_n=64, paired=True,
                                 head_dim_v=None if head_dim_v == spec.head_dim else head_dim_v)
         return two if two.shared_bytes <= 227 * 1024 else replace(two, stages=1)
@@ -311,18 +316,9 @@ def sm90_backward_refusal(spec) -> str | None:
     one did not pass on the GPU."""
     if spec.sm80_backward:
         return "sm80_backward=True asks for the sm80 family's backward"
-    unsupported = [("head_dim", spec.head_dim not in SM90_BACKWARD_HEAD_DIMS),
-                   # d_v > d would not fit dV in dK's registers (the paired form's accumulator)
-                   ("head_dim_v above head_dim", (spec.head_dim_v or spec.head_dim) > spec.head_dim or spec.v_from_k),
-                   # Beside d = 128's dK and dV, Philox's rounds spill (140 bytes), and so does a mask_mod
-                   # reading captured tensors (document ids: 32-68 bytes): sm80's backward there.
-                   ("dropout at head_dim > 64", spec.dropout and spec.head_dim > 64),
-                   ("a mask_mod at head_dim > 64", spec.mask_mod is not None and spec.head_dim > 64),
-                   # and a score chain in natural-log units (its ds'/dx per element: 160 bytes)
-                   ("a score_mod or the softcap with ALiBi at head_dim > 64",
-                    (spec.score_mod is not None or (spec.softcap and spec.alibi)) and spec.head_dim > 64)]
-    found = [name for name, refused in unsupported if refused]
-    return None if not found else f"the sm90 backward has no {', '.join(found)} yet"
+    if spec.head_dim not in SM90_BACKWARD_HEAD_DIMS:   # past 256: wgmma's N, dK's accumulator
+        return f"the sm90 backward has no head_dim={spec.head_dim} yet (it has {SM90_BACKWARD_HEAD_DIMS})"
+    return None
 
 
 # A paged cache's keys reach the sm90 forward a TMA box per page: a whole tile where the pages

@@ -5,8 +5,9 @@ dV, and each adds its boxes of dQ into one tile, which the writer warp reduces. 
 after the sm90 forward: dQ, dK and dV against the float64 oracle under FlashAttention-2's rule,
 every output buffer poisoned; d 192 (two Q/dO stages, three dQ boxes: an odd one for the first
 warpgroup) and d 256 (one stage); d_v != d (DeepSeek-V3's 192/128, and 128/64: V, dO and dV d_v
-wide); GQA, MQA, ragged blocks, key padding, masks and score chains (packed sequences:
-tests/ops/test_varlen.py); under the schedules that reorder producer and consumers, with the
+wide); GQA, MQA, ragged blocks, key padding, masks and score chains, and what spilled in the other
+form at d = 128: dropout, mask_mods, score_mods (captured tensors' gradients, exact sums when
+deterministic), ALiBi with the softcap (packed sequences: tests/ops/test_varlen.py); under the schedules that reorder producer and consumers, with the
 racecheck; deterministic; compiled by NVRTC for sm_90a without spills or serialised wgmma."""
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from fagen.arch_families import sm90_backward_refusal, sm90_backward_tiles
 from fagen.kernels.families import KERNEL_FAMILIES
 from fagen.kernels.render import render
 from fagen.spec import Spec
+from fagen.variants import custom_mod, trace_mask_mod
 from kernel_cases import Shape, run_and_check
-from sm90_cases import check_sm90_kernel_compiles
+from sm90_cases import BIAS, check_sm90_kernel_compiles, relative_bias
+from variant_cases import run_variant_case
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
 
@@ -54,6 +57,59 @@ def test_a_narrower_v_matches_the_oracle(spec):
     assert _is_paired(spec)
     run_and_check(spec, SHAPES["ragged_gqa"])
     run_and_check(spec, SHAPES["more_queries_mqa"])
+
+
+# Dropout: a warpgroup's keep bits are those of its 32 queries (16 a thread), bit for bit the
+# forward's; with coordinate offsets (a shard's) and key padding.
+DROPOUT = [Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90"),
+           Spec(256, dtype="fp16", dropout=True, coord_offsets=True, key_padding=True, arch_family="sm90")]
+
+
+@pytest.mark.parametrize("spec", DROPOUT, ids=lambda s: s.name)
+def test_dropout_replays_the_forwards_keep_bits(spec):
+    assert _is_paired(spec)
+    run_and_check(spec, SHAPES["ragged_gqa"])
+
+
+def _gated(score, b, h, q_idx, kv_idx):
+    return score * torch.sigmoid(score)
+
+
+# Score chains in natural-log units and mask_mods: the element's query is its warpgroup's half's.
+CHAINS = {"relative_bias_d192": (Spec(192, mask="causal", arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,)),
+          "gated_d256": (Spec(256, dtype="bf16", arch_family="sm90"), {"score_mod": _gated}, ()),
+          "alibi_softcap_d128": (Spec(128, mask="causal", dtype="bf16", arch_family="sm90"),
+                                 {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}, ()),
+          "relative_bias_dropout_d128": (Spec(128, dropout=True, dtype="bf16", arch_family="sm90"),
+                                         {"score_mod": relative_bias}, (BIAS,))}
+
+
+@pytest.mark.parametrize("case", CHAINS.values(), ids=CHAINS)
+def test_score_chains_and_captured_gradients_match_the_oracle(case):
+    base, variant, captures = case
+    run_variant_case(base, SHAPES["ragged_gqa"], variant, captures=captures)
+
+
+def test_a_documents_mask_mod_matches_the_oracle():
+    spec = Spec(128, mask_mod=custom_mod(trace_mask_mod(checks.document_mask)), dtype="bf16", arch_family="sm90")
+    assert _is_paired(spec)
+    checks.variant_check(spec)
+
+
+def test_dropout_is_race_free_under_every_schedule():
+    checks.sm90_backward_check(DROPOUT[0])
+
+
+def test_a_deterministic_captured_gradient_repeats_bit_for_bit():
+    """The bias's terms in an exact sum (fagen/exact_sum.cuh) from both warpgroups of every block."""
+    generator = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, n, h, 128, generator=generator).to(torch.float16).requires_grad_()
+               for n, h in ((150, 2), (200, 1), (200, 1)))
+    bias = (torch.randn(2, 512, generator=generator) * 0.5).requires_grad_()
+    found = checks.op_gradients(lambda: (fagen.flash_attn_func(q, k, v, causal=True, deterministic=True,
+                                                               score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 256]),
+                                         (q, k, v, bias)), "sm90")
+    assert checks.differing(found, ("dq", "dk", "dv", "dbias")) == []
 
 
 def test_d256_takes_one_stage_and_d192_two():
@@ -126,10 +182,9 @@ def test_the_repeat_check_fails_without_turns():
 
 
 def test_what_it_does_not_take_runs_the_sm80_backward():
-    """Dropout past d = 64 (arch_families.sm90_backward_refusal), and d past 256 (wgmma's N: dK's
-    and dV's accumulators), are computed by the sm80 family's backward."""
-    for spec in (Spec(256, dropout=True, arch_family="sm90"),
-                 Spec(192, head_dim_v=128, dropout=True, arch_family="sm90"), Spec(320, arch_family="sm90")):
+    """d past 256 (wgmma's N: dK's and dV's accumulators; arch_families.sm90_backward_refusal),
+    with any feature, is computed by the sm80 family's backward."""
+    for spec in (Spec(320, arch_family="sm90"), Spec(320, head_dim_v=256, dropout=True, arch_family="sm90")):
         assert sm90_backward_refusal(spec) is not None
         assert SM90.backward_of(spec) is KERNEL_FAMILIES["sm80"].backward[0]
 
@@ -137,7 +192,8 @@ def test_what_it_does_not_take_runs_the_sm80_backward():
 @pytest.mark.parametrize("spec", [*PAIRED, *HEAD_DIM_V, DETERMINISTIC[1],
                                   Spec(256, dtype="bf16", window=True, deterministic=True, softcap=True, varlen=True,
                                        arch_family="sm90"),
-                                  Spec(256, head_dim_v=192, mask="causal", deterministic=True, arch_family="sm90")],
+                                  Spec(256, head_dim_v=192, mask="causal", deterministic=True, arch_family="sm90"),
+                                  *DROPOUT, Spec(256, dropout=True, softcap=True, varlen=True, arch_family="sm90")],
                          ids=lambda s: s.name)
 def test_compiles_for_sm90a_without_spills(spec):
     check_sm90_kernel_compiles(spec, "bwd_main")

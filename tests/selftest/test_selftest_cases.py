@@ -32,11 +32,11 @@ def _bias(score, b, h, q_idx, kv_idx):
     (Spec(64, arch_family="sm90"), ("sm90.d64", "sm90.backward")),   # its own backward takes it
     (Spec(64, arch_family="sm90", sm80_backward=True), ("sm90.d64", "sm80.d64")),   # sm80's, asked for
     (Spec(64, dropout=True, arch_family="sm90"), ("sm90.d64", "sm90.dropout", "sm90.backward")),
-    (Spec(128, dropout=True, arch_family="sm90"), ("sm90.d128", "sm90.dropout", "sm80.d128", "sm80.dropout")),
+    (Spec(128, dropout=True, arch_family="sm90"), ("sm90.d128", "sm90.dropout", "sm90.backward")),   # the paired form
     (Spec(256, mask="causal", softcap=True, arch_family="sm90"),   # its paired backward
      ("sm90.d256", "sm90.causal", "sm90.softcap", "sm90.backward")),
-    (Spec(256, mask="causal", dropout=True, arch_family="sm90"),
-     ("sm90.d256", "sm90.causal", "sm90.dropout", "sm80.d256", "sm80.causal", "sm80.dropout")),
+    (Spec(320, mask="causal", dropout=True, arch_family="sm90"),
+     ("sm90.d320", "sm90.causal", "sm90.dropout", "sm80.d512", "sm80.causal", "sm80.dropout")),
     (Spec(192, head_dim_v=128, dropout=True), ("sm80.d256", "sm80.dropout", "sm80.head_dim_v")),
     (Spec(96, version=1, deterministic=True, key_padding=True), ("sm80.d128", "sm80.key_padding", "sm80.fa1",
                                                                   "sm80.deterministic")),
@@ -48,7 +48,7 @@ def _bias(score, b, h, q_idx, kv_idx):
     (Spec.for_kv_cache(576, "fp16", causal=True, page_size=None, head_dim_v=512, v_from_k=True),
      ("sm80.causal", "sm80.decode", "sm80.mla")),
 ], ids=["sm90 plain", "sm90 sm80 backward", "sm90 dropout", "sm90 d128 dropout", "sm90 softcap causal",
-        "sm90 d256 dropout", "sm80 d_v dropout", "fa1", "mods varlen", "sm90 paged packed", "varlen paged", "mla"])
+        "sm90 d320 dropout", "sm80 d_v dropout", "fa1", "mods varlen", "sm90 paged packed", "varlen paged", "mla"])
 def test_a_spec_uses_the_templates_of_its_features(spec, expected):
     assert templates_of(spec) == expected
 

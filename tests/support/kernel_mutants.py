@@ -362,6 +362,7 @@ MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old,
 # d_v != d.
 SM90_BWD_PAIRED = Spec(192, dtype="bf16", mask="causal", arch_family="sm90")
 SM90_BWD_PAIRED_V = Spec(192, head_dim_v=128, dtype="bf16", arch_family="sm90")   # DeepSeek-V3's 192/128
+SM90_BWD_PAIRED_DROPOUT = Spec(128, dtype="bf16", mask="causal", dropout=True, arch_family="sm90")
 MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),), (checks.sm90_backward_check,))
             for name, spec, old, new in [
     ("the consumers' wait for a full stage deleted", SM90_BWD_PAIRED,
@@ -405,6 +406,11 @@ MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),
      "tiles + kStageOffset + s * kStageBytes;\n      unsigned char* rows",
      "tiles + kStageOffset + s * 2 * kQTileBytes;\n      unsigned char* rows"),
     ("dV's tile loaded d wide", SM90_BWD_PAIRED_V, "load_boxes<kBoxesV>(tiles + kVOffset", "load_boxes(tiles + kVOffset"),
+    # Dropout at d = 128 (which spilled beside the other form's dK and dV): each half's own keep bits.
+    ("the keep bits of the first half's queries drawn for both", SM90_BWD_PAIRED_DROPOUT,
+     "keep_bits(dropout, batch, head, i * kBlockM + query_half,", "keep_bits(dropout, batch, head, i * kBlockM,"),
+    ("dV not scaled by 1 / (1 - p)", SM90_BWD_PAIRED_DROPOUT, "consumer.key0, seqlen_k, keep_scale,",
+     "consumer.key0, seqlen_k, 1.f,"),
 ]]
 # Dropout (d = 64): the keep bits of the transposed tile, half of them drawn by the partner lane.
 SM90_BWD_DROPOUT = SM90_BWD.replace(dropout=True)
@@ -444,6 +450,12 @@ MUTANTS += [KernelMutant(f"sm90 backward variant: {name}", SM90_BWD_BIAS, (Edit(
     ("the captured bias's gradient from the key's row", "min(query, ctx.seqlen_q - 1), min(key, ctx.keys - 1), ctx);",
      "min(key, ctx.seqlen_q - 1), min(query, ctx.keys - 1), ctx);"),
 ]]
+# ... and in the paired form (d = 128, where the other form spilled): the element's query is its half's.
+MUTANTS.append(KernelMutant("sm90 paired backward: the captured bias's gradient at the first half's queries",
+                            Spec(128, mask="causal", arch_family="sm90", **sm90_cases.traced(sm90_cases.relative_bias)),
+                            (Edit("x, batch, head, key0, i * kBlockM + query_half, ctx",
+                                  "x, batch, head, key0, i * kBlockM, ctx"),),
+                            (sm90_cases.relative_bias_check,)))
 # deterministic=True: the bias's gradient in an order-free sum (fagen/exact_sum.cuh); the header's
 # unit tests (tests/kernels/test_exact_sum.py) check its order-freedom, these its use.
 MUTANTS += [KernelMutant(f"deterministic captured gradient: {name}", SM90_BWD_BIAS.replace(deterministic=True),

@@ -1,9 +1,8 @@
 """The sm90 family's passes (templates/sm90/): Hopper's wgmma, TMA and mbarriers, FlashAttention-3's
 warp-specialised forward and backward (one producer warpgroup, two consumer warpgroups). Its own
-backward takes what `sm90_backward_refusal` lets through (d = 64 and 128, and d = 192 and 256 and
-d_v < d in its paired form; masks, sinks, the softcap or ALiBi alone; dropout, mask_mods and score_mods at d = 64
-only; a deterministic dQ by reductions in a fixed order); the sm80 family's backward computes the
-others' gradients."""
+backward takes what `sm90_backward_refusal` lets through (d = 64 to 256: d = 64 and 128 in one form,
+d = 192 and 256, d_v < d and d = 128's dropout and mods in its paired form; a deterministic dQ by
+reductions in a fixed order); the sm80 family's backward computes the others' gradients (d past 256)."""
 
 from __future__ import annotations
 
@@ -46,14 +45,14 @@ FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
 
 
 def _refusal(paired: bool):
-    """A form's refusal: the family's own (`sm90_backward_refusal`), then the other form's head
-    dims (`sm90_backward_tiles(spec).paired` picks the form)."""
+    """A form's refusal: the family's own (`sm90_backward_refusal`), then the specs of the other
+    form (`sm90_backward_tiles(spec).paired` picks it)."""
     template = "sm90/hopper_bwd_paired.cu.j2" if paired else "sm90/hopper_bwd.cu.j2"
 
     def refusal(spec):
         found = sm90_backward_refusal(spec)
         if found is None and sm90_backward_tiles(spec).paired != paired:
-            return f"head_dim={spec.head_dim} is not {template}'s"
+            return f"sm90_backward_tiles gives this spec the other form than {template}"
         return found
     return refusal
 
