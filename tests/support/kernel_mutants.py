@@ -354,7 +354,9 @@ MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old,
      "const uint32_t a_step = kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;"),
     ("dV's and dK's second 64 columns read from the first box (Q's MN-major LBO)",
      "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, kQBox, 1024", "q_mn_desc = fagen::make_smem_desc(base + kStageOffset, 0, 1024"),
-    ("dQ's second box computed from K's first", "advance(kmn, box * kKBox + kk * 2048)", "advance(kmn, kk * 2048)"),
+    ("dQ's second 64 columns computed from K's first box (its MN-major LBO)",
+     "k_mn_desc = fagen::make_smem_desc(base + kKOffset + mine, kKBox, 1024",
+     "k_mn_desc = fagen::make_smem_desc(base + kKOffset + mine, 0, 1024"),
 ]]
 # The paired form (d > 128, templates/sm90/hopper_bwd_paired.cu.j2): two warpgroups share the key block,
 # each making half of P^T and dS^T; one accumulates dK, the other dV; dQ's boxes split between them
