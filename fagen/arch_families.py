@@ -293,13 +293,15 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
     the registers run out; measured at 128 rows: dropout's keep words for 128 queries spill 8-28
     bytes, packed sequences 4 (outside the loop), a deterministic window's turn count 4 (in it).
     Those keep 64, as d = 128 does (its dK and dV hold 128 registers). Past d = 128 the paired form's
-    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256); where d_v != d; and at
+    64 x 64 tiles, with one stage of Q and dO where two do not fit (d = 256); where d_v != d; at
     d = 128 for what spilled beside its 128 registers of dK and dV: dropout's Philox rounds (140
-    bytes), a mask_mod's loads (32-68), a natural-log chain's ds'/dx (160)."""
+    bytes), a mask_mod's loads (32-68), a natural-log chain's ds'/dx (160); and at d = 64 for a
+    score_mod with a mask_mod (a relative bias over documents: 24 bytes)."""
     head_dim_v = spec.head_dim_v or spec.head_dim
     heavy = (spec.dropout or spec.mask_mod is not None or spec.score_mod is not None
              or bool(spec.softcap and spec.alibi))
-    if spec.head_dim > 128 or head_dim_v != spec.head_dim or (spec.head_dim == 128 and heavy):
+    both_mods = spec.score_mod is not None and spec.mask_mod is not None
+    if spec.head_dim > 128 or head_dim_v != spec.head_dim or (spec.head_dim == 128 and heavy) or both_mods:
         # two stages of Q and dO where they fit in 227 KB
         two = Sm90BackwardTiles(spec.head_dim, block_n=64, paired=True,
                                 head_dim_v=None if head_dim_v == spec.head_dim else head_dim_v)

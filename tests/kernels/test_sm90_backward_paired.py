@@ -7,7 +7,8 @@ every output buffer poisoned; d 192 (two Q/dO stages, three dQ boxes: an odd one
 warpgroup) and d 256 (one stage); d_v != d (DeepSeek-V3's 192/128, and 128/64: V, dO and dV d_v
 wide); GQA, MQA, ragged blocks, key padding, masks and score chains, and what spilled in the other
 form at d = 128: dropout, mask_mods, score_mods (captured tensors' gradients, exact sums when
-deterministic), ALiBi with the softcap (packed sequences: tests/ops/test_varlen.py); under the schedules that reorder producer and consumers, with the
+deterministic), ALiBi with the softcap, and at d = 64 a score_mod with a mask_mod (packed
+sequences: tests/ops/test_varlen.py); under the schedules that reorder producer and consumers, with the
 racecheck; deterministic; compiled by NVRTC for sm_90a without spills or serialised wgmma."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fagen.arch_families import sm90_backward_refusal, sm90_backward_tiles
 from fagen.kernels.families import KERNEL_FAMILIES
 from fagen.kernels.render import render
 from fagen.spec import Spec
-from fagen.variants import custom_mod, trace_mask_mod
+from fagen.variants import custom_mod, trace_mask_mod, trace_score_mod
 from kernel_cases import Shape, run_and_check
 from sm90_cases import BIAS, check_sm90_kernel_compiles, relative_bias
 from variant_cases import run_variant_case
@@ -94,6 +95,16 @@ def test_a_documents_mask_mod_matches_the_oracle():
     spec = Spec(128, mask_mod=custom_mod(trace_mask_mod(checks.document_mask)), dtype="bf16", arch_family="sm90")
     assert _is_paired(spec)
     checks.variant_check(spec)
+
+
+def test_a_bias_over_documents_at_d64_matches_the_oracle():
+    """A score_mod with a mask_mod at d = 64 (which spilled in the other form): the bias's gradient
+    beside the documents' walk and element test."""
+    base = Spec(64, mask="causal", arch_family="sm90")
+    assert _is_paired(base.replace(score_mod=custom_mod(trace_score_mod(relative_bias)),
+                                   mask_mod=custom_mod(trace_mask_mod(checks.document_mask))))
+    run_variant_case(base, checks.VARIANT_SHAPE, {"score_mod": relative_bias, "mask_mod": checks.document_mask},
+                     captures=(BIAS,))
 
 
 def test_dropout_is_race_free_under_every_schedule():
