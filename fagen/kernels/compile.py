@@ -95,13 +95,6 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-_split_refused = False   # set once an NVRTC has refused SPLIT_COMPILE
-
-
-def _splits_compiles() -> bool:
-    return not _split_refused and tuple(int(n) for n in nvrtc_version().split(".")) >= (12, 4)
-
-
 @functools.lru_cache(maxsize=1)
 def cuda_header_dir() -> Path:
     """Directory holding cuda_fp16.h for NVRTC (the CUDA runtime headers)."""
@@ -288,22 +281,12 @@ def check_wgmma_pipeline(log: str, what: str, arch: str) -> None:
 
 # -- NVRTC -----------------------------------------------------------------
 
-# The optimiser and ptxas on a source's kernels in parallel, as many threads as the machine has:
-# a cold sm90 d128 source 2.18 -> 1.46 s on 2 cores. NVIDIA warns that it may cost performance;
-# every main loop read the same with it (`fagen.sass`, sm_80 and sm_90a; benchmarks/RESULTS.md,
-# 2026-12-07), and the sass benchmarks read what this compiles. An NVRTC older than 12.4 is not
-# given it, and one that refuses it compiles without it (nvrtc_compile).
-SPLIT_COMPILE = "--split-compile=0"
-
-
 def nvrtc_options(arch: str) -> list[str]:
     """-lineinfo maps SASS back to source lines for compute-sanitizer and the profilers; it
     changes no instruction. A compute_XY (PTX) target has no ptxas run to report on."""
     options = [f"-arch={arch}", "-std=c++17", "-lineinfo"]
     if not arch.startswith("compute_"):
         options.append("--ptxas-options=-v")
-        if _splits_compiles():
-            options.append(SPLIT_COMPILE)
     return options + [f"-I{include_dir()}", f"-I{cuda_header_dir()}"]
 
 
@@ -338,16 +321,8 @@ def nvrtc_compile(code: str, arch: str, filename: str = "kernel.cu") -> tuple[by
     nvrtc = _nvrtc()
     _, prog = _check(nvrtc.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []), "create")
     try:
-        options = nvrtc_options(arch)
-        result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        if SPLIT_COMPILE in options and int(result[0]) == int(nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION):
-            global _split_refused
-            _split_refused = True   # this NVRTC does not take it: compile without, now and from now on
-            nvrtc.nvrtcDestroyProgram(prog)
-            _, prog = _check(nvrtc.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []), "create")
-            options = nvrtc_options(arch)
-            result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        _check(result, f"compile for {arch}", prog)
+        opts = [o.encode() for o in nvrtc_options(arch)]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile for {arch}", prog)
         log = _program_log(prog)
         if arch.startswith("compute_"):
             return _fetch(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog, "PTX"), log

@@ -93,19 +93,6 @@ def test_lineinfo_is_on_and_in_the_cache_key(monkeypatch):
     assert compiler.cache_key("0" * 64, "sm_90") != key
 
 
-def test_an_nvrtc_that_refuses_split_compile_compiles_without_it(monkeypatch):
-    """Kernels compile on an NVRTC that does not take --split-compile (an option it refuses, in its
-    place here): without the option, then and from then on."""
-    pytest.importorskip("cuda.bindings")
-    assert compiler.SPLIT_COMPILE in compiler.nvrtc_options("sm_90")   # this NVRTC (12.9) takes it
-    monkeypatch.setattr(compiler, "SPLIT_COMPILE", "--no-such-option")
-    monkeypatch.setattr(compiler, "_split_refused", False)
-    assert "--no-such-option" in compiler.nvrtc_options("sm_90")
-    cubin, _ = compiler.nvrtc_compile("extern \"C\" __global__ void k(float* x) { x[0] = 1.f; }", "sm_90")
-    assert cubin and compiler._split_refused
-    assert "--no-such-option" not in compiler.nvrtc_options("sm_90")
-
-
 # -- 4. streams ------------------------------------------------------------------------------------
 
 class FakeStream:
