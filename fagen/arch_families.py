@@ -249,9 +249,10 @@ class Sm90BackwardTiles:
     """The sm90 backward's geometry (templates/sm90/hopper_bwd.cu.j2), FlashAttention-3's: a thread
     block per key block of `block_n` keys, 64 per consumer warpgroup, walking the query blocks of
     `block_m` rows that can see it through `stages` Q/dO stages; one producer warpgroup.
-    `paired` (templates/sm90/hopper_bwd_paired.cu.j2, d > 128, where one warpgroup's dK and dV would
-    take d registers a thread, and d_v != d): two consumer warpgroups share the block's 64 keys,
-    each computing S^T and dP^T for half the queries, and one accumulates dK, the other dV."""
+    `paired` (templates/sm90/hopper_bwd_paired.cu.j2; `sm90_backward_tiles` says for which specs:
+    past d = 128 one warpgroup's dK and dV would take d registers a thread): two consumer
+    warpgroups share the block's 64 keys, each computing S^T and dP^T for half the queries, and
+    one accumulates dK, the other dV."""
 
     head_dim: int
     block_m: int = 64

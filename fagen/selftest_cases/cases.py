@@ -75,8 +75,8 @@ def _features(family: str) -> dict:
         "deterministic": partial(_every, (train(deterministic=True, dropout=True),
                                           train(deterministic=True, mods=True))),
         # its own backward (sm90's at d = 64 and 128, and its paired form at 192 and 256: odd boxes of
-        # dQ, one stage, d_v != d, and d = 128's dropout and mods): causal with rows that see no key, ragged, GQA;
-        # key padding; d = 128's second column box; dropout's keep bits of the transposed tile; a
+        # dQ, one stage, d_v != d, and d = 128's dropout and mods): causal with rows that see no key,
+        # ragged, GQA; key padding; d = 128's second column box; dropout's keep bits of the transposed tile; a
         # window's walk and tile classes; sinks; the softcap's and ALiBi's chains; a bias table's
         # score_mod with its gradient, over documents (deterministic too: the gradient's exact sum);
         # deterministic dQ (turns in key-block order), four key blocks into each query block,

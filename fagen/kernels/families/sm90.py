@@ -60,7 +60,8 @@ def _refusal(paired: bool):
 _PARTS = ("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2",
           "sm90/hopper_bwd_dq_writer.j2", "sm90/hopper_bwd_walk.j2")
 BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, includes=_PARTS, refusal=_refusal(paired=False))
-# d > 128 (Sm90BackwardTiles.paired): two consumer warpgroups share a key block, one accumulating dK, one dV.
+# Sm90BackwardTiles.paired (d > 128, d_v != d, and what spilled in the other form): two consumer
+# warpgroups share a key block, one accumulating dK, the other dV.
 PAIRED_BACKWARD = Pass(("sm90/hopper_bwd_paired.cu.j2",), _backward_entries, includes=_PARTS,
                        refusal=_refusal(paired=True))
 
