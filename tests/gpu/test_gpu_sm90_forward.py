@@ -1,6 +1,6 @@
 """The sm90 family's forward (templates/sm90/hopper_fwd.cu.j2, Spec.arch_family='sm90') on a compute
-capability 9.0 GPU, with its backward after it (the sm90 family's own, templates/sm90/hopper_bwd.cu.j2,
-for the d = 64 specs without a variant: the first below; else the sm80 family's): the emulator's cases
+capability 9.0 GPU, with its backward after it (the sm90 family's own: templates/sm90/hopper_bwd.cu.j2 at
+d = 64 and 128, hopper_bwd_paired.cu.j2 at d = 256 and 192/128, never run on hardware yet): the emulator's cases
 (tests/kernels/test_sm90_forward.py) and larger ones, against the same float64 oracle by the same
 rule (kernel_cases.run_and_check), the launch path's tensor maps encoded by the driver. Marked `gpu`
 and `twins`: the GPU check runs it among the first, before anything is built on it."""
@@ -33,9 +33,9 @@ def test_sm90_forward_on_the_gpu(spec, shape):
     run_and_check(spec, shape, device="cuda")
 
 
-# The mods, a score chain and packed sequences, at the op: the sm90 forward against the sm80 family's
-# on the same GPU (which the kernel matrix holds to the oracle), outputs and gradients (the sm80
-# backward after each forward). Both round to bf16: 2e-2 is a few of its ulps at these values.
+# The mods, a score chain and packed sequences, at the op: the sm90 family against the sm80 family
+# on the same GPU (which the kernel matrix holds to the oracle), outputs and gradients (each family's
+# own backward: sm90's paired form for the d128 bias and the d256 chain). Both round to bf16: 2e-2 is a few of its ulps at these values.
 # (case, head dim): one head dim each, as every case compiles two translation units on the GPU
 # (about 1.5 s each) inside the GPU check's correctness budget.
 OP_CASES = (("relative_bias", 128), ("documents", 64), ("alibi_softcap", 256), ("window", 128))
