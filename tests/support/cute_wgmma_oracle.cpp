@@ -107,7 +107,9 @@ int main() {
   k_major_tiles<8>();
   k_major_tiles<64>();
   k_major_tiles<256>();
+  k_major_tiles<32>();     // the sm90 backward's paired form: S^T's B, a warpgroup's 32 queries
   mn_major_tiles<64>();
+  mn_major_tiles<192>();   // ... and its dK's B at d = 192: three 64-column atoms
   mn_major_tiles<256>();
   tile<GMMA::Major::MN, GMMA::Layout_MN_INTER_Atom<half_t>, 8, 16>("mn-none");
   k_major_tiles_8bit<8>();
@@ -115,6 +117,7 @@ int main() {
   k_major_tiles_8bit<256>();
   accumulator<8>();
   accumulator<24>();
+  accumulator<32>();
   accumulator<64>();
   accumulator<256>();
   const auto a = GMMA::ALayout_64x16{};

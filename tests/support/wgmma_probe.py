@@ -18,7 +18,9 @@ I32 = np.int32
 # (N, bf16, A from registers, trans A, trans B)
 PROBES = ([(n, False, False, ta, tb) for n in (8, 64, 256) for ta in (0, 1) for tb in (0, 1)]
           + [(64, True, False, 1, 0), (24, True, False, 0, 1)]
-          + [(n, False, True, 0, tb) for n in (8, 64, 256) for tb in (0, 1)])
+          + [(n, False, True, 0, tb) for n in (8, 64, 256) for tb in (0, 1)]
+          # the sm90 backward's paired form: S^T over a warpgroup's 32 queries; dK's B at d = 192
+          + [(32, False, False, 0, 0), (192, False, False, 0, 1)])
 # The same with imm-scale-a or imm-scale-b = -1 (a sixth field: which operand is negated).
 NEGATED = [(64, False, False, 0, 1, "a"), (32, True, True, 0, 0, "b")]
 
