@@ -21,7 +21,7 @@ from fagen.reference import attention_gradients, attention_same_dtype
 from fagen.spec import Spec
 from fagen.variants import custom_mod, trace_score_mod
 from kernel_cases import Shape, run_and_check
-from sm90_cases import BIAS, check_sm90_kernel_compiles, relative_bias
+from sm90_cases import ALIBI_SOFTCAP, BIAS, check_sm90_kernel_compiles, gated, relative_bias
 from variant_cases import run_variant_case
 
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")
@@ -89,14 +89,9 @@ def test_masks_sinks_softcap_and_alibi_match_the_oracle(spec):
 # Score chains in natural-log units (d = 64): a score_mod whose derivative is not 1 (ds'/dx per
 # element), a captured tensor's gradient (added from dS before the chain's derivative), ALiBi with a
 # softcap.
-def _gated(score, b, h, q_idx, kv_idx):
-    return score * torch.sigmoid(score)
-
-
 CHAINS = {"relative_bias": (Spec(64, mask="causal", arch_family="sm90"), {"score_mod": relative_bias}, (BIAS,)),
-          "gated": (Spec(64, dtype="bf16", arch_family="sm90"), {"score_mod": _gated}, ()),
-          "alibi_softcap": (Spec(64, mask="causal", dtype="bf16", arch_family="sm90"),
-                            {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}, ()),
+          "gated": (Spec(64, dtype="bf16", arch_family="sm90"), {"score_mod": gated}, ()),
+          "alibi_softcap": (Spec(64, mask="causal", dtype="bf16", arch_family="sm90"), ALIBI_SOFTCAP, ()),
           # under dropout: the chain's derivative and the captured gradient beside the keep bits
           "softcap_dropout": (Spec(64, mask="causal", dropout=True, arch_family="sm90"), {"softcap": 5.0}, ()),
           "relative_bias_dropout": (Spec(64, dropout=True, dtype="bf16", arch_family="sm90"),

@@ -22,6 +22,15 @@ def relative_bias(score, b, h, q_idx, kv_idx):
     return score + BIAS[h, q_idx - kv_idx + 199]
 
 
+def gated(score, b, h, q_idx, kv_idx):
+    """A score_mod whose derivative is not 1: ds'/dx per element in the backward."""
+    return score * torch.sigmoid(score)
+
+
+# ALiBi with a softcap: a score chain in natural-log units without a score_mod (flash_attn_func's keywords).
+ALIBI_SOFTCAP = {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0}
+
+
 def same_document(b, h, q_idx, kv_idx):
     return DOCUMENTS[b, q_idx] == DOCUMENTS[b, kv_idx]
 

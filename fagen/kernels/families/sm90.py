@@ -57,7 +57,7 @@ def _refusal(paired: bool):
     return refusal
 
 
-_PARTS = ("sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2",
+_PARTS = ("sm90/hopper_bwd_flags.j2", "sm90/hopper_bwd_scores.j2", "sm90/hopper_bwd_dropout.j2", "sm90/hopper_bwd_dq_order.j2",
           "sm90/hopper_bwd_dq_writer.j2", "sm90/hopper_bwd_walk.j2")
 BACKWARD = Pass(("sm90/hopper_bwd.cu.j2",), _backward_entries, includes=_PARTS, refusal=_refusal(paired=False))
 # Sm90BackwardTiles.paired (d > 128, d_v != d, and what spilled in the other form): two consumer
