@@ -1,16 +1,20 @@
 """Compile speed: cold NVRTC seconds per variant and warm cache-hit milliseconds.
 
-A variant is one translation unit holding its forward kernel and all its
-backward kernels, so "cold" is what a user waits for the first call of a new
-spec on one arch.
+A variant is one source holding its forward kernel and all its backward
+kernels. NVRTC compiles it as two translation units, the forward's and the
+backward's, in parallel threads (`Source.units`), so "cold" is what a user
+waits for the first call of a new spec on one arch; each unit's own seconds
+are printed beside it.
 
     python benchmarks/compile_speed.py [--arch sm_90] [--repeat 20] [--arch-family sm90] [--decoding] [--wide]
+                                       [--head-dims 192,256]
 
 With --arch-family sm90 the same variants' forward is the sm90 family's (wgmma, TMA; beside the
-sm80 backward in the one translation unit), compiled for sm_90a. With --decoding the variants are
+backward), compiled for sm_90a. With --decoding the variants are
 decoding steps' instead (flash_attn_with_kvcache's specs: the forward over the cache, the split-KV
 combine and the append). With --wide the head dims are those past 256: d 320, 384, 448 and 512,
-plain and causal (decoding: d 512, and absorbed MLA's d = 576 with V from K).
+plain and causal (decoding: d 512, and absorbed MLA's d = 576 with V from K). --head-dims names
+the training specs' head dims instead (bf16, plain and causal; e.g. 192,256: the sm90 backward's paired form).
 
 Cold: a fresh cache directory, so every variant is compiled by NVRTC. Warm:
 the same variants again from the disk cache (memory cache cleared) and from
@@ -35,13 +39,14 @@ def main() -> None:
     parser.add_argument("--arch-family", choices=("sm80", "sm90"), default="sm80")
     parser.add_argument("--decoding", action="store_true", help="decoding steps' specs (kv_cache)")
     parser.add_argument("--wide", action="store_true", help="head dims past 256")
+    parser.add_argument("--head-dims", default=None, help="training specs at these head dims, e.g. 192,256")
     args = parser.parse_args()
     args.arch = args.arch or ("sm_90a" if args.arch_family == "sm90" else "sm_90")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["FAGEN_CACHE_DIR"] = cache
         compiler.clear_memory_cache()
-        cold, disk, memory = [], [], []
-        specs = (decoding_specs if args.decoding else training_specs)(args.wide)
+        cold, units, disk, memory = [], [], [], []
+        specs = decoding_specs(args.wide) if args.decoding else training_specs(args.wide, args.head_dims)
         for spec in (in_family(s, args.arch_family) for s in specs):
             start = time.perf_counter()
             source = render(spec)
@@ -49,6 +54,7 @@ def main() -> None:
             kernel = compiler.compile_source(source, args.arch)
             assert kernel.cache == "miss"
             cold.append(kernel.compile_seconds)
+            units.extend(kernel.unit_seconds)
             for _ in range(args.repeat):
                 compiler.clear_memory_cache()
                 start = time.perf_counter()
@@ -57,11 +63,14 @@ def main() -> None:
                 start = time.perf_counter()
                 assert compiler.compile_source(source, args.arch).cache == "memory"
                 memory.append(time.perf_counter() - start)
+            each = " + ".join(f"{s:.2f}" for s in kernel.unit_seconds)
             print(f"{spec.name:<28} render {render_s * 1e3:6.1f} ms  cold NVRTC {kernel.compile_seconds:5.2f} s "
-                  f"({len(kernel.resources)} kernels)")
+                  f"(units {each} s; {len(kernel.resources)} kernels)")
     what = "a decoding step's kernels each" if args.decoding else "forward + backward each"
     print(f"\nNVRTC {compiler.nvrtc_version()}, arch {args.arch}, {len(cold)} variants ({what})")
-    print(f"cold compile per variant: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s")
+    print(f"cold compile per variant: median {statistics.median(cold):.2f} s, max {max(cold):.2f} s "
+          f"(its units in parallel, on {os.cpu_count()} CPUs)")
+    print(f"cold compile per unit:    median {statistics.median(units):.2f} s, max {max(units):.2f} s")
     print(f"warm disk-cache hit:     median {statistics.median(disk) * 1e3:.2f} ms")
     print(f"warm memory-cache hit:   median {statistics.median(memory) * 1e3:.3f} ms")
 
@@ -75,13 +84,15 @@ def in_family(spec, family: str):
     return spec.replace(arch_family=family)
 
 
-def training_specs(wide: bool) -> list:
-    """`fagen build`'s default specs, or past d = 256 bf16 plain and causal ones."""
+def training_specs(wide: bool, head_dims: str | None = None) -> list:
+    """`fagen build`'s default specs, or bf16 plain and causal ones at `head_dims` ("192,256"), or
+    past d = 256."""
     from fagen.spec import Spec
 
-    if not wide:
+    if not wide and head_dims is None:
         return default_specs()
-    return [Spec(d, dtype="bf16", mask=mask) for d in (320, 384, 448, 512) for mask in ("none", "causal")]
+    dims = [int(d) for d in head_dims.split(",")] if head_dims else (320, 384, 448, 512)
+    return [Spec(d, dtype="bf16", mask=mask) for d in dims for mask in ("none", "causal")]
 
 
 def decoding_specs(wide: bool) -> list:

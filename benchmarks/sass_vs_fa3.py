@@ -259,7 +259,7 @@ def fagen_sm90_figure(row: dict):
         return None, None
     if row["pass"] != "fwd" and sm90_backward_refusal(spec) is not None:   # it runs the sm80 family's
         return None, None
-    report = cubin_reports(compile_source(render(spec), "sm_90a").cubin, "sm_90a")[spec.name + "_" + row["pass"]]
+    report = cubin_reports(*compile_source(render(spec), "sm_90a").cubins, arch="sm_90a")[spec.name + "_" + row["pass"]]
     return report.non_tensor_per_tensor_op, report
 
 
@@ -296,7 +296,7 @@ def prototype_figures() -> dict[str, dict] | None:
     if not PROTOTYPE.exists():
         return None
     kernel = compile_source(PROTOTYPE.read_text(), "sm_90a")
-    reports = cubin_reports(kernel.cubin, "sm_90a")
+    reports = cubin_reports(*kernel.cubins, arch="sm_90a")
     figures = {}
     for dtype in DTYPES.values():
         name = f"hopper_backward_{dtype}"

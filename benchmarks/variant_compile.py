@@ -2,8 +2,8 @@
 
     python benchmarks/variant_compile.py [--arch sm_80 sm_90] [--repeat 5]
 
-Three specs (head dim 64, fp16; one translation unit each, holding the forward kernel and
-every backward kernel):
+Three specs (head dim 64, fp16; one source each, holding the forward kernel and every backward
+kernel, which NVRTC compiles as two units in parallel):
 
   plain     Spec(64)
   builtins  Spec(64, mask="causal", window=True, softcap=True, alibi=True, sinks=True)

@@ -328,7 +328,7 @@ def _sass_of_cubin(args, arch: str) -> int:
     if not path.is_file():
         raise CommandError(f"--cubin {args.cubin}: no such file")
     try:
-        reports = cubin_reports(path.read_bytes(), arch)
+        reports = cubin_reports(path.read_bytes(), arch=arch)
     except SassError as exc:
         raise CommandError(f"--cubin {args.cubin}: {exc}") from None
     print(f"{path.name} ({arch}): each kernel's main loop, one steady-state iteration, per warp; tensor-core "

@@ -515,6 +515,8 @@ def _backward_plan(source: Source, q, k, v, out, dout, softmax_scale, drop, vari
     taken = {p.name.removesuffix("_packed") for e in kernels.backward for p in e.params}
     if "dq_accum" in taken:   # not where a deterministic dQ has a pass of its own (sm80's)
         buffers.append(("dq_accum", (batch, heads, seqlen_q, head_dim), f32))
+    if "dq_blocks" in taken:   # whole query blocks (sm90's): zeroed by the preprocess, padding included
+        buffers.append(("dq_blocks", (batch, heads, padded_rows, head_dim), f32))
     if "dq_semaphore" in taken:   # dQ's reductions in a fixed order (sm90's deterministic): zeroed by the preprocess
         buffers.append(("dq_semaphore", (batch, heads, padded_rows), torch.int32))
     unused_ones = ({"dk_out": unused(device, q.dtype), "dv_out": unused(device, q.dtype)} if grouped else

@@ -1,9 +1,10 @@
 """Compile rendered CUDA with NVRTC, for explicit archs, with no GPU needed.
 
 NVRTC is called through NVIDIA's `cuda.bindings.nvrtc` (cuda-bindings 12 or
-13), which works without a driver. Results are cached twice: in memory for the
-process, and on disk under the user's cache directory, keyed by the source
-hash, the arch, the NVRTC version and the options. Disk entries are single
+13), which works without a driver. A spec's source compiles as its translation
+units, one per pass (`Source.units`), in parallel threads. Each unit is cached
+twice: in memory for the process, and on disk under the user's cache directory,
+keyed by the unit's hash, the arch, the NVRTC version and the options. Disk entries are single
 JSON files written to a temporary name and renamed into place, so concurrent
 builders of the same source both succeed and readers never see half a file.
 
@@ -24,6 +25,7 @@ import logging
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,16 +67,18 @@ class ResourceReport:
 
 @dataclass
 class CompiledKernel:
-    """A cubin for one arch (for a compute_XY target: its PTX, which the driver compiles),
-    its ptxas report, and how it was obtained."""
+    """A source compiled for one arch: a cubin per translation unit (`Source.units`, in their
+    order; for a compute_XY target, their PTX, which the driver compiles), ptxas's report of every
+    kernel, and how it was obtained."""
 
     arch: str
-    cubin: bytes
+    cubins: tuple[bytes, ...]
     log: str
     resources: dict[str, ResourceReport]
     nvrtc_version: str
-    compile_seconds: float
-    cache: str = field(default="miss")  # "miss", "disk" or "memory"
+    compile_seconds: float       # what the call waited for NVRTC: its units compile in parallel
+    cache: str = field(default="miss")  # "miss" (any unit compiled), "disk" or "memory"
+    unit_seconds: tuple[float, ...] = ()  # NVRTC's seconds for each unit, when it was compiled
 
 
 # -- toolchain discovery ---------------------------------------------------
@@ -361,9 +365,10 @@ def _read_disk(path: Path) -> CompiledKernel | None:
     try:
         data = json.loads(path.read_text())
         resources = {k: ResourceReport(**v) for k, v in data["resources"].items()}
-        return CompiledKernel(arch=data["arch"], cubin=base64.b64decode(data["cubin"]), log=data["log"],
+        return CompiledKernel(arch=data["arch"], cubins=(base64.b64decode(data["cubin"]),), log=data["log"],
                               resources=resources, nvrtc_version=data["nvrtc_version"],
-                              compile_seconds=data["compile_seconds"], cache="disk")
+                              compile_seconds=data["compile_seconds"], cache="disk",
+                              unit_seconds=(data["compile_seconds"],))
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as exc:
@@ -372,7 +377,9 @@ def _read_disk(path: Path) -> CompiledKernel | None:
 
 
 def _write_disk(path: Path, kernel: CompiledKernel) -> None:
-    data = {"arch": kernel.arch, "cubin": base64.b64encode(kernel.cubin).decode(), "log": kernel.log,
+    """One unit's entry: its one cubin."""
+    (cubin,) = kernel.cubins
+    data = {"arch": kernel.arch, "cubin": base64.b64encode(cubin).decode(), "log": kernel.log,
             "resources": {k: asdict(v) for k, v in kernel.resources.items()},
             "nvrtc_version": kernel.nvrtc_version, "compile_seconds": kernel.compile_seconds}
     write_atomic(path, json.dumps(data).encode())
@@ -380,40 +387,66 @@ def _write_disk(path: Path, kernel: CompiledKernel) -> None:
 
 def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
                    shared_limit: int | None = None) -> CompiledKernel:
-    """Compile a rendered source for one arch, through the memory and disk caches.
+    """Compile a rendered source for one arch, each of its translation units (`Source.units`: its
+    passes) in a thread of its own, through the memory and disk caches (one entry per unit).
 
     `shared_limit` is the GPU's own shared memory per block (the driver's
     opt-in limit) when compiling for a device; else the arch table's is used."""
-    code = source.code if isinstance(source, Source) else source
     if isinstance(source, Source):
         # The forward's tiles; launching the backward checks its own.
         source.spec.check_arch(arch, backward=False, shared_limit=shared_limit)
+        what, units = source.spec.name, [unit.code for unit in source.units]
+    else:
+        what, units = "a kernel source", [source]
+    start = time.perf_counter()
+    if len(units) == 1:
+        return _compile_unit(units[0], arch, what, use_cache)
+    parts = [_memory_hit(code, arch) if use_cache else None for code in units]
+    if None in parts:   # a thread per unit to read from disk or compile: NVRTC releases the GIL
+        with ThreadPoolExecutor(len(units), thread_name_prefix="fagen-nvrtc") as pool:
+            parts = list(pool.map(lambda code, part: part or _compile_unit(code, arch, what, use_cache), units, parts))
+    cache = next(c for c in ("miss", "disk", "memory") if any(p.cache == c for p in parts))
+    return CompiledKernel(arch=arch, cubins=tuple(c for p in parts for c in p.cubins),
+                          log="\n".join(p.log for p in parts),
+                          resources={k: r for p in parts for k, r in p.resources.items()},
+                          nvrtc_version=parts[0].nvrtc_version,
+                          compile_seconds=time.perf_counter() - start if cache == "miss" else
+                          max(p.compile_seconds for p in parts),
+                          cache=cache, unit_seconds=tuple(s for p in parts for s in p.unit_seconds))
+
+
+def _memory_hit(code: str, arch: str) -> CompiledKernel | None:
+    with _memory_lock:
+        hit = _memory_cache.get(cache_key(hashlib.sha256(code.encode()).hexdigest(), arch))
+    return None if hit is None else CompiledKernel(**{**hit.__dict__, "cache": "memory"})
+
+
+def _compile_unit(code: str, arch: str, what: str, use_cache: bool) -> CompiledKernel:
+    """One translation unit through the caches: a CompiledKernel of one cubin."""
     key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
     if use_cache:
-        with _memory_lock:
-            hit = _memory_cache.get(key)
+        hit = _memory_hit(code, arch)
         if hit is not None:
-            return CompiledKernel(**{**hit.__dict__, "cache": "memory"})
+            return hit
         hit = _read_disk(_cache_path(key))
         if hit is not None:
             with _memory_lock:
                 _memory_cache[key] = hit
             return hit
-    what = source.spec.name if isinstance(source, Source) else "a kernel source"
     logger.info("compiling %s for %s with NVRTC %s", what, arch, nvrtc_version())
     start = time.perf_counter()
     cubin, nvrtc_log = nvrtc_compile(code, arch)
     check_wgmma_pipeline(nvrtc_log, what, arch)  # before caching: a serialised build is never reused
-    kernel = CompiledKernel(arch=arch, cubin=cubin, log=nvrtc_log,
+    seconds = time.perf_counter() - start
+    kernel = CompiledKernel(arch=arch, cubins=(cubin,), log=nvrtc_log,
                             resources=parse_ptxas_log(nvrtc_log, arch),
-                            nvrtc_version=nvrtc_version(),
-                            compile_seconds=time.perf_counter() - start)
+                            nvrtc_version=nvrtc_version(), compile_seconds=seconds, unit_seconds=(seconds,))
     if use_cache:
         try:
             _write_disk(_cache_path(key), kernel)
         except OSError as exc:  # an unwritable cache costs a recompile next process, not this call
             warnings.warn(f"cannot write the fagen kernel cache ({exc}); continuing without it",
-                          stacklevel=2)
+                          stacklevel=3)
         with _memory_lock:
             _memory_cache[key] = kernel
     return kernel

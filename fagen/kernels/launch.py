@@ -329,11 +329,12 @@ def _load_cuda(source: Source, device: torch.device) -> LoadedSource:
     logger.info("loading %s for %s on %s: NVRTC target %s", source.spec.name, device,
                 torch.cuda.get_device_name(device), describe_target(device_arch, target))
     compiled = compile_source(source, target, shared_limit=shared_limit(device))
+    functions = {}
     with cupy.cuda.Device(device.index):
-        module = cupy.cuda.function.Module()
-        module.load(compiled.cubin)
-        functions = {e.name: _CudaFunction(module.get_function(e.name), device.index)
-                     for e in source.entries}
+        for unit, cubin in zip(source.units, compiled.cubins, strict=True):   # a module per translation unit
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            functions.update({name: _CudaFunction(module.get_function(name), device.index) for name in unit.names})
     return LoadedSource(source, device, functions, pointer=lambda t: np.uint64(t.data_ptr()),
                         tensor_map=_driver_map)
 

@@ -98,7 +98,7 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
     """The sm90 family's backward main kernel (templates/sm90/hopper_bwd.cu.j2): q, k, v and dO as
     TMA tensor maps (one 64-column box of a tile's rows, 128B swizzle), and the preprocess's rows
     of L in log2 units and D, (B, H, padded Nq) fp32, as maps of one query block's 64 floats (no
-    swizzle); dQ's fp32 accumulator, summed into by bulk reductions; dK and dV per query head (in
+    swizzle); dQ's fp32 accumulator in whole query blocks (`dq_blocks`), summed into by bulk reductions; dK and dV per query head (in
     fp32 under GQA, as the sm80 backward's)."""
     tiles = sm90_backward_tiles(spec)
     elem = ELEM_CTYPE[spec.dtype]
@@ -107,7 +107,7 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
                                ("dout", tiles.block_m))]
     rows = [Param(name, TENSOR_MAP, "tensor_map", box=(1, 1, tiles.block_m), swizzle=Swizzle.NONE)
             for name in ("lse_log2", "delta")]
-    outputs = ([_tensor("dq_accum", "float")] + dq_order(spec) + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
+    outputs = ([_tensor("dq_blocks", "float")] + dq_order(spec) + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
                + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
@@ -195,14 +195,18 @@ def dq_order(spec: Spec) -> list[Param]:
     return [_tensor("dq_semaphore", "int")] if spec.deterministic else []
 
 
-def backward_params(spec: Spec, debug: bool = False, ordered_dq: bool = False) -> dict[str, tuple[Param, ...]]:
-    """The backward's kernels' parameters. A deterministic spec's dQ comes from its own pass without
-    atomics (the sm80 family), or with `ordered_dq` from the fp32 accumulator summed in a fixed order
-    of key blocks (the sm90 family): the preprocess then also zeroes `dq_order`'s turn counters."""
+def backward_params(spec: Spec, debug: bool = False, blocked_dq: bool = False) -> dict[str, tuple[Param, ...]]:
+    """The backward's kernels' parameters. dQ's fp32 accumulator is `dq_accum`, (B, H, Nq, d) row
+    by row, summed into by atomics (the sm80 family; a deterministic spec's dQ comes from its own
+    pass without them), or with `blocked_dq` `dq_blocks`: (B, H, padded Nq, d) in whole query blocks,
+    each holding its elements in the main kernel's order (`bwd::dq_offset`), summed into block by
+    block by bulk reductions, in a fixed order of key blocks when deterministic (the sm90 family:
+    the preprocess then also zeroes `dq_order`'s turn counters)."""
     elem = ELEM_CTYPE[spec.dtype]
     scales = [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
-    dq_pass = spec.deterministic and not ordered_dq
-    dq_accum = [] if dq_pass else [_tensor("dq_accum", "float")] + dq_order(spec)
+    dq_pass = spec.deterministic and not blocked_dq
+    accumulator = "dq_blocks" if blocked_dq else "dq_accum"
+    dq_accum = [] if dq_pass else [_tensor(accumulator, "float")] + dq_order(spec)
     # The preprocess kernel turns the forward's statistics into lse_log2 (and D) for the
     # others, in rows padded to whole backward Q blocks.
     inputs = [_tensor(n, elem, const=True) for n in ("q", "k", "v", "dout")]
@@ -223,7 +227,7 @@ def backward_params(spec: Spec, debug: bool = False, ordered_dq: bool = False) -
         params["bwd_dq"] = (inputs + [_tensor("dq", elem)] + _sizes(spec)
                             + _strides("q", "k", "v", "do", "dq") + scales + _dropout(spec) + _variant(spec))
     else:
-        params["bwd_dq_convert"] = [_tensor("dq_accum", "float", const=True), _tensor("dq", elem),
+        params["bwd_dq_convert"] = [_tensor(accumulator, "float", const=True), _tensor("dq", elem),
                                     Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")] \
                                    + _strides("dq") + [Param("softmax_scale", "float", "float32")]
     return {role: tuple(p) for role, p in params.items()}
@@ -237,8 +241,10 @@ VARLEN_Q_ROWS = {"q": "q", "out": "o", "dout": "do", "dq": "dq"}
 VARLEN_K_ROWS = {"k": "k", "v": "v", "dk_out": "dk", "dv_out": "dv", "dk_out_fp32": "dk", "dv_out_fp32": "dv"}
 VARLEN_STATS = ("lse", "row_max", "row_sum", "row_max_out", "row_sum_out")
 VARLEN_ROW_WORKSPACES = ("o_accum", "dq_accum")      # (B, H, max_seqlen_q, d)
+VARLEN_BLOCK_WORKSPACES = ("dq_blocks",)             # (B, H, padded max_seqlen_q, d)
 VARLEN_PADDED = ("delta", "lse_log2", "dq_semaphore")   # (B, H, padded max_seqlen_q)
-VARLEN_PACKED = (*VARLEN_Q_ROWS, *VARLEN_K_ROWS, *VARLEN_STATS, *VARLEN_ROW_WORKSPACES, *VARLEN_PADDED)
+VARLEN_PACKED = (*VARLEN_Q_ROWS, *VARLEN_K_ROWS, *VARLEN_STATS, *VARLEN_ROW_WORKSPACES, *VARLEN_BLOCK_WORKSPACES,
+                 *VARLEN_PADDED)
 
 
 def varlen_params(params: list[Param]) -> list[Param]:

@@ -2,8 +2,9 @@
 
 A pass is one template under templates/ (its family's folder, or the shared ones beside them) and
 the `extern "C" __global__` kernels it defines, with their signatures and launch geometry. A
-family (`fagen.kernels.families`) lists its passes; a Spec's translation unit is the passes its
-family runs for it (`KernelFamily.passes_of`), rendered one after the other.
+family (`fagen.kernels.families`) lists its passes; a Spec's source is the passes its family runs
+for it (`KernelFamily.passes_of`), rendered one after the other, and each pass with the source's
+prelude is a translation unit NVRTC compiles by itself (`render.Source.units`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class KernelFamily:
         return next(found for found in self.backward if found.refusal(spec) is None)
 
     def passes_of(self, spec: Spec) -> tuple[Pass, ...]:
-        """The passes of `spec`'s translation unit: training's forward and backward; decoding's
+        """The passes of `spec`'s source: training's forward and backward; decoding's
         forward, with the split-KV combine and the append unless queries are packed (varlen)."""
         if spec.kv_cache:
             return (self.decoding[spec.version],) + (() if spec.varlen else (self.combine,))

@@ -21,7 +21,8 @@ import jinja2
 from ..spec import Spec
 from ..variants.cuda import variant_code
 from .families import kernel_family
-from .params import ELEM_CTYPE, VARLEN_K_ROWS, VARLEN_Q_ROWS, VARLEN_ROW_WORKSPACES, VARLEN_STATS
+from .params import (ELEM_CTYPE, VARLEN_BLOCK_WORKSPACES, VARLEN_K_ROWS, VARLEN_Q_ROWS, VARLEN_ROW_WORKSPACES,
+                     VARLEN_STATS)
 from .passes import Entries, Entry   # noqa: F401  (Entry: launch's and the op modules' name for a kernel)
 
 
@@ -39,21 +40,50 @@ def include_dir() -> Path:
     return template_dir() / "include"
 
 @dataclass(frozen=True)
+class Unit:
+    """A translation unit that NVRTC compiles by itself: the source's prelude (its header, includes,
+    element type and variant code) and the kernels of one pass (`names`)."""
+
+    prelude: str
+    body: str
+    names: tuple[str, ...]
+
+    @property
+    def code(self) -> str:
+        return self.prelude + self.body
+
+
+@dataclass(frozen=True)
 class Source:
-    """A rendered translation unit and what is needed to launch it."""
+    """A spec's rendered CUDA and what is needed to launch it.
+
+    `code` is the whole source: what `fagen build` writes, what the emulator runs and what every
+    cache key hashes. NVRTC compiles it as `units`, one per pass (`pass_units`: the forward and the
+    backward apart, in parallel, each cached by itself); a source built from code alone (an op
+    module's file, a test's mutant) is one unit."""
 
     spec: Spec
     code: str
     kernels: Entries
+    pass_units: tuple[Unit, ...] = ()
+
+    def __post_init__(self):
+        if self.pass_units and self.code != self.pass_units[0].prelude + "".join(u.body for u in self.pass_units):
+            raise ValueError(f"{self.spec.name}: the source's pass_units do not make up its code; "
+                             f"replace both, or give the code alone")
 
     @property
     def entries(self) -> tuple[Entry, ...]:
         return self.kernels.all
 
+    @property
+    def units(self) -> tuple[Unit, ...]:
+        """What NVRTC compiles: the pass units, else the whole code as one."""
+        return self.pass_units or (Unit("", self.code, tuple(e.name for e in self.entries)),)
+
     @functools.cached_property
     def hash(self) -> str:
         return hashlib.sha256(self.code.encode()).hexdigest()
-
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,7 +106,8 @@ def kernel_entries(spec: Spec, debug: bool = False) -> Entries:
 
 
 def render(spec: Spec, debug: bool = False) -> Source:
-    """Render every kernel of `spec` (forward and backward) into one translation unit.
+    """Render every kernel of `spec` (forward and backward) into one source, whose passes are
+    also its translation units (`Source.units`).
 
     `debug` adds instrumentation for tests: the forward kernel records how many
     K/V tiles each thread block visits (`tiles_visited`), and with dropout the
@@ -84,10 +115,24 @@ def render(spec: Spec, debug: bool = False) -> Source:
     """
     family = kernel_family(spec)
     entries = family.entries(spec, debug)
-    code = environment().get_template("translation_unit.cu.j2").render(
+    template = environment().get_template("translation_unit.cu.j2")
+    context = _context(spec, entries, debug)
+    prelude = template.render(**context, pass_templates=[])
+    units = []
+    for found in family.passes_of(spec):
+        # Each pass renders after the prelude in the same context, so the units join into the whole.
+        body = template.render(**context, pass_templates=list(found.templates))[len(prelude):]
+        units.append(Unit(prelude, body, tuple(e.name for e in found.entries(spec, debug).values())))
+    code = prelude + "".join(u.body for u in units)
+    return Source(spec=spec, code=code, kernels=entries, pass_units=tuple(units) if len(units) > 1 else ())
+
+
+def _context(spec: Spec, entries: Entries, debug: bool) -> dict:
+    """What translation_unit.cu.j2 and the pass templates it includes read."""
+    family = kernel_family(spec)
+    return dict(
         spec=spec,
         entries=entries,
-        pass_templates=[name for found in family.passes_of(spec) for name in found.templates],
         family_headers=family.headers,
         **family.context(spec),
         layout=spec.shared_layout,
@@ -100,9 +145,8 @@ def render(spec: Spec, debug: bool = False) -> Source:
         debug=debug,
         variant=variant_code(spec),
         varlen={"q_rows": VARLEN_Q_ROWS, "k_rows": VARLEN_K_ROWS, "stats": VARLEN_STATS,
-                "row_workspaces": VARLEN_ROW_WORKSPACES},
+                "row_workspaces": VARLEN_ROW_WORKSPACES, "block_workspaces": VARLEN_BLOCK_WORKSPACES},
     )
-    return Source(spec=spec, code=code, kernels=entries)
 
 
 @functools.lru_cache(maxsize=512)

@@ -114,17 +114,21 @@ def find_cuobjdump() -> str | None:
         return None
 
 
-def disassemble(cubin: bytes) -> str:
-    """SASS text of a cubin (needs cuobjdump and nvdisasm, e.g. from PyPI wheels)."""
+def disassemble(*cubins: bytes) -> str:
+    """SASS text of cubins, one listing after the other (a source's translation units:
+    `CompiledKernel.cubins`). Needs cuobjdump and nvdisasm, e.g. from PyPI wheels."""
     tool = find_cuobjdump()
     if tool is None:
         raise SassError("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    env = dict(os.environ)
+    env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
+    listings = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        env = dict(os.environ)
-        env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
-        result = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise SassError(f"cuobjdump failed: {result.stderr.strip()}")
-    return result.stdout
+        for index, cubin in enumerate(cubins):
+            path = Path(tmp) / f"unit{index}.cubin"
+            path.write_bytes(cubin)
+            result = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, env=env)
+            if result.returncode != 0:
+                raise SassError(f"cuobjdump failed: {result.stderr.strip()}")
+            listings.append(result.stdout)
+    return "".join(listings)

@@ -240,7 +240,7 @@ def report_for_spec(spec, arch: str) -> dict[str, KernelReport]:
 
     source = render(spec)
     compiled = compile_source(source, arch)
-    reports = analyse_listing(disassemble(compiled.cubin), arch, spec_geometries(spec, source.kernels))
+    reports = analyse_listing(disassemble(*compiled.cubins), arch, spec_geometries(spec, source.kernels))
     for entry in source.entries:
         report, resources = reports.get(entry.name), compiled.resources.get(entry.name)
         if report is None or resources is None:
@@ -302,14 +302,14 @@ def format_roles(r: KernelReport, warpgroups: dict[str, int] | None = None) -> l
 
 # -- a peer's cubin ---------------------------------------------------------------------------------
 
-def cubin_reports(cubin: bytes, arch: str) -> dict[str, KernelReport]:
-    """Every kernel of a cubin fagen did not build (a peer's, e.g. FlashAttention-3's): its main
+def cubin_reports(*cubins: bytes, arch: str) -> dict[str, KernelReport]:
+    """Every kernel of cubins fagen did not build (a peer's, e.g. FlashAttention-3's): its main
     loop (the loop with the most tensor-core work of its own), one steady-state iteration, and
     that iteration's HMMA-equivalents (no geometry: `non_tensor_per_tensor_op`)."""
     from .listing import disassemble
 
     return {name: analyse_foreign(name, instructions, arch)
-            for name, instructions in parse_listing(disassemble(cubin)).items()}
+            for name, instructions in parse_listing(disassemble(*cubins)).items()}
 
 
 def analyse_foreign(name: str, instructions: list[Instruction], arch: str) -> KernelReport:

@@ -1,5 +1,6 @@
 """Rendering: deterministic, strict, annotated."""
 
+import dataclasses
 import re
 
 import jinja2
@@ -101,3 +102,35 @@ def test_the_overflow_check_sees_the_old_fa1_loops():
     assert len(wide_products_problems(old)) == 4
     fixed = "  for (long long idx = threadIdx.x; idx < (long long)seqlen_q * kHeadDim; idx += kThreads)\n"
     assert wide_products_problems(fixed) == []
+
+
+@pytest.mark.parametrize("spec", [Spec(64, mask="causal"), Spec(128, dropout=True, deterministic=True),
+                                  Spec(128, arch_family="sm90", window=True),
+                                  Spec(64, kv_cache="paged", key_padding=True, dtype="bf16")],
+                         ids=lambda s: s.name)
+def test_the_passes_units_make_up_the_whole_source(spec):
+    """NVRTC compiles a source as its passes' units (the forward and the backward apart, in
+    parallel); the emulator, `fagen build` and the caches read the whole. Both are one rendering:
+    the prelude, then each pass, exactly as the translation unit includes them all."""
+    source = render(spec)
+    whole = codegen.environment().get_template("translation_unit.cu.j2").render(
+        **codegen._context(spec, source.kernels, False),
+        pass_templates=[t for found in codegen.kernel_family(spec).passes_of(spec) for t in found.templates])
+    assert source.code == whole and len(source.units) == 2
+    prelude = source.units[0].prelude
+    assert source.code == prelude + "".join(unit.body for unit in source.units)
+    assert "__global__" not in prelude and all(unit.code.startswith(prelude) for unit in source.units)
+    names = [name for unit in source.units for name in unit.names]
+    assert sorted(names) == sorted(e.name for e in source.entries)   # every kernel in exactly one unit
+    for unit in source.units:
+        defined = re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", unit.body)
+        assert sorted(defined) == sorted(unit.names)
+
+
+def test_a_source_whose_units_do_not_make_up_its_code_is_refused():
+    source = render(Spec(64))
+    with pytest.raises(ValueError, match="pass_units do not make up its code"):
+        dataclasses.replace(source, code=source.code + "// edited\n")
+    whole = dataclasses.replace(source, code=source.code + "// edited\n", pass_units=())
+    assert [unit.code for unit in whole.units] == [whole.code]   # code alone: one unit, every kernel
+    assert whole.units[0].names == tuple(e.name for e in source.entries)

@@ -37,7 +37,7 @@ def test_parse_ptxas_log():
 def test_compiles_without_a_gpu(cache, arch):
     spec = Spec(64, mask="causal")
     kernel = compile_source(render(spec), arch)
-    assert kernel.cubin[:4] == b"\x7fELF"
+    assert [cubin[:4] for cubin in kernel.cubins] == [b"\x7fELF"] * 2   # the forward's unit, the backward's
     report = kernel.resources[f"{spec.name}_fwd"]
     assert report.arch == arch and report.registers > 0 and report.spill_bytes == 0
 
@@ -54,8 +54,8 @@ def test_memory_then_disk_cache(cache):
     assert compile_source(source, "sm_80").cache == "memory"
     compiler.clear_memory_cache()
     hit = compile_source(source, "sm_80")
-    assert hit.cache == "disk" and hit.cubin == first.cubin and hit.resources == first.resources
-    assert len(list((cache / "cubin").glob("*.json"))) == 1
+    assert hit.cache == "disk" and hit.cubins == first.cubins and hit.resources == first.resources
+    assert len(list((cache / "cubin").glob("*.json"))) == 2   # an entry per translation unit
 
 
 def test_cache_key_covers_source_arch_and_nvrtc(cache):
@@ -68,7 +68,7 @@ def test_cache_key_covers_source_arch_and_nvrtc(cache):
 def test_corrupt_entry_is_ignored_and_rewritten(cache):
     source = render(Spec(32))
     compile_source(source, "sm_80")
-    (entry,) = (cache / "cubin").glob("*.json")
+    entry, _ = (cache / "cubin").glob("*.json")
     entry.write_text("{not json")
     compiler.clear_memory_cache()
     with warnings.catch_warnings(record=True) as caught:
@@ -90,7 +90,7 @@ def _build_in_child(cache_dir, barrier, queue):
     source = child_render(ChildSpec(64, dtype="bf16"))
     barrier.wait()
     kernel = child_compiler.compile_source(source, "sm_90")
-    queue.put((kernel.cache, kernel.cubin))
+    queue.put((kernel.cache, kernel.cubins))
 
 
 def test_two_processes_building_one_variant_both_succeed(cache):
@@ -105,7 +105,7 @@ def test_two_processes_building_one_variant_both_succeed(cache):
         assert p.exitcode == 0
     assert results[0][1] == results[1][1]
     entries = list((cache / "cubin").glob("*"))
-    assert len(entries) == 1 and entries[0].suffix == ".json"  # no temp files left behind
+    assert len(entries) == 2 and {e.suffix for e in entries} == {".json"}  # a unit's each; no temp files left behind
     compiler.clear_memory_cache()
     assert compile_source(render(Spec(64, dtype="bf16")), "sm_90").cache == "disk"
 

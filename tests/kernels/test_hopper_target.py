@@ -52,15 +52,15 @@ def test_an_mma_sync_spec_compiles_for_sm_90a_apart_from_sm_90(cache):
     assert "for 'sm_90a'" in hopper.log and "for 'sm_90'" in plain.log
     report = hopper.resources[f"{source.spec.name}_fwd"]
     assert report.arch == "sm_90a" and report.registers > 0 and report.spill_bytes == 0
-    assert hopper.cubin[:4] == b"\x7fELF" and hopper.cubin != plain.cubin
+    assert hopper.cubins[0][:4] == b"\x7fELF" and hopper.cubins != plain.cubins
     assert compiler.cache_key(source.hash, "sm_90a") != compiler.cache_key(source.hash, "sm_90")
-    assert len(list((cache / "cubin").glob("*.json"))) == 2
+    assert len(list((cache / "cubin").glob("*.json"))) == 4   # two archs' forward and backward units
     assert wgmma_serialisation(hopper.log) == []   # no wgmma in the mma.sync family
 
 
 def test_a_clean_wgmma_kernel_compiles_for_sm_90a_and_plain_sm_90_refuses_it(cache):
     kernel = compile_source(wgmma_kernel(), "sm_90a")
-    assert kernel.cubin[:4] == b"\x7fELF" and kernel.resources["wgmma_probe"].registers > 0
+    assert kernel.cubins[0][:4] == b"\x7fELF" and kernel.resources["wgmma_probe"].registers > 0
     assert "C75" not in kernel.log and wgmma_serialisation(kernel.log) == []
     with pytest.raises(CompileError, match="wgmma.mma_async.*not supported on .target 'sm_90'"):
         compile_source(wgmma_kernel(), "sm_90")

@@ -53,7 +53,7 @@ def test_a_planted_out_of_bounds_write_is_caught():
     store = "lse[((long long)batch * heads + head) * seqlen_q + row] ="
     assert store in source.code
     bad = dataclasses.replace(source, code=source.code.replace(
-        store, "lse[((long long)batch * heads + head) * seqlen_q + row + 1] ="))
+        store, "lse[((long long)batch * heads + head) * seqlen_q + row + 1] ="), pass_units=())
     q = torch.randn(1, 16, 1, 64, dtype=torch.float16)
     with pytest.raises(EmulationError, match="heap-buffer-overflow"):
         attention_kernels.forward(bad, q, q, q)

@@ -170,7 +170,7 @@ needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump
                                                   Spec(128, version=1, dtype="bf16")], ids=lambda s: s.name)
 def test_sass_uses_tensor_cores_ldmatrix_and_wide_accesses(spec, arch):
     source = render(spec)
-    reports = sass_reports(disassemble(compile_source(source, arch).cubin))
+    reports = sass_reports(disassemble(*compile_source(source, arch).cubins))
     kernels = source.kernels
     forward = reports[kernels.forward.name]
     assert forward.tensor_core_in_loop > 0, "forward: no HMMA inside a loop"
@@ -184,7 +184,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_wide_accesses(spec, arch):
 @needs_cuobjdump
 def test_deterministic_dq_kernel_uses_tensor_cores():
     source = render(Spec(64, deterministic=True))
-    reports = sass_reports(disassemble(compile_source(source, "sm_90").cubin))
+    reports = sass_reports(disassemble(*compile_source(source, "sm_90").cubins))
     assert reports[source.kernels.bwd_dq.name].tensor_core_in_loop > 0
 
 

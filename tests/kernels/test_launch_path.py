@@ -180,8 +180,11 @@ def test_gpus_older_than_sm80_are_refused_clearly():
 def test_a_ptx_target_compiles_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path))
     compiled = compiler.compile_source(render(Spec(32)), "compute_90")
-    assert compiled.cubin.startswith(b"//") and compiled.cubin.endswith(b"\0")  # PTX text, NUL-terminated
-    assert b".target sm_90" in compiled.cubin and compiled.resources == {}
+    assert len(compiled.cubins) == 2   # the forward's unit and the backward's
+    for ptx in compiled.cubins:
+        assert ptx.startswith(b"//") and ptx.endswith(b"\0")  # PTX text, NUL-terminated
+        assert b".target sm_90" in ptx
+    assert compiled.resources == {}
 
 
 def test_an_arch_the_table_lacks_uses_the_driver_limit():

@@ -246,7 +246,7 @@ def test_fagen_sass_reads_a_cubin_built_elsewhere(tmp_path, capsys, monkeypatch)
 
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
     cubin = tmp_path / "peer.cubin"
-    cubin.write_bytes(compile_source(render(Spec(64, mask="causal")), "sm_80").cubin)
+    cubin.write_bytes(compile_source(render(Spec(64, mask="causal")), "sm_80").cubins[0])   # the forward's unit
     out = tmp_path / "peer.json"
     assert main(["sass", "--cubin", str(cubin), "--arch", "sm_80", "--json", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -141,7 +141,7 @@ def no_atomics_check(spec: Spec, source: Source | None = None, *, sass_arch: str
         from fagen.kernels.compile import compile_source
         from fagen.sass.listing import disassemble
 
-        sass = disassemble(compile_source(source, sass_arch).cubin)
+        sass = disassemble(*compile_source(source, sass_arch).cubins)
         found = sorted(set(ATOMIC_SASS.findall(sass)))
         assert not found, f"{spec.name} on {sass_arch}: atomic instructions {found}"
 

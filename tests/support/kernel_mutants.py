@@ -276,8 +276,9 @@ MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), 
      "tile_window + key * 128"),
     ("dQ's second 64 queries computed from the first's dS", "advance(dsd, half * kDsBox + kk * 2048)",
      "advance(dsd, kk * 2048)"),
-    ("dQ's second 64 queries stored over its first", "const int row = 64 * half + 16 * warp",
-     "const int row = 16 * warp"),
+    ("dQ's second 64 queries stored over its first", "dq, dq_tile + half * 64 * kHeadDim, 0, t)", "dq, dq_tile, 0, t)"),
+    ("dq_blocks read back row by row by dQ's conversion", "dq_block[fagen::dq_block_offset<kHeadDim>(idx / kHeadDim, col)]",
+     "dq_block[idx]"),
     ("the causal walk starting a query block late", "return {row <= 0 ? 0 : (row >= nq ? end : row / kBlockM), end};",
      "return {row <= 0 ? 1 : (row >= nq ? end : row / kBlockM + 1), end};"),
     ("a causal block on the diagonal walked without its mask",
@@ -288,6 +289,16 @@ MUTANTS += [KernelMutant(f"sm90 backward: {name}", SM90_BWD, (Edit(old, new),), 
      "    fagen::named_barrier_arrive(sync_id + kConsumers, kWriterThreads);   // the tile is the writer's (write_dq)\n",
      ""),
 ]]
+# dq_blocks (fagen/dq_blocks.cuh): dQ's partials in the accumulators' order, zeroed by the preprocess.
+MUTANTS += [
+    KernelMutant("sm90 backward: dQ's partials stored at the neighbouring rows' places in dq_blocks", SM90_BWD,
+                 (Edit("reinterpret_cast<float4*>(rows) + 128 * j0 + t;", "reinterpret_cast<float4*>(rows) + 128 * j0 + (t ^ 4);",
+                       header="dq_blocks.cuh"),), (checks.sm90_backward_check,)),
+    KernelMutant("sm90 backward: a query block of dq_blocks zeroed only at its first 16 rows' places", SM90_BWD,
+                 (Edit("idx += blockDim.x) dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);",
+                       "idx += blockDim.x) if (idx < 4 * kHeadDim) dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);"),),
+                 (checks.sm90_backward_check,)),
+]
 # d = 128: a row's second 64-column box, in each operand that spans d.
 SM90_BWD_128 = Spec(128, dtype="bf16", mask="causal", arch_family="sm90")
 MUTANTS += [KernelMutant(f"sm90 backward d128: {name}", SM90_BWD_128, (Edit(old, new),), (checks.sm90_backward_check,))
@@ -338,7 +349,8 @@ MUTANTS += [KernelMutant(f"sm90 paired backward: {name}", spec, (Edit(old, new),
      "consumer == 0 ? p_window : ds_window"),
     ("both warpgroups computing dQ's even boxes", SM90_BWD_PAIRED, "kKOffset + consumer * kKBox, kKBox",
      "kKOffset, kKBox"),
-    ("both warpgroups storing into dQ's even boxes", SM90_BWD_PAIRED, "+ 64 * consumer + 2 * quad;", "+ 2 * quad;"),
+    ("both warpgroups storing into dQ's even boxes", SM90_BWD_PAIRED, "dq_tile, 8 * (2 * pass + consumer), t)",
+     "dq_tile, 8 * (2 * pass), t)"),
     ("S^T's and dP^T's k-steps past the first box read the first box again", SM90_BWD_PAIRED,
      "const uint32_t a_step = kk / 4 * kKBox + kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;",
      "const uint32_t a_step = kk % 4 * 32, b_step = kk / 4 * kQBox + kk % 4 * 32;"),

@@ -28,7 +28,7 @@ def _backward_entries(spec, debug: bool) -> dict:
     own main kernel: a block per key block, dQ summed into the fp32 accumulator by bulk reductions
     (deterministic: in the order of the key blocks, `params.dq_order`)."""
     tiles = sm90_backward_tiles(spec)   # its block_m is the preprocess's padding (the template asserts it)
-    return {**sm80.row_entries(spec, backward_params(spec, ordered_dq=True), tiles.block_m),
+    return {**sm80.row_entries(spec, backward_params(spec, blocked_dq=True), tiles.block_m),
             "bwd_main": entry(spec, "bwd", sm90_backward_params(spec), tiles.threads, tiles.block_n, "k",
                               tiles.shared_bytes)}
 
