@@ -1,5 +1,6 @@
 """The gpu tests' parameter tables, shared by the tests (tests/gpu/test_gpu_kernels.py,
-tests/gpu/test_gpu_decode.py, tests/gpu/test_gpu_distributed.py) and by the precompile section's calls
+tests/gpu/test_gpu_decode.py, test_gpu_sm90_features.py, test_gpu_sm90_backward_rows.py,
+tests/gpu/test_gpu_distributed.py) and by the precompile section's calls
 (kernel_calls.gpu_test_calls), so that what precompile builds follows the tests' own cases.
 Plain data, no torch: the tests import it at collection.
 """
@@ -69,6 +70,14 @@ SM90_MLA_LAYOUTS = {"paged64_split2": dict(page=64, num_splits=2),
 SM90_VARLEN_PAGED_PAGE = 16
 SM90_VARLEN_PAGED_VARIANT = {"window_size": (9, 0), "softcap": 20.0}
 SM90_VARLEN_PAGED_SLOPES = [0.5, 0.25, 0.1, 0.05]
+
+# -- tests/gpu/test_gpu_sm90_backward_rows.py: issue 44's rows -------------------------------------
+
+# The head dims of its rows, bf16, causal or not: the sm90 family's backward (deterministic too) and
+# the sm80 family's; on the emulator (and so for precompile's recording) at SM90_BACKWARD_ROW_SMALL,
+# (batch, seqlen, heads).
+SM90_BACKWARD_ROW_HEAD_DIMS = (64, 128, 256)
+SM90_BACKWARD_ROW_SMALL = (1, 150, 2)
 
 # -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 

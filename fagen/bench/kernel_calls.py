@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 from ..arch_families import SM90
 from . import gpu_cases as cases
@@ -204,9 +205,10 @@ def sanitizer_workload(device: str) -> list[str]:
 # -- the gpu tests ----------------------------------------------------------------------------
 
 def gpu_test_calls() -> list[tuple[str, object]]:
-    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py
-    and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
-    return _kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _ring_test_calls()
+    """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py,
+    test_gpu_sm90_backward_rows.py and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
+    return (_kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _sm90_backward_row_calls()
+            + _ring_test_calls())
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -300,6 +302,21 @@ def _sm90_feature_test_calls() -> list:
     layout = next(iter(cases.SM90_MLA_LAYOUTS.values()))
     calls.append(("sm90 absorbed MLA", functools.partial(in_family, SM90.name, _mla_case, **layout)))
     calls.append(("sm90 paged varlen", functools.partial(in_family, SM90.name, _varlen_paged_case)))
+    return calls
+
+
+def _sm90_backward_row_calls() -> list:
+    """tests/gpu/test_gpu_sm90_backward_rows.py's: bf16 at each of its head dims, causal or not, the
+    sm90 family (deterministic and not) and the sm80 family's backward beside it."""
+    from .peers import in_family
+
+    batch, seqlen, heads = cases.SM90_BACKWARD_ROW_SMALL
+    calls = []
+    for d, causal in itertools.product(cases.SM90_BACKWARD_ROW_HEAD_DIMS, (False, True)):
+        for family, deterministic in ((SM90.name, True), (SM90.name, False), ("sm80", False)):
+            calls.append((f"sm90 backward rows d{d} causal={causal} {family} det={deterministic}", functools.partial(
+                in_family, family, _dense, "bf16", d, (batch, seqlen, seqlen, heads, heads), causal=causal,
+                deterministic=deterministic)))
     return calls
 
 

@@ -16,10 +16,13 @@ with the code generator it checks.
   philox      Philox4x32-10 in NumPy and the dropout keep mask
   same_dtype  plain PyTorch in fp16/bf16: the yardstick of the tolerance rule
               (the same variants; return_extra adds lse, dsinks, captures)
+  same_fp8    the fp8 forward's roundings alone (e4m3 inputs with descales, P scaled
+              by 2^8 and rounded to e4m3): the yardstick of fp8's accuracy rule
   empty_rows  the convention for rows that see no key (m = -inf, l = 0, L = +inf, O = 0)
 
 All functions take q (B, Nq, H, d) and k, v (B, Nk, Hk, d) of any float dtype
-and return float64.
+and return float64, but the yardsticks: same_dtype returns the inputs' dtype,
+same_fp8 takes e4m3 and returns bf16, as the kernels they measure.
 """
 
 from .empty_rows import EMPTY_ROW_LSE, EMPTY_ROW_MAX, EMPTY_ROW_SUM, lse_from_stats

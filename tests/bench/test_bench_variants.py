@@ -28,9 +28,8 @@ def test_the_plan_has_a_variants_section_at_the_sweeps_longest_point():
     assert v.seqlen == max(plan.seqlens) and v.batch == plan.batch(v.seqlen) == 1 and v.heads == plan.heads(128)
     assert v.flops("fwd") == plan.flops("fwd", plan.configs()[1], 16384)  # bf16 d=128 causal, counted alike
     assert v.systems == ("fagen_v2", "fagen_sm90", "flex", "sdpa_flash", "fagen_v2_nomod")
-    # Each variant in fagen v2 and Flex (both passes) and fagen sm90 (its forward), the two
-    # plain-causal peers once.
-    assert v.timed_runs() == 4 * (2 + 1 + 2) + 2 * 2 == 24
+    # Each variant in fagen v2, fagen sm90 and Flex (both passes), the two plain-causal peers once.
+    assert v.timed_runs() == 4 * (2 + 2 + 2) + 2 * 2 == 28
     estimate = replay(plan, sanitizers=True)
     assert 0 < estimate["variants"] <= v.cap_s and sum_without_the_sweep(plan) + plan.min_speed_s <= plan.budget_s
     assert plan.variant_kernels() == 8   # each variant's kernel in the sm80 and the sm90 family
@@ -219,10 +218,9 @@ def test_the_variants_section_keeps_to_its_deadline_and_flex_allowance():
     section = variant_sweep(plan, dense_factories([]), deadline=passed_deadline())
     assert section["status"] == "partial" and "time guard" in section["note"]
     assert section["not_run"] == plan.variants.timed_runs()
-    for point in section["points"]:   # fagen sm90's forward + backward cells: forward only, as when it runs
+    for point in section["points"]:
         for name, cell in point["results"].items():
-            forward_only = name == "fagen_sm90" and point["pass"] != "fwd"
-            assert cell["skipped"].startswith("forward only" if forward_only else GUARD_REASON), (name, cell)
+            assert cell["skipped"].startswith(GUARD_REASON), (name, cell)
     # Flex's compiles take 50 s each on this clock: the first case spends the 40 s allowance,
     # the rest are skipped with a note, and fagen's rows are all there.
     now = [0.0]
@@ -287,9 +285,9 @@ def test_report_has_the_variant_rows_with_their_ratios(tmp_path):
     assert len(list(tmp_path.iterdir())) <= 8
 
 
-def test_fagen_sm90_times_each_variants_forward_beside_fagen_v2_and_flex(tmp_path):
-    """The sm90 family's system (stand-ins here): a sanity check and a forward per variant, its
-    forward + backward cells marked forward only; fagen sm90 / Flex in the note and the tables."""
+def test_fagen_sm90_times_each_variant_beside_fagen_v2_and_flex(tmp_path):
+    """The sm90 family's system (stand-ins here): a sanity check, a forward and a forward +
+    backward per variant; fagen sm90 / Flex in the note and the tables."""
     calls = []
     section = variant_sweep(variants_plan(), dense_factories(calls))
     assert section["status"] == "ok", section["note"]
@@ -297,13 +295,13 @@ def test_fagen_sm90_times_each_variants_forward_beside_fagen_v2_and_flex(tmp_pat
     assert all(r["ok"] for checked in section["sanity"].values() for r in checked.values())
     for case in ("window", "softcap", "alibi", "document"):
         assert "tflops" in variant_cell(section, "fagen_sm90", case, "fwd")
-        assert variant_cell(section, "fagen_sm90", case, "fwd_bwd")["skipped"].startswith("forward only")
+        assert "tflops" in variant_cell(section, "fagen_sm90", case, "fwd_bwd")
         point = next(p for p in section["points"] if p["variant"] == case and p["pass"] == "fwd")
         assert point["ratios"]["fagen_sm90/flex"] == pytest.approx(1.0)
     # Its availability probed once (with the first case); per case a system for the sanity check
     # and one for the timed point.
     assert calls.count(("fagen_sm90", "window")) == 3 and calls.count(("fagen_sm90", "softcap")) == 2
-    assert "fagen sm90 / Flex: window fwd 1.00, softcap fwd 1.00" in section["note"]
+    assert "fagen sm90 / Flex: window fwd 1.00, window f+b 1.00, softcap fwd 1.00" in section["note"]
     results = synthetic_results()
     results["variants"] = section
     report.write_report(results, tmp_path)

@@ -1,6 +1,7 @@
-"""The GPU test module, run on the CPU through the emulator.
+"""The GPU test modules that take FAGEN_GPU_TESTS_DEVICE, run on the CPU through the emulator.
 
-tests/gpu/test_gpu_kernels.py is what a GPU session runs first, and GPU time is
+tests/gpu/test_gpu_kernels.py is what a GPU session runs first (and
+test_gpu_sm90_backward_rows.py measures issue 44's rows), and GPU time is
 scarce: its own logic (inputs, the PyTorch baselines, the one-hot dropout mask
 readout, the deterministic repeats) must not fail there for a reason a CPU
 could have caught. FAGEN_GPU_TESTS_DEVICE=cpu points it at CPU tensors, which
@@ -24,10 +25,11 @@ REPO = HERE.parents[1]
 
 
 @pytest.mark.slow
-def test_gpu_kernel_tests_pass_on_the_emulator():
+@pytest.mark.parametrize("module", ["test_gpu_kernels.py", "test_gpu_sm90_backward_rows.py"])
+def test_gpu_kernel_tests_pass_on_the_emulator(module):
     env = {**os.environ, "FAGEN_GPU_TESTS_DEVICE": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_gpu_kernels.py")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / module)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     tail = (result.stdout + result.stderr)[-4000:]
     assert result.returncode == 0, tail

@@ -15,8 +15,8 @@ from ..speed.config import SYSTEM_LABELS, SYSTEM_SHORT, timed_passes
 # against plain causal attention (fagen's own and SDPA's flash backend, measured once).
 VARIANT_CASES = ("window", "softcap", "alibi", "document")
 VARIANT_SYSTEMS = ("fagen_v2", "fagen_sm90", "flex", "sdpa_flash", "fagen_v2_nomod")
-# fagen's systems with the mod, each variant sanity-checked before it is timed: fagen v2, and its
-# forward on the sm90 family (forward only: its backward is fagen v2's; compute capability 9.0).
+# fagen's systems with the mod, each variant sanity-checked before it is timed: fagen v2, and v2 on
+# the sm90 family (its own forward and backward; compute capability 9.0).
 FAGEN_VARIANT_SYSTEMS = ("fagen_v2", "fagen_sm90")
 # The systems of a variant row that run without the mod (plain causal attention).
 NO_MOD_SYSTEMS = ("sdpa_flash", "fagen_v2_nomod")

@@ -14,7 +14,7 @@ of random lengths (seeded: config.VariantsConfig.document_lengths). Each is time
 forward + backward in
 
   fagen_v2        fagen with the variant
-  fagen_sm90      the same, its forward on the sm90 family (forward only; compute capability 9.0)
+  fagen_sm90      the same on the sm90 family (its own backward; compute capability 9.0)
   flex            torch.compile(flex_attention) with the same mod (a block mask from
                   create_block_mask for the masks, the causal one for the score mods)
   sdpa_flash      SDPA's flash backend, plain causal: SDPA expresses none of these mods

@@ -1,0 +1,30 @@
+"""The fp8 kernels' operands as the op prepares them (templates/include/fagen/fp8.cuh).
+
+An 8-bit wgmma reads both operands K-major, so the B operand of O += P V, V, goes in transposed:
+V^T, a row per column of V with the keys along it. And `pack_p` turns the S accumulator into P's
+A fragments without moving data by taking each 16 keys in its own order, so V^T's keys must be in
+that order too: key k of a group of 16 at slot SLOT_OF_KEY[k] (fp8.cuh's kSlotOfKey).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 16   # the keys pack_p orders among themselves
+SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's kSlotOfKey
+
+
+def v_in_slot_order(v: torch.Tensor) -> torch.Tensor:
+    """V (B, Nk, Hk, d_v) as the fp8 forward's B operand of P V: (B, Hk, d_v, Nk rounded up to 16),
+    key k of each group of 16 at slot SLOT_OF_KEY[k % 16] of its group, zeros past Nk. One pass
+    over V, in its dtype."""
+    if v.dim() != 4:
+        raise ValueError(f"v must be (batch, seqlen_k, kv_heads, head_dim_v), got shape {tuple(v.shape)}")
+    batch, keys, heads, columns = v.shape
+    padded = -(-keys // GROUP) * GROUP
+    vt = torch.zeros(batch, heads, columns, padded, dtype=v.dtype, device=v.device)
+    order = torch.tensor(SLOT_OF_KEY, device=v.device).repeat(padded // GROUP)[:keys]
+    slots = torch.arange(keys, device=v.device) // GROUP * GROUP + order
+    raw = (lambda t: t.view(torch.uint8)) if v.element_size() == 1 else (lambda t: t)   # float8 has no index_put
+    raw(vt)[..., slots] = raw(v.permute(0, 2, 3, 1))
+    return vt

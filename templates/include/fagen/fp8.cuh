@@ -1,0 +1,62 @@
+// fagen/fp8.cuh — 8-bit floats for the fp8 kernels (sm_89 on; the sm90 family's e4m3 wgmma):
+// conversion with saturation, and P packed as the A operand of a k32 wgmma.
+//
+// Conversion: round to nearest even, saturating to the largest finite value (e4m3 +-448, e5m2
+// +-57344; an infinity saturates too) and keeping NaN a NaN: cvt.rn.satfinite.{e4m3,e5m2}x2.f32,
+// through NVIDIA's cuda_fp8.h, whose host code is the emulator's twin (a reading independent of
+// both: tests/emulate/test_emulate_fp8.py, against torch's float8 casts of the clamped value).
+//
+// P as wgmma's A. An m64nN fp32 accumulator (fagen/wgmma.cuh) gives thread q of a quad the
+// columns 8 j + 2 q and 8 j + 2 q + 1 of each 8-column block j; an 8-bit A fragment of a k32
+// step wants k = 16 h + 4 q .. 16 h + 4 q + 3 of it (register r: half h = r / 2). The two
+// differ by a permutation of each 16 keys, which costs nothing if V's rows (B's k) are put in the
+// same order: P V sums over the keys, in any order. So `pack_p` packs, with no data movement, the
+// accumulator's columns
+//     8 j + 2 q, 8 j + 2 q + 1, 8 (j + 1) + 2 q, 8 (j + 1) + 2 q + 1     (j = 2 h of the step)
+// into k slots 4 q .. 4 q + 3 of the 16 keys of h: slot s of a group of 16 holds key
+//     kKeyOfSlot(s) = 2 (s / 4) + s % 2 + 8 (s % 4 / 2),
+// and the V^T tile (K-major: a row per column of V, keys along it) must hold key k of a group at
+// slot kSlotOfKey(k), its inverse (FlashAttention-3 reorders V's keys as it transposes it).
+#pragma once
+
+#include <fagen/prelude.cuh>
+#include <fagen/numeric.cuh>   // FAGEN_UNROLL
+#include <cuda_fp8.h>
+
+namespace fagen {
+
+// Two floats as two e4m3 (e5m2) bytes, `lo` in the low byte.
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ uint16_t e5m2x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
+}
+
+// Four floats as four e4m3 bytes of one register, `a` in the lowest.
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  return static_cast<uint32_t>(e4m3x2(a, b)) | static_cast<uint32_t>(e4m3x2(c, d)) << 16;
+}
+
+// Where the 16 keys of a group go in a k32 A fragment built by pack_p (above), and back.
+__host__ __device__ constexpr int kKeyOfSlot(int slot) { return 2 * (slot / 4) + slot % 2 + 8 * (slot % 4 / 2); }
+__host__ __device__ constexpr int kSlotOfKey(int key) { return 4 * (key % 8 / 2) + key % 2 + 2 * (key / 8); }
+static_assert(kSlotOfKey(kKeyOfSlot(5)) == 5 && kKeyOfSlot(kSlotOfKey(11)) == 11, "inverse orders");
+
+// An m64 x kCols fp32 accumulator (P, already scaled into e4m3's range) as the kCols / 32 k32
+// steps of A registers of the product P V, in e4m3; its keys in the order above.
+template <int kCols>
+__device__ __forceinline__ void pack_p(const float (&p)[kCols / 2], uint32_t (&a)[kCols / 32][4]) {
+  static_assert(kCols % 32 == 0, "whole k32 steps");
+  FAGEN_UNROLL
+  for (int step = 0; step < kCols / 32; ++step) {
+    FAGEN_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      // Register r: rows 8 (r % 2) further (the accumulator's i / 2 % 2), keys 16 (r / 2) on.
+      const int i = 4 * (4 * step + 2 * (r / 2)) + 2 * (r % 2);   // block j's first of the row
+      a[step][r] = e4m3x4(p[i], p[i + 1], p[i + 4], p[i + 5]);
+    }
+  }
+}
+
+}  // namespace fagen
