@@ -4,9 +4,10 @@ NVRTC is called through NVIDIA's `cuda.bindings.nvrtc` (cuda-bindings 12 or
 13), which works without a driver. A spec's source compiles as its translation
 units, one per pass (`Source.units`), in parallel threads. Each unit is cached
 twice: in memory for the process, and on disk under the user's cache directory,
-keyed by the unit's hash, the arch, the NVRTC version and the options. Disk entries are single
-JSON files written to a temporary name and renamed into place, so concurrent
-builders of the same source both succeed and readers never see half a file.
+keyed by the unit's hash, the arch, the NVRTC version and the options. Disk
+entries are single JSON files written to a temporary name and renamed into
+place, so concurrent builders of the same source both succeed and readers never
+see half a file.
 
 Arch-specific targets (sm_90a: wgmma, TMA, setmaxnreg) compile like any other; a
 build fails when ptxas reports that it serialises a kernel's wgmma pipeline

@@ -3,7 +3,7 @@
 An 8-bit wgmma reads both operands K-major, so the B operand of O += P V, V, goes in transposed:
 V^T, a row per column of V with the keys along it. And `pack_p` turns the S accumulator into P's
 A fragments without moving data by taking each 16 keys in its own order, so V^T's keys must be in
-that order too: key k of a group of 16 at slot SLOT_OF_KEY[k] (fp8.cuh's kSlotOfKey).
+that order too: key k of a group of 16 at slot SLOT_OF_KEY[k] (fp8.cuh's slot_of_key).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 GROUP = 16   # the keys pack_p orders among themselves
-SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's kSlotOfKey
+SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's slot_of_key
 
 
 def v_in_slot_order(v: torch.Tensor) -> torch.Tensor:

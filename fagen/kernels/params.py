@@ -98,8 +98,8 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
     """The sm90 family's backward main kernel (templates/sm90/hopper_bwd.cu.j2): q, k, v and dO as
     TMA tensor maps (one 64-column box of a tile's rows, 128B swizzle), and the preprocess's rows
     of L in log2 units and D, (B, H, padded Nq) fp32, as maps of one query block's 64 floats (no
-    swizzle); dQ's fp32 accumulator in whole query blocks (`dq_blocks`), summed into by bulk reductions; dK and dV per query head (in
-    fp32 under GQA, as the sm80 backward's)."""
+    swizzle); dQ's fp32 accumulator in whole query blocks (`dq_blocks`), summed into by bulk
+    reductions; dK and dV per query head (in fp32 under GQA, as the sm80 backward's)."""
     tiles = sm90_backward_tiles(spec)
     elem = ELEM_CTYPE[spec.dtype]
     maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))

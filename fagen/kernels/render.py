@@ -39,6 +39,7 @@ def include_dir() -> Path:
     """Directory to pass as -I so that `#include <fagen/...>` finds the static headers."""
     return template_dir() / "include"
 
+
 @dataclass(frozen=True)
 class Unit:
     """A translation unit that NVRTC compiles by itself: the source's prelude (its header, includes,

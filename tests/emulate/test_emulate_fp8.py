@@ -123,7 +123,7 @@ def test_the_conversions_round_to_nearest_even_and_saturate_as_torch_casts_the_c
 
 
 def test_the_key_orders_are_inverse_and_match_the_fragments():
-    """fp8.cuh's kKeyOfSlot, read here from the two fragment tables: slot 4 q + e of an 8-bit A
+    """fp8.cuh's key_of_slot, read here from the two fragment tables: slot 4 q + e of an 8-bit A
     register holds the accumulator's column 8 j + 2 q + e % 2 of block j = 2 h + e / 2."""
     key_of_slot = [2 * (s // 4) + s % 2 + 8 * (s % 4 // 2) for s in range(16)]
     assert sorted(key_of_slot) == list(range(16))

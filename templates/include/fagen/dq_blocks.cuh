@@ -30,7 +30,9 @@ template <int kCols>
 __device__ __forceinline__ void store_dq_fragment(const float (&acc)[kCols / 2], float* rows, int j0, int t) {
   float4* at = reinterpret_cast<float4*>(rows) + 128 * j0 + t;
   FAGEN_UNROLL
-  for (int j = 0; j < kCols / 8; ++j) at[128 * j] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+  for (int j = 0; j < kCols / 8; ++j) {
+    at[128 * j] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+  }
 }
 
 }  // namespace fagen

@@ -14,9 +14,9 @@
 // accumulator's columns
 //     8 j + 2 q, 8 j + 2 q + 1, 8 (j + 1) + 2 q, 8 (j + 1) + 2 q + 1     (j = 2 h of the step)
 // into k slots 4 q .. 4 q + 3 of the 16 keys of h: slot s of a group of 16 holds key
-//     kKeyOfSlot(s) = 2 (s / 4) + s % 2 + 8 (s % 4 / 2),
+//     key_of_slot(s) = 2 (s / 4) + s % 2 + 8 (s % 4 / 2),
 // and the V^T tile (K-major: a row per column of V, keys along it) must hold key k of a group at
-// slot kSlotOfKey(k), its inverse (FlashAttention-3 reorders V's keys as it transposes it).
+// slot slot_of_key(k), its inverse (FlashAttention-3 reorders V's keys as it transposes it).
 #pragma once
 
 #include <fagen/prelude.cuh>
@@ -39,9 +39,9 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 }
 
 // Where the 16 keys of a group go in a k32 A fragment built by pack_p (above), and back.
-__host__ __device__ constexpr int kKeyOfSlot(int slot) { return 2 * (slot / 4) + slot % 2 + 8 * (slot % 4 / 2); }
-__host__ __device__ constexpr int kSlotOfKey(int key) { return 4 * (key % 8 / 2) + key % 2 + 2 * (key / 8); }
-static_assert(kSlotOfKey(kKeyOfSlot(5)) == 5 && kKeyOfSlot(kSlotOfKey(11)) == 11, "inverse orders");
+__host__ __device__ constexpr int key_of_slot(int slot) { return 2 * (slot / 4) + slot % 2 + 8 * (slot % 4 / 2); }
+__host__ __device__ constexpr int slot_of_key(int key) { return 4 * (key % 8 / 2) + key % 2 + 2 * (key / 8); }
+static_assert(slot_of_key(key_of_slot(5)) == 5 && key_of_slot(slot_of_key(11)) == 11, "inverse orders");
 
 // An m64 x kCols fp32 accumulator (P, already scaled into e4m3's range) as the kCols / 32 k32
 // steps of A registers of the product P V, in e4m3; its keys in the order above.
