@@ -232,3 +232,43 @@ def test_without_the_emulator_a_cpu_load_says_what_is_missing(monkeypatch):
     monkeypatch.setattr(launch, "_loaded", {})
     with pytest.raises(RuntimeError, match="fagen.emulate"):
         launch.load(render(Spec(32)), torch.device("cpu"))
+
+
+def test_a_gpu_load_takes_each_kernel_from_its_own_units_module(tmp_path, monkeypatch):
+    """The CUDA side of `launch.load` with CuPy stood in: a spec's forward and backward units (two
+    cubins) load as two modules, and each kernel is looked up in the module of its unit alone."""
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path))
+    loaded = []
+
+    class Module:
+        def load(self, cubin):
+            self.cubin = cubin
+            loaded.append(self)
+
+        def get_function(self, name):
+            return (self.cubin, name)
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device,
+                                                            function=types.SimpleNamespace(Module=Module)))
+    monkeypatch.setattr(launch, "_cupy", lambda: cupy)
+    monkeypatch.setattr(launch, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(launch, "shared_limit", lambda device: SMEM_LIMIT_BYTES["sm_90"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
+    source = render(Spec(64, mask="causal", dtype="bf16"))
+    functions = launch._load_cuda(source, torch.device("cuda", 0)).functions
+    compiled = compiler.compile_source(source, "sm_90")
+    assert [m.cubin for m in loaded] == list(compiled.cubins) and len(loaded) == 2
+    for unit, cubin in zip(source.units, compiled.cubins):
+        for name in unit.names:
+            assert functions[name].function == (cubin, name)
+    assert set(functions) == {e.name for e in source.entries}
