@@ -388,8 +388,9 @@ def _write_disk(path: Path, kernel: CompiledKernel) -> None:
 
 def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
                    shared_limit: int | None = None) -> CompiledKernel:
-    """Compile a rendered source for one arch, each of its translation units (`Source.units`: its
-    passes) in a thread of its own, through the memory and disk caches (one entry per unit).
+    """Compile a rendered source for one arch through the memory and disk caches, an entry per
+    translation unit (`Source.units`: its passes); the units the caches lack compile in a thread
+    each.
 
     `shared_limit` is the GPU's own shared memory per block (the driver's
     opt-in limit) when compiling for a device; else the arch table's is used."""
@@ -400,12 +401,17 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
     else:
         what, units = "a kernel source", [source]
     start = time.perf_counter()
-    if len(units) == 1:
-        return _compile_unit(units[0], arch, what, use_cache)
-    parts = [_memory_hit(code, arch) if use_cache else None for code in units]
-    if None in parts:   # a thread per unit to read from disk or compile: NVRTC releases the GIL
-        with ThreadPoolExecutor(len(units), thread_name_prefix="fagen-nvrtc") as pool:
-            parts = list(pool.map(lambda code, part: part or _compile_unit(code, arch, what, use_cache), units, parts))
+    parts = [_cached(code, arch) if use_cache else None for code in units]
+    missing = [code for code, part in zip(units, parts) if part is None]
+    compile_unit = functools.partial(_compile_unit, arch=arch, what=what, use_cache=use_cache)
+    if len(missing) > 1:   # a thread per unit to compile: NVRTC releases the GIL
+        with ThreadPoolExecutor(len(missing), thread_name_prefix="fagen-nvrtc") as pool:
+            fresh = iter(list(pool.map(compile_unit, missing)))
+    else:
+        fresh = iter([compile_unit(code) for code in missing])
+    parts = [part or next(fresh) for part in parts]
+    if len(parts) == 1:
+        return parts[0]
     cache = next(c for c in ("miss", "disk", "memory") if any(p.cache == c for p in parts))
     return CompiledKernel(arch=arch, cubins=tuple(c for p in parts for c in p.cubins),
                           log="\n".join(p.log for p in parts),
@@ -416,24 +422,25 @@ def compile_source(source: Source | str, arch: str, *, use_cache: bool = True,
                           cache=cache, unit_seconds=tuple(s for p in parts for s in p.unit_seconds))
 
 
-def _memory_hit(code: str, arch: str) -> CompiledKernel | None:
+def _cached(code: str, arch: str) -> CompiledKernel | None:
+    """One translation unit from the memory cache, else from the disk cache (then kept in memory
+    too), else None."""
+    key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
     with _memory_lock:
-        hit = _memory_cache.get(cache_key(hashlib.sha256(code.encode()).hexdigest(), arch))
-    return None if hit is None else CompiledKernel(**{**hit.__dict__, "cache": "memory"})
+        hit = _memory_cache.get(key)
+    if hit is not None:
+        return CompiledKernel(**{**hit.__dict__, "cache": "memory"})
+    hit = _read_disk(_cache_path(key))
+    if hit is not None:
+        with _memory_lock:
+            _memory_cache[key] = hit
+    return hit
 
 
 def _compile_unit(code: str, arch: str, what: str, use_cache: bool) -> CompiledKernel:
-    """One translation unit through the caches: a CompiledKernel of one cubin."""
+    """One translation unit by NVRTC, into the caches unless `use_cache` is False: a
+    CompiledKernel of one cubin."""
     key = cache_key(hashlib.sha256(code.encode()).hexdigest(), arch)
-    if use_cache:
-        hit = _memory_hit(code, arch)
-        if hit is not None:
-            return hit
-        hit = _read_disk(_cache_path(key))
-        if hit is not None:
-            with _memory_lock:
-                _memory_cache[key] = hit
-            return hit
     logger.info("compiling %s for %s with NVRTC %s", what, arch, nvrtc_version())
     start = time.perf_counter()
     cubin, nvrtc_log = nvrtc_compile(code, arch)

@@ -295,8 +295,8 @@ MUTANTS += [
                  (Edit("reinterpret_cast<float4*>(rows) + 128 * j0 + t;", "reinterpret_cast<float4*>(rows) + 128 * j0 + (t ^ 4);",
                        header="dq_blocks.cuh"),), (checks.sm90_backward_check,)),
     KernelMutant("sm90 backward: a query block of dq_blocks zeroed only at its first 16 rows' places", SM90_BWD,
-                 (Edit("idx += blockDim.x) dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);",
-                       "idx += blockDim.x) if (idx < 4 * kHeadDim) dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);"),),
+                 (Edit("    dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);",
+                       "    if (idx < 4 * kHeadDim) dq_block[idx] = make_float4(0.f, 0.f, 0.f, 0.f);"),),
                  (checks.sm90_backward_check,)),
 ]
 # d = 128: a row's second 64-column box, in each operand that spans d.
