@@ -14,7 +14,8 @@ float, Sm90, Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA, AppendKV, 
 MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor>` with d_v = d and every feature flag
 false but Is_causal (and FA3's own choices MmaPV_is_RS, IntraWGOverlap), and
 `CollectiveMainloopBwdSm90<..., Tile, Element, float, Sm90, Is_causal, Is_local, Has_softcap,
-Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both.
+Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both, and the forward in
+e4m3 (issue 45's peer; fagen has no fp8 kernel yet, so its columns are dashes).
 
 A second table, "FA3 backward", reads every dense backward of `dew-flash-attn-cu12` (and of
 `flash-attn3-jax`, d128), deterministic or not (`describe_backward`): the mainloop's thirteen
@@ -35,8 +36,8 @@ compiled for sm_90a by fagen's NVRTC path and read as FA3's cubins are (`cubin_r
 non-causal alike (no separate unmasked loop); it has no deterministic mode.
 
 Both sides are read by `fagen.sass` (the same steady state and instruction classes). The peer
-is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp;
-`fagen sass --cubin`), fagen by its useful HMMA (`fagen sass`), which for these kernels equal
+is divided by the HMMA-equivalents its iteration executes (one HGMMA.64xNx16 = N/8 per warp, an
+e4m3 QGMMA.64xNx32 N/4; `fagen sass --cubin`), fagen by its useful HMMA (`fagen sass`), which for these kernels equal
 the executed ones. A benchmark, not a test: log the table in benchmarks/RESULTS.md.
 
 FA3's kernels are warp-specialised, and the columns after fagen/FA3 read each role's loop
@@ -85,6 +86,7 @@ FWD = re.compile(rf"CollectiveMainloopFwdSm90<\d+, {TRIPLE}, {TRIPLE}, (\d+), cu
 BWD = re.compile(rf"CollectiveMainloopBwdSm90<\d+, \d+, \d+, {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
                  r"cutlass::arch::Sm90, ((?:(?:true|false), ){4}(?:true|false))")
 DTYPES = {"bfloat16_t": "bf16", "half_t": "fp16"}
+FORWARD_DTYPES = {**DTYPES, "float_e4m3_t": "e4m3"}   # issue 45's peer: FA3's e4m3 forward (it has no fp8 backward)
 BACKWARD_WHEELS = {"dew-flash-attn-cu12": "0.3.6", "flash-attn3-jax": "0.2.3"}
 LIBRARIES = {"dew-flash-attn-cu12": "flash_attn3"}   # its other library is FlashAttention-2's (366 MB, no sm_90a)
 BWD_ARGS = re.compile(rf"CollectiveMainloopBwdSm90<(\d+), (\d+), (\d+), {TRIPLE}, {TRIPLE}, cutlass::(\w+), float, "
@@ -100,7 +102,8 @@ PROTOTYPE_WIDTHS = (7, 6, 8, 7, 8, 5, 5, 9)   # loop, cons instr, HMMA-eq, proto
 
 
 def peer_dir() -> Path:
-    return cache_dir() / "fa3-peer" / "-".join(f"{name}-{version}" for name, version in WHEELS.items())
+    """The forward kernels' cache: the wheels', with e4m3's (fetched again where an older cache lacks them)."""
+    return cache_dir() / "fa3-peer" / ("-".join(f"{name}-{version}" for name, version in WHEELS.items()) + "-e4m3")
 
 
 def _run(command: list[str], **kwargs) -> str:
@@ -112,13 +115,13 @@ def _run(command: list[str], **kwargs) -> str:
 
 def describe(demangled: str) -> dict | None:
     """The plain forward or backward kernel's (pass, d, dtype, causal, tile), from its demangled
-    name; None for any other instantiation (a feature on, d_v != d, fp8)."""
+    name (the forward in e4m3 too); None for any other instantiation (a feature on, d_v != d)."""
     if "FlashAttnFwdSm90" in demangled and (m := FWD.search(demangled)):
         cluster, _, _, block_m, block_n, d, d_v, element, flags = m.groups()
         flags = [f == "true" for f in flags.split(", ")]
         causal, others = flags[0], flags[1:7] + flags[9:]   # skip MmaPV_is_RS, IntraWGOverlap
-        if element in DTYPES and d == d_v and not any(others):
-            return {"pass": "fwd", "head_dim": int(d), "dtype": DTYPES[element], "causal": causal,
+        if element in FORWARD_DTYPES and d == d_v and not any(others):
+            return {"pass": "fwd", "head_dim": int(d), "dtype": FORWARD_DTYPES[element], "causal": causal,
                     "tile": f"{block_m}x{block_n}" + (f" c{cluster}" if cluster != "1" else "")}
     if "FlashAttnBwdSm90" in demangled and (m := BWD.search(demangled)):
         cluster, _, _, block_m, block_n, d, element, flags = m.groups()
@@ -240,7 +243,10 @@ def role_columns(report, groups: dict[str, int] | None) -> tuple[str, dict]:
 
 
 def fagen_figure(row: dict) -> float | None:
-    """fagen's mma.sync kernel for the same problem on sm_90 (its fallback tiles)."""
+    """fagen's mma.sync kernel for the same problem on sm_90 (its fallback tiles); None for e4m3,
+    which the sm80 family does not take."""
+    if row["dtype"] not in ("fp16", "bf16"):
+        return None
     spec = fallback_spec(Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none"),
                          "sm_90")
     reports = report_for_spec(spec, "sm_90")
@@ -298,7 +304,7 @@ def prototype_figures() -> dict[str, dict] | None:
     kernel = compile_source(PROTOTYPE.read_text(), "sm_90a")
     reports = cubin_reports(*kernel.cubins, arch="sm_90a")
     figures = {}
-    for dtype in DTYPES.values():
+    for dtype in ("bf16", "fp16"):   # the prototype's two kernels
         name = f"hopper_backward_{dtype}"
         report = reports[name]
         consumer, producer = report.roles.get("consumer"), report.roles.get("producer")

@@ -10,7 +10,9 @@ issued (ptxas's fillers); they count as `other`.
 
 Tensor-core work is counted in HMMA-equivalents (`tensor_equivalents`): an m16n8k16 HMMA is
 one; one warpgroup `HGMMA.64xNxK` is N/8 per warp for K = 16 (each of its four warps does a
-16 x N x 16 product, N/8 m16n8k16's), twice that for fp8's K = 32.
+16 x N x 16 product, N/8 m16n8k16's). An 8-bit wgmma is `QGMMA.64xNx32` in SASS: it belongs to
+the HGMMA class and counts N/4, by its FLOPs (issue 45's rule; FlashAttention-3's e4m3 cubins
+read this way).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ CLASSES = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "BAR", "SHFL", "MUFU", "fp32", "in
            "other")
 TENSOR_CLASSES = ("HMMA", "HGMMA")
 
-_OWN_CLASS = {"HMMA": "HMMA", "HGMMA": "HGMMA", "LDSM": "LDSM", "LDGSTS": "LDGSTS", "BAR": "BAR", "SHFL": "SHFL",
-              "MUFU": "MUFU"}
+_OWN_CLASS = {"HMMA": "HMMA", "HGMMA": "HGMMA", "QGMMA": "HGMMA", "LDSM": "LDSM", "LDGSTS": "LDGSTS", "BAR": "BAR",
+              "SHFL": "SHFL", "MUFU": "MUFU"}
 FP32 = frozenset({"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FRND", "FSWZADD", "F2F",
                   "F2FP", "F2I", "I2F", "I2FP", "F2IP", "HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2", "HSET2"})
 INTEGER = frozenset({"IMAD", "IADD3", "IADD", "IADD32I", "LEA", "SHF", "SHL", "SHR", "LOP3", "LOP", "LOP32I", "ISETP",
@@ -38,7 +40,9 @@ LOCAL = frozenset({"LDL", "STL"})
 MEMORY = frozenset({"LDG", "STG", "LDS", "STS", "LD", "ST", "RED", "REDG", "REDUX", "ATOM", "ATOMG", "ATOMS",
                     "LDSM", "STSM", "LDGMC", "REDAS", "UBLKCP", "UBLKRED", "UBLKPF", "UTMALDG", "UTMASTG",
                     "UTMAPF", "UTMAREDG"})
-_HGMMA_SHAPE = re.compile(r"HGMMA\.64x(\d+)x(\d+)")
+# Warpgroup tensor-core products: HGMMA (16-bit inputs; tf32 too), QGMMA (8-bit: e4m3, e5m2).
+WARPGROUP_MMA = frozenset({"HGMMA", "QGMMA"})
+_WARPGROUP_SHAPE = re.compile(r"[HQ]GMMA\.64x(\d+)x(\d+)")
 
 
 def classify(instruction: Instruction) -> str:
@@ -62,14 +66,14 @@ def classify(instruction: Instruction) -> str:
 
 def tensor_equivalents(instruction: Instruction) -> float:
     """The m16n8k16 HMMAs per warp an instruction is worth: 1 for an HMMA, N/8 * K/16 for a
-    warpgroup HGMMA.64xNxK, 0 for anything else (and for one that never executes)."""
+    warpgroup HGMMA.64xNxK or QGMMA.64xNx32, 0 for anything else (and for one that never executes)."""
     if instruction.never:
         return 0.0
     if instruction.base == "HMMA":
         return 1.0
-    if instruction.base == "HGMMA":
-        shape = _HGMMA_SHAPE.match(instruction.opcode)
+    if instruction.base in WARPGROUP_MMA:
+        shape = _WARPGROUP_SHAPE.match(instruction.opcode)
         if shape is None:
-            raise ValueError(f"an HGMMA without its 64xNxK shape: {instruction}")
+            raise ValueError(f"a warpgroup MMA without its 64xNxK shape: {instruction}")
         return int(shape.group(1)) / 8 * int(shape.group(2)) / 16
     return 0.0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .classes import WARPGROUP_MMA
 from .listing import Instruction
 
 MAX_RUNS = 16
@@ -73,7 +74,7 @@ def _run(instructions: list[Instruction], state: _State) -> tuple[_State, int, i
     for instruction in instructions:
         if instruction.never:
             continue
-        if instruction.base == "HGMMA":
+        if instruction.base in WARPGROUP_MMA:   # HGMMA, or fp8's QGMMA
             open_ += 1
             if re.search(r"\bgsb0\b", instruction.operands):
                 pending, open_, groups = pending + 1, 0, groups + 1

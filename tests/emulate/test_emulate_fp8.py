@@ -177,6 +177,13 @@ def test_the_gpu_build_converts_with_cvt_satfinite_and_packs_without_spills(tmp_
         sass = disassemble(*compiled.cubins)
         assert "F2FP.SATFINITE.E4M3.F32.PACK_AB" in sass and "F2FP.SATFINITE.E5M2.F32.PACK_AB" in sass, \
             sorted({line.split()[1] for line in sass.splitlines() if "F2FP" in line})
+        # Its two e4m3 wgmmas are QGMMA.64x64x32 in SASS, tensor work of 64 / 4 HMMA-equivalents each.
+        from fagen.sass.classes import classify, tensor_equivalents
+        from fagen.sass.listing import parse_listing
+
+        body = parse_listing(sass)["p_times_v"]
+        products = [i for i in body if classify(i) == "HGMMA"]
+        assert [i.base for i in products] == ["QGMMA", "QGMMA"] and sum(map(tensor_equivalents, products)) == 32
 
 
 def test_v_in_slot_order_pads_past_the_last_key_and_keeps_each_key_whole():

@@ -202,7 +202,9 @@ def test_hopper_instructions_are_classed_and_hgmma_counted_in_hmma_equivalents()
     from fagen.sass.classes import tensor_equivalents
 
     cases = {"HGMMA.64x176x16.F32.BF16 R24, gdesc[UR36], RZ, !UPT": ("HGMMA", 22.0),      # 176 / 8
-             "HGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24": ("HGMMA", 32.0),     # fp8: K = 32
+             "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24": ("HGMMA", 32.0),     # fp8: K = 32, N / 4
+             "QGMMA.64x224x32.F32.E4M3.E4M3 R24, R88, gdesc[UR8], R24, gsb0": ("HGMMA", 56.0),   # A from registers
+             "@!PT QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24": ("other", 0.0),
              "HMMA.16816.F32 R4, R8, R12, R4": ("HMMA", 1.0),
              "@!PT HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24": ("other", 0.0),       # never executes
              "USETMAXREG.DEALLOC.CTAPOOL 0x18": ("control", 0.0),
