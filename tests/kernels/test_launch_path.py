@@ -95,6 +95,19 @@ def test_lineinfo_is_on_and_in_the_cache_key(monkeypatch):
 
 # -- 4. streams ------------------------------------------------------------------------------------
 
+class FakeDevice:
+    """cupy.cuda.Device's stand-in: a context manager that does nothing."""
+
+    def __init__(self, index):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class FakeStream:
     def __init__(self, handle):
         self.handle = handle
@@ -113,18 +126,8 @@ def fake_cupy(modern: bool):
         made.append(("ExternalStream", handle))
         return FakeStream(handle)
 
-    class Device:
-        def __init__(self, index):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     cuda = types.SimpleNamespace(Stream=Stream if modern else types.SimpleNamespace(), ExternalStream=external_stream,
-                                 Device=Device, driver=types.SimpleNamespace(funcSetAttribute=lambda *a: None))
+                                 Device=FakeDevice, driver=types.SimpleNamespace(funcSetAttribute=lambda *a: None))
     return types.SimpleNamespace(cuda=cuda), made
 
 
@@ -248,17 +251,7 @@ def test_a_gpu_load_takes_each_kernel_from_its_own_units_module(tmp_path, monkey
         def get_function(self, name):
             return (self.cubin, name)
 
-    class Device:
-        def __init__(self, index):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=Device,
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=FakeDevice,
                                                             function=types.SimpleNamespace(Module=Module)))
     monkeypatch.setattr(launch, "_cupy", lambda: cupy)
     monkeypatch.setattr(launch, "arch_of", lambda device: "sm_90")
