@@ -35,6 +35,8 @@ from typing import Callable
 from .tile_shapes import SPLIT_O_ABOVE, default_tiles
 
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
+SM90_FP8_HEAD_DIMS = (128, 256)   # the 8-bit forward's: a tile row is whole 128-byte swizzle rows
+SM90_FP8_BLOCK_N = 128   # its key tile: V^T's rows hold one 128-byte swizzle row of keys
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
 SM90_SHARED_BYTES = 227 * 1024   # an sm_90 block's shared memory, dynamic and static together
@@ -76,11 +78,36 @@ def sm90_refusal(spec) -> str | None:
                     f"{SM90_MLA_HEAD_DIM} with v_from_k)"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
                     f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})")]
-    found = [what for _, refused, what in unsupported if refused]
+    found = [what for _, refused, what in unsupported if refused] + _fp8_refusals(spec)
     if not found:
         return None
+    if spec.fp8:   # no other family has an 8-bit forward to send it to
+        return f"arch_family='sm90' has no forward for {', '.join(found)} yet; use dtype='bf16' there"
     return (f"arch_family='sm90' has no forward for {', '.join(found)} yet; use arch_family='sm80' (the "
             f"mma.sync kernels, every feature)")
+
+
+def _fp8_refusals(spec) -> list[str]:
+    """What the 8-bit forward (Spec.fp8) does not take yet: head dims other than whole 128-byte
+    swizzle rows (d = 128, 256: d = 64 and 192 need the 64-byte swizzle), packed sequences (V^T's
+    keys are ordered in groups of 16 from each sequence's start: `fp8_operands.v_in_slot_order`),
+    and the softcap (its scale is the host's, the descales the kernel's)."""
+    if not spec.fp8:
+        return []
+    refused = [("head_dim", spec.head_dim not in SM90_FP8_HEAD_DIMS,
+                f"head_dim={spec.head_dim} in {spec.dtype} (it has {', '.join(map(str, SM90_FP8_HEAD_DIMS))})"),
+               ("varlen", spec.varlen, f"varlen=True in {spec.dtype}"),
+               ("softcap", spec.softcap, f"softcap=True in {spec.dtype}")]
+    return [what for _, on, what in refused if on]
+
+
+def sm80_refusal(spec) -> str | None:
+    """The sm80 family renders every spec but the 8-bit ones (mma.sync has no e4m3 before sm_89,
+    and fagen's 8-bit forward is the sm90 family's)."""
+    if spec.fp8:
+        return (f"dtype={spec.dtype!r}: the 8-bit forward is the sm90 family's (Hopper's e4m3 wgmma); "
+                f"use arch_family='sm90'")
+    return None
 
 
 def _mla(spec) -> bool:
@@ -101,6 +128,7 @@ class Sm90Tiles:
     stages: int = 2
     consumers: int = 2
     v_from_k: bool = False   # V's tile is K's first d_v columns (Spec.v_from_k): a stage holds K alone
+    element_bytes: int = 2   # Q's, K's and V's: 1 for the 8-bit forward (Spec.fp8), whose V tile is V^T
 
     @property
     def slices(self) -> int:
@@ -137,16 +165,21 @@ class Sm90Tiles:
         return PAGE_BOX_ROWS
 
     @property
+    def box_columns(self) -> int:
+        """A TMA box's columns: one 128-byte swizzle row (64 two-byte elements, 128 one-byte)."""
+        return 128 // self.element_bytes
+
+    @property
     def boxes(self) -> int:
-        """64-column boxes per row of a tile (a TMA box is one 128-byte swizzle row wide)."""
-        return self.head_dim // BOX_COLUMNS
+        """Boxes per row of a Q or K tile."""
+        return self.head_dim // self.box_columns
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, then each stage's K and V (d and a slice of d_v wide; K alone
         where V is K's), and the slack that aligns them to the swizzle's period."""
-        stage = self.block_n * (self.head_dim + (0 if self.v_from_k else self.slice_columns)) * 2
-        return SWIZZLE_PERIOD + self.block_m * self.head_dim * 2 + self.stages * stage
+        stage = self.block_n * (self.head_dim + (0 if self.v_from_k else self.slice_columns)) * self.element_bytes
+        return SWIZZLE_PERIOD + self.block_m * self.head_dim * self.element_bytes + self.stages * stage
 
     @property
     def fits(self) -> bool:
@@ -165,6 +198,8 @@ def sm90_tiles(spec) -> Sm90Tiles:
     a relative-bias table, a document mask and both with dropout spilled one step wider)."""
     if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
         return _tiles(spec, spec.sm90_block_n)
+    if spec.fp8:
+        return _tiles(spec, SM90_FP8_BLOCK_N)
     if spec.kv_cache is not None:   # decoding: a power of two, a paged cache's box per page where it divides them
         return _tiles(spec, _decoding_block_n(spec))
     custom = spec.score_mod is not None or spec.mask_mod is not None
@@ -182,7 +217,8 @@ def sm90_tiles(spec) -> Sm90Tiles:
 
 
 def _tiles(spec, block_n: int) -> Sm90Tiles:
-    return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n, v_from_k=spec.v_from_k)
+    return Sm90Tiles(spec.head_dim, spec.head_dim_v or spec.head_dim, block_n=block_n, v_from_k=spec.v_from_k,
+                     element_bytes=1 if spec.fp8 else 2)
 
 
 def _decoding_block_n(spec) -> int:
@@ -230,6 +266,9 @@ def sm90_block_n_problem(spec) -> str | None:
             or not SM90_MIN_BLOCK_N <= block_n <= 256:
         return (f"sm90_block_n must be a multiple of {SM90_BLOCK_N_STEP} from {SM90_MIN_BLOCK_N} to 256, "
                 f"got {block_n!r}")
+    if spec.fp8 and block_n != SM90_FP8_BLOCK_N:
+        return (f"sm90_block_n={block_n} in {spec.dtype}: the 8-bit forward's key tile is {SM90_FP8_BLOCK_N} "
+                f"(V^T's rows, one 128-byte swizzle row of keys)")
     tiles = _tiles(spec, block_n)
     if not tiles.fits:
         return (f"sm90_block_n={block_n} at head_dim={spec.head_dim}: Q and two K/V stages need "
@@ -240,6 +279,8 @@ def sm90_block_n_problem(spec) -> str | None:
 
 def narrower_sm90_tiles(spec) -> list[int]:
     """The sm90 forward's key tiles below `spec`'s, widest first (kernels.spill_free's candidates)."""
+    if spec.fp8:
+        return []   # its key tile is V^T's box (SM90_FP8_BLOCK_N)
     widest = sm90_tiles(spec).block_n - SM90_BLOCK_N_STEP
     return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
 
@@ -382,7 +423,7 @@ def _sm90_narrower(spec):
         yield lambda block_n=block_n: spec.replace(sm90_block_n=block_n)
 
 
-SM80 = Family("sm80", templates="sm80", head_dims=(64, 128, SPLIT_O_ABOVE, 512), refusal=lambda spec: None,
+SM80 = Family("sm80", templates="sm80", head_dims=(64, 128, SPLIT_O_ABOVE, 512), refusal=sm80_refusal,
               shared_bytes=lambda spec: spec.shared_layout.total_bytes, key_tile=lambda spec: spec.block_n,
               narrower=_sm80_narrower,
               tiles_text=lambda spec: (f"block_m={spec.block_m}, block_n={spec.block_n}, num_warps={spec.num_warps}, "

@@ -20,7 +20,11 @@ from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABO
                           BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
                           default_tiles, dq_layout, smaller_kv_cache_tiles)
 
-DTYPES = ("fp16", "bf16")
+DTYPES = ("fp16", "bf16", "e4m3")
+# The 8-bit ones (q, k and v in e4m3, each with an fp32 descale per batch entry and K/V head, as
+# FlashAttention-3's fp8 forward takes them): the sm90 family's forward alone, its output in bf16.
+FP8_DTYPES = ("e4m3",)
+FP8_OUTPUT_DTYPE = "bf16"
 MASKS = ("none", "causal")
 KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcache's cache is laid out
 VERSIONS = (1, 2)
@@ -105,7 +109,8 @@ class Spec:
     """One attention kernel, as data.
 
     head_dim     d, a multiple of 8 up to 512 (Q's and K's head dim)
-    dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32)
+    dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32), or "e4m3" (8-bit q, k
+                 and v with their descales, output in bf16: the sm90 family's forward, forward only)
     version      1 = FlashAttention-1 (m, l statistics), 2 = FlashAttention-2 (L)
     block_m      rows of Q per tile (B_r)
     block_n      rows of K/V per tile (B_c)
@@ -199,6 +204,7 @@ class Spec:
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         self._check_kv_cache()
+        self._check_fp8()
         if self.arch_family not in ARCH_FAMILIES:
             raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
         refusal = family_of(self).refusal(self)
@@ -275,6 +281,33 @@ class Spec:
         if self.dropout or self.sinks:
             raise ValueError("kv_cache kernels take no dropout or sinks "
                              "(flash-attn's paged and decoding kernels take window, softcap and ALiBi)")
+
+    @property
+    def fp8(self) -> bool:
+        """8-bit inputs (FP8_DTYPES): a forward alone, whose output is bf16 (`output_dtype`)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def output_dtype(self) -> str:
+        """The dtype of O (and of the backward's gradients): the inputs', or bf16 for 8-bit ones."""
+        return FP8_OUTPUT_DTYPE if self.fp8 else self.dtype
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether its source has no backward: decoding (kv_cache) and the 8-bit forward."""
+        return self.kv_cache is not None or self.fp8
+
+    def _check_fp8(self):
+        """The 8-bit forward is inference's: it refuses, by name, what has no meaning without a backward."""
+        if not self.fp8:
+            return
+        refused = [what for what, on in (("dropout=True", self.dropout), ("deterministic=True", self.deterministic),
+                                         ("sm80_backward=True", self.sm80_backward), (f"kv_cache={self.kv_cache!r}",
+                                         self.kv_cache is not None)) if on]
+        if refused:
+            raise ValueError(f"dtype={self.dtype!r} is a forward for inference (FlashAttention-3's fp8 forward has no "
+                             f"dropout and no backward either; an fp8 KV cache is decoding's cache dtype, not the "
+                             f"spec's): it takes no {', '.join(refused)}")
 
     @property
     def has_mods(self) -> bool:

@@ -14,7 +14,8 @@ from fractions import Fraction
 
 import torch
 
-from . import exact_sum, launch
+from ..dtypes import TORCH_DTYPE
+from . import exact_sum, fp8_operands, launch
 from .params import VARLEN_PACKED, variant_arguments
 from .render import Source
 from ..errors import InputError, assert_lazily
@@ -338,13 +339,15 @@ def split_variant(spec, variant: dict | None, softmax_scale: float) -> tuple[dic
 
 
 def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, dropout_p=0.0,
-            seed=0, philox_offset=0, debug=None, variant_values=None, varlen=None, coord_offsets=(0, 0), memo=None):
+            seed=0, philox_offset=0, debug=None, variant_values=None, varlen=None, coord_offsets=(0, 0), memo=None,
+            descales=None):
     """Launch `source`'s forward kernel. Returns (out, stats) where stats is
     (lse,) for version 2 and (m, l) for version 1. `variant_values` holds a variant's run-time
     arguments by kernel parameter name (`variant_arguments`). With `varlen` = (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k), q is (total_q, H, d) and k, v (total_k, Hk, d),
     and the statistics are (B, H, max_seqlen_q) with each sequence's rows first. `memo`: a
-    caller's own plans (`Memo`)."""
+    caller's own plans (`Memo`). An 8-bit spec (Spec.fp8) takes e4m3 q, k and v, and `descales`
+    {"q_descale": (B, Hk) fp32, ...} (one missing is 1); its O is bf16."""
     variant_tensors, variant_scalars = (split_variant(source.spec, variant_values, _scale(softmax_scale, q))
                                         if variant_values else ({}, ()))
     key = None
@@ -358,6 +361,8 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     tensors = plan.allocate(q.device)
     out, *stats = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"] = q, k, v
+    if source.spec.fp8:
+        tensors.update(fp8_operands.kernel_tensors(k, v, descales))
     _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
     if varlen is not None:
         packed_tensors(tensors, varlen)
@@ -385,7 +390,7 @@ def _forward_plan(source: Source, q, k, v, softmax_scale, dropout_p, variant_sca
     spec, scale = source.spec, _scale(softmax_scale, q)
     batch, seqlen_q, heads, head_dim, seqlen_k, kv_heads = geometry(q, k, varlen)
     stat_names = ("lse",) if spec.version == 2 else ("row_max_out", "row_sum_out")
-    buffers = [("out", (*q.shape[:-1], v.shape[-1]), q.dtype)]   # d_v columns
+    buffers = [("out", (*q.shape[:-1], v.shape[-1]), TORCH_DTYPE[spec.output_dtype])]   # d_v columns
     buffers += [(name, (batch, heads, seqlen_q), torch.float32) for name in stat_names]
     if spec.version == 1:
         buffers.append(("o_accum", (batch, heads, seqlen_q, head_dim), torch.float32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+DESCALES = ("q_descale", "k_descale", "v_descale")   # the kernel's parameters (params._fp8_descales)
 GROUP = 16   # the keys pack_p orders among themselves
 SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's slot_of_key
 
@@ -28,3 +29,20 @@ def v_in_slot_order(v: torch.Tensor) -> torch.Tensor:
     raw = (lambda t: t.view(torch.uint8)) if v.element_size() == 1 else (lambda t: t)   # float8 has no index_put
     raw(vt)[..., slots] = raw(v.permute(0, 2, 3, 1))
     return vt
+
+
+def kernel_tensors(k: torch.Tensor, v: torch.Tensor, descales: dict | None) -> dict:
+    """An 8-bit forward call's tensors beyond q, k and v, by kernel parameter name: V^T
+    (`v_in_slot_order`, made per call: one pass over V) and the three descales, each (B, Hk) fp32
+    (`descales` by name; one missing is 1, as FlashAttention-3 takes None)."""
+    descales = descales or {}
+    ones = None
+    tensors = {"vt": v_in_slot_order(v)}
+    for name in DESCALES:
+        given = descales.get(name)
+        if given is None:
+            if ones is None:
+                ones = torch.ones(k.shape[0], k.shape[2], dtype=torch.float32, device=k.device)
+            given = ones
+        tensors[name] = given
+    return tensors

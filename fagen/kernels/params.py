@@ -15,7 +15,7 @@ from ..variants.cuda import variant_code
 from ..variants.tiles import summaries
 from .tensor_map import PageBox, Swizzle
 
-ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+ELEM_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}   # by a spec's output dtype (Spec.output_dtype)
 TENSOR_MAP = "const __grid_constant__ fagen::TensorMap"   # a TMA map, passed by value
 
 
@@ -80,15 +80,17 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""
     tiles = sm90_tiles(spec)
     key_rows = PageBox(tiles.block_n) if spec.kv_cache == "paged" else tiles.block_n   # a box per page, or per tile
-    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
+    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, tiles.box_columns))
             for name, rows in (("q", tiles.block_m), ("k", key_rows), ("v", key_rows))]
+    if spec.fp8:   # V^T (B, Hk, d_v, keys: fp8_operands.v_in_slot_order), a tile's box d_v rows of its keys
+        maps[2] = Param("vt", TENSOR_MAP, "tensor_map", box=(1, 1, tiles.head_dim_v, tiles.block_n))
     # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
     # threads (a box would write past a sequence's end, into the next one's rows; a split writes
-    # fp32 partials).
-    by_threads = spec.varlen or spec.kv_cache is not None
-    out = ([_tensor("out", ELEM_CTYPE[spec.dtype])] if by_threads else
+    # fp32 partials), and the 8-bit forward's bf16 O too (twice Q's tile, where a box would be staged).
+    by_threads = spec.varlen or spec.kv_cache is not None or spec.fp8
+    out = ([_tensor("out", ELEM_CTYPE[spec.output_dtype])] if by_threads else
            [Param("out", TENSOR_MAP, "tensor_map", box=(1, 64, 1, BOX_COLUMNS))])
-    return tuple(maps + out + [_tensor("lse", "float")] + _sizes(spec)
+    return tuple(maps + out + [_tensor("lse", "float")] + _fp8_descales(spec) + _sizes(spec)
                  + (_strides("o") if by_threads else []) + [Param("softmax_scale_log2", "float", "float32")]
                  + ([Param("softmax_scale", "float", "float32")] if spec.sinks or spec.alibi or spec.score_mod else [])
                  + _dropout(spec) + _variant(spec) + _kv_cache(spec))
@@ -112,6 +114,14 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
                  + _dropout(spec) + _variant(spec, grads=True))
+
+
+def _fp8_descales(spec: Spec) -> list[Param]:
+    """An 8-bit spec's descales (FlashAttention-3's q_descale, k_descale, v_descale): fp32, one per
+    (batch entry, K/V head), the real tensors being the e4m3 ones times them."""
+    if not spec.fp8:
+        return []
+    return [_tensor(f"{name}_descale", "float", const=True) for name in ("q", "k", "v")]
 
 
 def _kv_cache(spec: Spec) -> list[Param]:

@@ -47,7 +47,7 @@ class Entries:
     """The kernels of one spec, by role (each pass fills in its own roles)."""
 
     forward: Entry
-    bwd_preprocess: Entry | None = None  # None for kv_cache specs, which are forward only
+    bwd_preprocess: Entry | None = None  # None for forward-only specs (kv_cache, fp8)
     bwd_main: Entry | None = None
     bwd_dq: Entry | None = None          # deterministic specs: the dQ pass without atomics
     bwd_dq_convert: Entry | None = None  # other specs: fp32 atomics accumulator -> dQ
@@ -118,9 +118,12 @@ class KernelFamily:
 
     def passes_of(self, spec: Spec) -> tuple[Pass, ...]:
         """The passes of `spec`'s source: training's forward and backward; decoding's
-        forward, with the split-KV combine and the append unless queries are packed (varlen)."""
+        forward, with the split-KV combine and the append unless queries are packed (varlen); the
+        8-bit forward alone (Spec.fp8)."""
         if spec.kv_cache:
             return (self.decoding[spec.version],) + (() if spec.varlen else (self.combine,))
+        if spec.fp8:
+            return (self.forward[spec.version],)
         return (self.forward[spec.version], self.backward_of(spec))
 
     def entries(self, spec: Spec, debug: bool = False) -> Entries:

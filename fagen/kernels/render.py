@@ -134,7 +134,7 @@ def _context(spec: Spec, entries: Entries, debug: bool) -> dict:
     return dict(
         spec=spec,
         entries=entries,
-        family_headers=family.headers,
+        family_headers=family.headers + (("fp8.cuh",) if spec.fp8 else ()),
         **family.context(spec),
         layout=spec.shared_layout,
         bwd=spec.backward_tiles,
@@ -142,7 +142,7 @@ def _context(spec: Spec, entries: Entries, debug: bool) -> dict:
         dq_layout=spec.dq_layout,
         head_dim_pad=spec.head_dim_pad,
         row_tiles=spec.block_m // (16 * spec.num_warps),
-        elem_ctype=ELEM_CTYPE[spec.dtype],
+        elem_ctype=ELEM_CTYPE[spec.output_dtype],
         debug=debug,
         variant=variant_code(spec),
         varlen={"q_rows": VARLEN_Q_ROWS, "k_rows": VARLEN_K_ROWS, "stats": VARLEN_STATS,

@@ -25,6 +25,13 @@
 
 namespace fagen {
 
+// P's scale in the 8-bit forward: P~ = 2^kPExponent exp(S - m) puts a row's largest P at 256, the
+// largest power of two below e4m3's 448 (a power of two: the scaling is exact), and keeps every P
+// down to 2^-17 above e4m3's smallest subnormal (2^-9); fagen/reference/same_fp8.py derives and
+// tests it. The row sum and O carry the same 2^kPExponent, which kPScaleInverse takes back.
+constexpr int kPExponent = 8;
+constexpr float kPScaleInverse = 1.f / (1 << kPExponent);
+
 // Two floats as two e4m3 (e5m2) bytes, `lo` in the low byte.
 __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
