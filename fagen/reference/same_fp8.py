@@ -12,7 +12,8 @@ so this is its stand-in: what any fp8 kernel of this design must round, done onc
                value per row is 2^p_exponent, so p_exponent = 8 puts it at 256, the largest
                power of two below e4m3's 448 (a power of two, so the scaling itself is exact),
                and keeps every P >= 2^-17 representable (e4m3's smallest subnormal is 2^-9)
-    l          the row sum of P~ before rounding (fp32)
+    l          the row sum of P~ before rounding (fp32), with a sink's term where the variant has
+               sinks (a logit per head, in the softmax's units, with no value row)
     O          e4m3(P~) v, summed in fp32, times v_descale / l; returned in bf16
 
 The online softmax's running maximum rescales P~ by factors that are not powers of two, so a
@@ -37,8 +38,8 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_same_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                       causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, score_mod=None,
-                       mask_mod=None, p_exponent: int = P_EXPONENT) -> torch.Tensor:
+                       causal=False, seqlens_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       score_mod=None, mask_mod=None, sinks=None, p_exponent: int = P_EXPONENT) -> torch.Tensor:
     """O (B, Nq, H, d_v) in bf16 from e4m3 q (B, Nq, H, d), k, v (B, Nk, Hk, d / d_v); descales
     (B, Hk) fp32 or None (1)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -48,7 +49,7 @@ def attention_same_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
     scales = [_descale(d, batch, kv_heads, name)
               for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
     prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        seqlens_k=seqlens_k, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                         score_mod=score_mod, mask_mod=mask_mod)
     group = prob.group
     qd, kd, vd = (s.repeat_interleave(group, dim=1)[:, :, None, None] for s in scales)   # (B, H, 1, 1)
@@ -60,6 +61,10 @@ def attention_same_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
         scores = prob.modify_scores(scores)
     visible = prob.visible_all()
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:   # a last column of the head's logit, which no value row multiplies
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], -1)
+        vh = torch.cat([vh, torch.zeros_like(vh[..., :1, :])], -2)
     row_max = scores.amax(-1, keepdim=True)
     empty = torch.isinf(row_max)
     scaled = torch.exp2(torch.tensor(float(p_exponent))) * torch.exp(scores - row_max.masked_fill(empty, 0.0))

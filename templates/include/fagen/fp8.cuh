@@ -30,7 +30,8 @@ namespace fagen {
 // down to 2^-17 above e4m3's smallest subnormal (2^-9); fagen/reference/same_fp8.py derives and
 // tests it. The row sum and O carry the same 2^kPExponent, which kPScaleInverse takes back.
 constexpr int kPExponent = 8;
-constexpr float kPScaleInverse = 1.f / (1 << kPExponent);
+constexpr float kPScale = 1 << kPExponent;
+constexpr float kPScaleInverse = 1.f / kPScale;
 
 // Two floats as two e4m3 (e5m2) bytes, `lo` in the low byte.
 __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {

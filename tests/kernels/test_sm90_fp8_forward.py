@@ -1,0 +1,88 @@
+"""The sm90 family's 8-bit forward (Spec.fp8: e4m3 q, k and v with their descales, bf16 O;
+templates/sm90/hopper_fwd.cu.j2's fp8 branches) rendered from Specs and run by the emulator: held to
+the fp8 accuracy rule (tests/support/fp8_cases.py: O within twice the e4m3 model's error of the float64
+oracle, L within 1e-3) with every output buffer poisoned; under the schedules with the racecheck;
+compiled by NVRTC for sm_90a without spills or serialised wgmma. Bf16 and fp16 specs render as
+before (their sources do not change with the fp8 branches: test_codegen's golden sources)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fagen.arch_families import sm90_tiles
+from fagen.kernels.render import render
+from fagen.spec import Spec
+from fp8_cases import run_fp8_case
+from kernel_cases import Shape
+from sm90_cases import check_sm90_forward_compiles, relative_bias, same_document
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")
+
+
+def fp8(head_dim: int, **fields) -> Spec:
+    return Spec(head_dim, dtype="e4m3", arch_family="sm90", **fields)
+
+
+# A ragged query block and key tile, GQA and MQA, Nq > Nk under causal (rows that see no key: O = 0,
+# L = +inf), key padding with one entry of every key and one of none, d_v != d.
+SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1)}
+SPECS = [fp8(128), fp8(128, mask="causal"), fp8(256, mask="causal"), fp8(128, key_padding=True),
+         fp8(256, head_dim_v=128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_the_fp8_forward_meets_the_accuracy_rule(spec, shape):
+    run_fp8_case(spec, shape)
+
+
+def test_without_descales_the_inputs_are_taken_as_they_are():
+    """FlashAttention-3's q_descale=None (and k's, v's): 1."""
+    run_fp8_case(fp8(128, mask="causal"), SHAPES["ragged_gqa"], descales=False)
+
+
+# The variants whose values the descales reach: a window and a mask_mod (masks alone), ALiBi (its bias
+# in the raw scores' units, -slope / (tau q_descale k_descale)), sinks (the logit over the same scale),
+# and a score_mod (its chain starts from tau q_descale k_descale S).
+VARIANTS = {"window": {"window_size": (40, 7)},
+            "alibi_sinks": {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]),
+                            "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+            "documents": {"mask_mod": same_document},
+            "relative_bias": {"score_mod": relative_bias}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS)
+def test_variants_meet_the_accuracy_rule(variant):
+    run_fp8_case(fp8(128, mask="causal"), Shape(2, 150, 200, heads=4, kv_heads=2), variant)
+
+
+@pytest.mark.parametrize("schedule", ["producer-first", "consumer-first", "random"])
+def test_every_schedule_is_race_free(monkeypatch, schedule):
+    monkeypatch.setenv("FAGEN_EMULATE_SCHEDULE", schedule)
+    monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
+    run_fp8_case(SPECS[1], Shape(1, 150, 300, heads=2, kv_heads=1))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
+    check_sm90_forward_compiles(spec)
+
+
+def test_the_source_is_the_forward_alone_with_its_key_tile():
+    """Forward only (Spec.forward_only), a V^T box of 128 keys, and bf16 O (Spec.output_dtype)."""
+    spec = fp8(128)
+    source = render(spec)
+    assert source.kernels.backward == () and spec.forward_only
+    assert sm90_tiles(spec).block_n == 128 and sm90_tiles(spec).box_columns == 128
+    assert "typedef __nv_bfloat16 elem_t;" in source.code and "wgmma_rs_fp8" in source.code
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(arch_family="sm80"), "arch_family='sm90'"), (dict(dropout=True), "dropout=True"),
+    (dict(head_dim=64), "head_dim=64"), (dict(softcap=True), "softcap=True"), (dict(varlen=True), "varlen=True"),
+    (dict(deterministic=True), "deterministic=True"), (dict(sm90_block_n=96), "sm90_block_n=96")])
+def test_what_it_does_not_take_is_refused_by_name(fields, named):
+    fields = {"head_dim": 128, "dtype": "e4m3", "arch_family": "sm90", **fields}
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        Spec(**fields)
