@@ -31,7 +31,7 @@ CHECK_PARAMS = [pytest.param(spec, check, marks=pytest.mark.slow, id=f"{spec.nam
 def test_the_mutants_cover_what_the_issue_lists_and_their_edits_apply():
     assert len(BY_NAME) == len(km.MUTANTS) and set(km.SAMPLE) <= set(BY_NAME)
     for mutant in km.MUTANTS:
-        assert mutant.source().code != km.render(mutant.spec).code, mutant.name
+        assert mutant.host or mutant.source().code != km.render(mutant.spec).code, mutant.name
 
 
 @pytest.mark.parametrize("spec, check", CHECK_PARAMS)

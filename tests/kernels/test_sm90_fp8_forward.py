@@ -37,6 +37,12 @@ def test_the_fp8_forward_meets_the_accuracy_rule(spec, shape):
     run_fp8_case(spec, shape)
 
 
+def test_values_about_three_show_no_bias_in_ps_rounding():
+    """O about 3 (V's mean): a rounding of P~ that leans one way moves O by as much (tests/support/fp8_mutants.py
+    plants a truncation); on random signs it would average away."""
+    run_fp8_case(fp8(256, mask="causal"), SHAPES["ragged_gqa"], v_mean=3.0)
+
+
 def test_without_descales_the_inputs_are_taken_as_they_are():
     """FlashAttention-3's q_descale=None (and k's, v's): 1."""
     run_fp8_case(fp8(128, mask="causal"), SHAPES["ragged_gqa"], descales=False)

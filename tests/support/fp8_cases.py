@@ -28,16 +28,18 @@ FP8_OUTPUT_FACTOR = 2.0
 LSE_TOLERANCE = 1e-3
 
 
-def fp8_inputs(spec: Spec, shape: Shape, seed: int = 0, outliers: float = 0.0, descales: bool = True):
+def fp8_inputs(spec: Spec, shape: Shape, seed: int = 0, outliers: float = 0.0, descales: bool = True,
+               v_mean: float = 0.0):
     """(q8, k8, v8, descales by kernel parameter name, (q, k, v) dequantised in float64): standard
     normal q, k, v (d_v columns for v) quantised per (batch, K/V head); `outliers` > 0 multiplies two
     channels of q and k by it (the inputs FlashAttention-3's rotation is for). `descales=False`: the
-    normal values rounded to e4m3 as they are, their descales 1."""
+    normal values rounded to e4m3 as they are, their descales 1. `v_mean` is added to v: O is then
+    about it, where a bias in P's rounding shows whole (random signs would average it away)."""
     generator = torch.Generator().manual_seed(seed)
     d, d_v = spec.head_dim, spec.head_dim_v
     q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, d, generator=generator)
     k = torch.randn(shape.batch, shape.seqlen_k, shape.kv_heads, d, generator=generator)
-    v = torch.randn(shape.batch, shape.seqlen_k, shape.kv_heads, d_v, generator=generator)
+    v = torch.randn(shape.batch, shape.seqlen_k, shape.kv_heads, d_v, generator=generator) + v_mean
     if outliers:
         q[..., :2] *= outliers
         k[..., :2] *= outliers
@@ -58,12 +60,12 @@ def dequantise(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
 
 
 def run_fp8_case(spec: Spec, shape: Shape, variant: dict | None = None, *, device: str = "cpu", source=None,
-                 outliers: float = 0.0, descales: bool = True) -> dict:
+                 outliers: float = 0.0, descales: bool = True, v_mean: float = 0.0) -> dict:
     """The forward of `spec` (with `variant`'s values) on `shape`, run on `device`, held to the rule
     above; returns {"out": (kernel's error, model's), "lse": kernel's}. `descales=False` passes
     none (the kernel's 1; `fp8_inputs`). `source`: another rendering of the case's spec (the mutants)."""
     variant = dict(variant or {})
-    q8, k8, v8, scales, (q, k, v) = fp8_inputs(spec, shape, outliers=outliers, descales=descales)
+    q8, k8, v8, scales, (q, k, v) = fp8_inputs(spec, shape, outliers=outliers, descales=descales, v_mean=v_mean)
     lengths = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
     case_spec, call = variant_spec(spec, q, k, variant) if variant else (spec, None)
     source = render(case_spec) if source is None else source

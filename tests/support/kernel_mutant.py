@@ -4,6 +4,7 @@ are tests/support/kernel_mutants.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,9 @@ class KernelMutant:
     spec: Spec
     edits: tuple[Edit, ...]
     checks: tuple[Callable[..., None], ...]
+    # Host code the kernel relies on, wrong instead: (object, attribute, replacement), patched while
+    # the checks run (the 8-bit forward's V^T, which the op makes: tests/support/fp8_mutants.py).
+    host: tuple[tuple[object, str, object], ...] = ()
 
     def source(self) -> Source:
         correct = render(self.spec)
@@ -56,7 +60,9 @@ def killed_by(mutant: KernelMutant) -> str | None:
     """The first check that fails on the mutant (its name and the failure), or None."""
     source = mutant.source()
     with mock.patch.object(attention_kernels, "_empty", poisoned_empty), \
-            mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}):
+            mock.patch.dict(os.environ, {"FAGEN_EMULATE_THREADS": "1"}), contextlib.ExitStack() as patches:
+        for target, attribute, replacement in mutant.host:
+            patches.enter_context(mock.patch.object(target, attribute, replacement))
         for check in mutant.checks:
             try:
                 check(mutant.spec, source)

@@ -13,6 +13,7 @@ from fagen.kernels.render import render   # the tests compare a mutant with its 
 from fagen.arch_families import chosen_decoding_spec
 from fagen.spec import Spec
 import barrier_mutations
+import fp8_mutants
 import kernel_checks as checks
 import sm90_cases
 import twin_mutants
@@ -534,13 +535,15 @@ MUTANTS += [KernelMutant(f"{name}: keys past the block table's row not refused",
     ("sm90 paged varlen", SM90_VARLEN_PAGED, PACKED_GUARD, ""),
 ]]
 
+MUTANTS += fp8_mutants.MUTANTS   # the 8-bit forward's (issue 45)
+
 SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scale ignored in the backward",
           "L written as -inf for empty rows", "an atomic dQ in the deterministic variant",
           "softcap: the chain rule through the score dropped",
           "documents: tiles whose id ranges touch skipped as empty",
           "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row",
           "d_v: dV's slices at dK's columns", "sm90 backward: the dQ tile rewritten before its bulk reduction has read it",
-          "deterministic captured gradient: the carry into the next digit dropped")
+          "deterministic captured gradient: the carry into the next digit dropped", "fp8: V not transposed")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

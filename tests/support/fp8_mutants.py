@@ -1,0 +1,59 @@
+"""The 8-bit forward's mutants (issue 45): a descale dropped, P's scale off by one exponent, V not
+transposed, and P truncated where it is rounded; each killed by `fp8_check`, the accuracy rule on a
+GQA shape whose descales differ per (batch, K/V head). Joined to tests/support/kernel_mutants.py's."""
+
+from __future__ import annotations
+
+import torch
+
+from fagen.kernels import fp8_operands
+from fagen.spec import Spec
+from fp8_cases import run_fp8_case
+from kernel_cases import Shape
+from kernel_mutant import Edit, KernelMutant
+
+FP8 = Spec(128, dtype="e4m3", mask="causal", arch_family="sm90")
+
+
+def fp8_check(spec: Spec, source=None) -> None:
+    """Four key tiles through the two stages, a ragged last one, GQA: the fp8 accuracy rule; then V
+    about 3, so that O is too, and a bias in P's rounding moves it by as much (a rounding that is
+    only unbiased-looking on random signs)."""
+    shape = Shape(2, 150, 400, heads=4, kv_heads=2)
+    run_fp8_case(spec, shape, source=source)
+    run_fp8_case(spec, shape, source=source, v_mean=3.0)
+
+
+def _v_untransposed(v: torch.Tensor) -> torch.Tensor:
+    """V as it comes, (B, Hk, Nk, d_v): the keys down the rows where V^T has V's columns."""
+    return v.permute(0, 2, 1, 3).contiguous()
+
+
+# A conversion that clamps but truncates (rounds toward zero) where cvt.rn.satfinite rounds to nearest:
+# fp32's mantissa cut to e4m3's 3 bits, so that the conversion after it is exact.
+_TRUNCATED_E4M3X4 = '''__device__ __forceinline__ float toward_zero(float x) { return __uint_as_float(__float_as_uint(x) & 0xfff00000u); }
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  a = toward_zero(a); b = toward_zero(b); c = toward_zero(c); d = toward_zero(d);'''
+
+MUTANTS = [
+    KernelMutant("fp8: q's descale dropped", FP8,
+                 (Edit("softmax_scale_log2 *= q_descale[descale_at] * k_descale[descale_at];",
+                       "softmax_scale_log2 *= k_descale[descale_at];"),), (fp8_check,)),
+    KernelMutant("fp8: v's descale dropped", FP8,
+                 (Edit("const float out_scale = v_descale[descale_at] * fagen::kPScaleInverse;",
+                       "const float out_scale = fagen::kPScaleInverse;"),), (fp8_check,)),
+    KernelMutant("fp8: the descales of the query head, not its K/V head", FP8,
+                 (Edit("const int descale_at = batch * kv_heads + kv_head;",
+                       "const int descale_at = batch * kv_heads + head % kv_heads;"),), (fp8_check,)),
+    KernelMutant("fp8: P's scale one exponent up (P~ past e4m3's 448)", FP8,
+                 (Edit("constexpr int kPExponent = 8;", "constexpr int kPExponent = 9;", "fp8.cuh"),), (fp8_check,)),
+    KernelMutant("fp8: P~'s exponent one less in the softmax than in l's", FP8,
+                 (Edit("(offset[r] - fagen::kPExponent)", "(offset[r] - (fagen::kPExponent - 1))"),), (fp8_check,)),
+    KernelMutant("fp8: V not transposed", FP8, (), (fp8_check,),
+                 host=((fp8_operands, "v_in_slot_order", _v_untransposed),)),
+    KernelMutant("fp8: V^T's keys in their own order, not pack_p's", FP8, (), (fp8_check,),
+                 host=((fp8_operands, "SLOT_OF_KEY", tuple(range(fp8_operands.GROUP))),)),
+    KernelMutant("fp8: P truncated (saturated, not rounded)", FP8,
+                 (Edit("__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {",
+                       _TRUNCATED_E4M3X4, "fp8.cuh"),), (fp8_check,)),
+]
