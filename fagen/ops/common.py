@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from ..dtypes import DTYPE_NAME
 from ..environment import setting
 from ..errors import InputError, InputTypeError, assert_lazily
 from ..kernels import launch
@@ -31,20 +30,21 @@ FLASH_LAYOUT = ("batch", "seqlen", "heads", "head_dim")
 TORCH_LAYOUT = ("batch", "heads", "seqlen", "head_dim")   # PyTorch's (SDPA's) order
 
 
-def _check_tensor(name: str, t, dims=FLASH_LAYOUT) -> None:
+def _check_tensor(name: str, t, dims=FLASH_LAYOUT, dtypes=None) -> None:
     check_dense_tensor(name, t)
     if t.dim() != 4:
         raise InputError(f"{name} must have 4 dims ({', '.join(dims)}), got shape {tuple(t.shape)}")
-    check_half_rows(name, t)
+    check_half_rows(name, t, dtypes)
 
 
-def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYOUT) -> None:
+def check_inputs(q, k, v, seqlens_k=None, names=("q", "k", "v"), dims=FLASH_LAYOUT, dtypes=None) -> None:
     """Validate q, k, v; raises TypeError/ValueError naming the argument. `names` are the
     caller's own argument names and `dims` its layout (fagen.sdpa: query, key, value in
-    TORCH_LAYOUT), so every message speaks of what the user passed, in its shape."""
+    TORCH_LAYOUT), so every message speaks of what the user passed, in its shape. `dtypes`: the
+    ones taken, where not fp16 and bf16 (the 8-bit forward's, ops/fp8.py)."""
     nq, nk, nv = names
     for name, t in zip(names, (q, k, v)):
-        _check_tensor(name, t, dims)
+        _check_tensor(name, t, dims, dtypes)
     q_shape, k_shape = q.shape, k.shape
     if not q.dtype == k.dtype == v.dtype:
         raise InputTypeError(f"{nq}, {nk} and {nv} must share a dtype, got {nq} {q.dtype}, {nk} {k.dtype}, "
@@ -227,10 +227,19 @@ def check_flag(name: str, value) -> bool:
     raise InputTypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
-def check_half_rows(name: str, t) -> None:
-    """`t` is fp16 or bf16 with a contiguous last dimension: what every kernel input needs."""
-    if t.dtype not in DTYPE_NAME:
-        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+HALF_DTYPES = (torch.float16, torch.bfloat16)   # every kernel's inputs but the 8-bit forward's (ops/fp8.py)
+
+
+def check_half_rows(name: str, t, dtypes=None) -> None:
+    """`t` is fp16 or bf16 (or of `dtypes`) with a contiguous last dimension: what every kernel input needs."""
+    if dtypes is not None:
+        if t.dtype not in dtypes:
+            raise InputTypeError(f"{name} must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                                 f"got {t.dtype}")
+    elif t.dtype not in HALF_DTYPES:
+        hint = " (float8_e4m3fn inputs: fagen.flash_attn_func alone, on the sm90 family)" \
+            if t.dtype == torch.float8_e4m3fn else ""
+        raise InputTypeError(f"{name} must be float16 or bfloat16, got {t.dtype}{hint}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise InputError(f"{name} must have a contiguous last dimension (stride 1), got stride {t.stride(-1)}")
 

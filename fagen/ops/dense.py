@@ -30,6 +30,7 @@ from . import autograd
 from .call import CallOptions, CallValues, kernels_state, options_for, values_of
 from .common import (HEAD_DIM_MULTIPLE, check_flag, check_inputs, check_options, padded_head_dim,
                      philox_state, strides_aligned)
+from .fp8 import fp8_attention, is_fp8
 from .variant_args import variant_call
 
 
@@ -133,7 +134,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k, return_lse,
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, seqlens_k=None,
-                    return_lse=False, sinks=None, score_mod=None, mask_mod=None, version=2):
+                    return_lse=False, sinks=None, score_mod=None, mask_mod=None, version=2, q_descale=None,
+                    k_descale=None, v_descale=None):
     """Exact attention, flash-attn 2.8's signature and conventions (fagen's extras keyword-only).
 
     q (B, Nq, H, d); k, v (B, Nk, Hk, d) with H % Hk == 0 (GQA/MQA); fp16 or
@@ -154,6 +156,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     alignments is then the entry's own length); dropout_p uses Philox seeded from torch's
     generator, also with every variant; deterministic=True makes the backward pass
     bit-reproducible (no atomics); version=1 runs FlashAttention-1.
+
+    float8_e4m3fn q, k and v take FlashAttention-3's fp8 form (fagen.ops.fp8): q_descale, k_descale
+    and v_descale, fp32 (B, Hk) or None (1), the real tensors being the e4m3 ones times them; O in
+    bf16; d 128 or 256, on compute capability 9.0 (or the CPU's emulator); no dropout, no gradients.
     """
     return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     # The common call: no variant to check (a window given as an array or a tensor is checked as one).
@@ -161,6 +167,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         and sinks is None and score_mod is None and mask_mod is None
     variant = None if plain else dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                       sinks=sinks, score_mod=score_mod, mask_mod=mask_mod)
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if is_fp8(q):
+        if version != 2:
+            raise InputError(f"version must be 2 for float8_e4m3fn inputs (the fp8 forward is FlashAttention-2's "
+                             f"algorithm in FlashAttention-3's form), got {version!r}")
+        result = fp8_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, seqlens_k=seqlens_k,
+                               return_lse=check_flag("return_lse", return_lse) or return_attn_probs,
+                               dropout_p=dropout_p, deterministic=deterministic, variant=variant, descales=descales)
+        return (*result, None) if return_attn_probs else result
+    given = [name for name, descale in descales.items() if descale is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} given, but q is {getattr(q, 'dtype', type(q).__name__)}: descales "
+                         f"scale float8_e4m3fn inputs")
     result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k,
                         check_flag("return_lse", return_lse) or return_attn_probs,
                         deterministic, version, "", variant)
@@ -169,7 +188,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, seqlens_k=None, return_lse=False, sinks=None, score_mod=None, mask_mod=None,
-              deterministic=False, version=2):
+              deterministic=False, version=2, q_descale=None, k_descale=None, v_descale=None):
     """Like `flash_attn_func`, in PyTorch's layout: q (B, H, Nq, d), k and v (B, Hk, Nk, d)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
@@ -179,7 +198,8 @@ def attention(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, windo
                              dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                              seqlens_k=seqlens_k, return_lse=return_lse, sinks=sinks, score_mod=score_mod,
-                             mask_mod=mask_mod, version=version)
+                             mask_mod=mask_mod, version=version, q_descale=q_descale, k_descale=k_descale,
+                             v_descale=v_descale)
     if return_lse:
         return result[0].transpose(1, 2), result[1]
     return result.transpose(1, 2)

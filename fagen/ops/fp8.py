@@ -1,0 +1,107 @@
+"""The 8-bit forward as users call it: `flash_attn_func` with float8_e4m3fn q, k and v, FlashAttention-3's
+fp8 signature (q_descale, k_descale, v_descale: fp32 (batch, K/V heads), None meaning 1), O in bf16.
+
+The kernels are the sm90 family's (Spec.fp8: e4m3 wgmma, P~ = 2^8 P in e4m3, the descales folded
+into the softmax's scale and O's), so a CUDA call needs compute capability 9.0; the CPU runs them
+on the emulator. Inference only, as FlashAttention-3's: no dropout and no gradients (a call with
+an input that requires grad is refused, not silently cut from the graph). Each call makes V^T, the
+operand the kernel's P V reads (`fagen.kernels.fp8_operands`): one pass over V.
+
+`fagen.ops.fp8_inputs.quantize_qkv` makes the inputs and their descales from bf16 or fp32 tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError, InputTypeError
+from ..kernels import attention_kernels
+from ..kernels.fp8_operands import DESCALES
+from ..kernels.render import source_for
+from ..selftest.gate import check_fixed_spec
+from ..spec import Spec
+from .common import check_dense_tensor, check_inputs, check_options
+from .variant_args import variant_call
+
+FP8 = torch.float8_e4m3fn
+NO_DESCALES = dict.fromkeys(DESCALES)
+
+
+def is_fp8(q) -> bool:
+    """Whether a call's q is 8-bit: it takes this module's path."""
+    return isinstance(q, torch.Tensor) and q.dtype == FP8
+
+
+def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, return_lse=False, dropout_p=0.0,
+                  deterministic=False, variant=None, descales=NO_DESCALES):
+    """O (B, Nq, H, d_v) bf16, and L (B, H, Nq) with `return_lse`, of float8_e4m3fn q (B, Nq, H, d) and
+    k, v (B, Nk, Hk, d / d_v); `descales` by name (`DESCALES`), each (B, Hk) fp32 or None (1)."""
+    _check_fp8_inputs(q, k, v)
+    if dropout_p:
+        raise InputError(f"dropout_p must be 0 for float8_e4m3fn inputs (the fp8 forward has no dropout, as "
+                         f"FlashAttention-3's has none), got {dropout_p}")
+    if any(t.requires_grad for t in (q, k, v)):
+        raise InputError("q, k and v in float8_e4m3fn take no gradients: the fp8 forward is inference's (its "
+                         "backward is not built yet); pass tensors that do not require grad")
+    _, softmax_scale, causal, return_lse, _ = check_options(0.0, softmax_scale, causal, return_lse, deterministic, 2,
+                                                            q.shape[-1])
+    given = {name: _checked_descale(name, descales.get(name), q, k) for name in DESCALES}
+    call = variant_call(q, k, causal=causal, **variant) if variant else None
+    spec = _spec(q, v, causal, seqlens_k is not None, call)
+    _check_device(q, spec)
+    if seqlens_k is not None:
+        seqlens_k = seqlens_k.contiguous()
+    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
+    out, (lse,) = attention_kernels.forward(source_for(spec), q, k, v, softmax_scale=softmax_scale,
+                                            seqlens_k=seqlens_k, variant_values=call.values if call else None,
+                                            descales=given)
+    return (out, lse) if return_lse else out
+
+
+def _check_fp8_inputs(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dense_tensor(name, t)
+        if t.dtype != FP8:
+            raise InputTypeError(f"q is float8_e4m3fn, so {name} must be too, got {t.dtype}")
+    check_inputs(q, k, v, dtypes=(FP8,))
+
+
+def _checked_descale(name: str, descale, q, k):
+    """`descale` as the kernel reads it: contiguous fp32 (B, Hk) on q's device, or None."""
+    if descale is None:
+        return None
+    check_dense_tensor(name, descale)
+    shape = (k.shape[0], k.shape[2])
+    if descale.dtype != torch.float32 or tuple(descale.shape) != shape:
+        raise InputError(f"{name} must be float32 of shape (batch, kv_heads) = {shape}, got {descale.dtype} of "
+                         f"shape {tuple(descale.shape)}")
+    if descale.device != q.device:
+        raise InputError(f"{name} must be on q's device {q.device}, got {descale.device}")
+    return descale.contiguous()
+
+
+def _spec(q, v, causal: bool, key_padding: bool, call) -> Spec:
+    d, d_v = q.shape[-1], v.shape[-1]
+    try:
+        return Spec(d, head_dim_v=None if d_v == d else d_v, dtype="e4m3", arch_family="sm90",
+                    mask="causal" if causal else "none", key_padding=key_padding,
+                    **(call.spec_fields if call else {}))
+    except ValueError as refusal:
+        raise InputError(f"float8_e4m3fn q (head_dim {d}), v (head_dim {d_v}): {refusal}") from None
+
+
+def _check_device(q, spec: Spec) -> None:
+    """A CUDA call runs sm_90a's cubins: compute capability 9.0, where the self-test has not failed
+    the sm90 forward's template (no other family has an 8-bit forward to fall back on)."""
+    if q.device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        raise InputError(f"float8_e4m3fn attention runs on compute capability 9.0 (Hopper) alone; q is on "
+                         f"{q.device}, of compute capability {capability[0]}.{capability[1]}")
+    check_fixed_spec(spec, q.device)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a tensor map can describe `t`: its last dim contiguous, its other strides in whole 16 bytes."""
+    return t.stride(-1) == 1 and all(s % 16 == 0 for s in t.stride()[:-1])
