@@ -434,6 +434,8 @@ SM90 = Family("sm90", templates="sm90", head_dims=SM90_HEAD_DIMS, refusal=sm90_r
               tiles_text=lambda spec: f"sm90_block_n={sm90_tiles(spec).block_n}, bwd_block_n={spec.bwd_block_n}",
               arch=SM90_ARCH, capability=(9, 0), tensor_maps=True, target="sm_90a",
               target_why="its wgmma, TMA and setmaxnreg exist on sm_90a alone")
+# The family of the 8-bit forward (Spec.fp8): the one with e4m3 wgmma; the others refuse such specs.
+FP8_FAMILY = SM90
 # The registry: a new family is one line here (its passes are fagen/kernels/families/<name>.py, found by name).
 FAMILIES = {family.name: family for family in (SM80, SM90)}
 ARCH_FAMILIES = tuple(FAMILIES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..arch_families import FP8_FAMILY
 from ..errors import InputError, InputTypeError
 from ..kernels import attention_kernels
 from ..kernels.fp8_operands import DESCALES
@@ -83,7 +84,7 @@ def _checked_descale(name: str, descale, q, k):
 def _spec(q, v, causal: bool, key_padding: bool, call) -> Spec:
     d, d_v = q.shape[-1], v.shape[-1]
     try:
-        return Spec(d, head_dim_v=None if d_v == d else d_v, dtype="e4m3", arch_family="sm90",
+        return Spec(d, head_dim_v=None if d_v == d else d_v, dtype="e4m3", arch_family=FP8_FAMILY.name,
                     mask="causal" if causal else "none", key_padding=key_padding,
                     **(call.spec_fields if call else {}))
     except ValueError as refusal:
@@ -91,14 +92,14 @@ def _spec(q, v, causal: bool, key_padding: bool, call) -> Spec:
 
 
 def _check_device(q, spec: Spec) -> None:
-    """A CUDA call runs sm_90a's cubins: compute capability 9.0, where the self-test has not failed
-    the sm90 forward's template (no other family has an 8-bit forward to fall back on)."""
+    """A CUDA call runs its family's cubins (sm_90a: compute capability 9.0), where the self-test has
+    not failed the template (no other family has an 8-bit forward to fall back on)."""
     if q.device.type != "cuda":
         return
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability != (9, 0):
-        raise InputError(f"float8_e4m3fn attention runs on compute capability 9.0 (Hopper) alone; q is on "
-                         f"{q.device}, of compute capability {capability[0]}.{capability[1]}")
+    capability, needed = torch.cuda.get_device_capability(q.device), FP8_FAMILY.capability
+    if capability != needed:
+        raise InputError(f"float8_e4m3fn attention runs on compute capability {needed[0]}.{needed[1]} alone; q is "
+                         f"on {q.device}, of compute capability {capability[0]}.{capability[1]}")
     check_fixed_spec(spec, q.device)
 
 
