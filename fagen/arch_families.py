@@ -36,7 +36,11 @@ from .tile_shapes import SPLIT_O_ABOVE, default_tiles
 
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
 SM90_FP8_HEAD_DIMS = (128, 256)   # the 8-bit forward's: a tile row is whole 128-byte swizzle rows
-SM90_FP8_BLOCK_N = 128   # its key tile: V^T's rows hold one 128-byte swizzle row of keys
+# Its key tiles: whole 32-key k-steps (V^T's TMA boxes, 32 keys wide under the 32-byte swizzle), by
+# head dim: FlashAttention-3's 224 at d = 128 (O's rescale and the rows' work over more keys); at
+# d = 256, O's 128 registers a thread leave room for 128.
+SM90_FP8_BLOCK_N = {128: 224, 256: 128}
+SM90_FP8_KEY_STEP = 32
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
 SM90_SHARED_BYTES = 227 * 1024   # an sm_90 block's shared memory, dynamic and static together
@@ -199,7 +203,7 @@ def sm90_tiles(spec) -> Sm90Tiles:
     if spec.sm90_block_n is not None:   # chosen for this spec (kernels.spill_free narrows a mod's)
         return _tiles(spec, spec.sm90_block_n)
     if spec.fp8:
-        return _tiles(spec, SM90_FP8_BLOCK_N)
+        return _tiles(spec, SM90_FP8_BLOCK_N[spec.head_dim])
     if spec.kv_cache is not None:   # decoding: a power of two, a paged cache's box per page where it divides them
         return _tiles(spec, _decoding_block_n(spec))
     custom = spec.score_mod is not None or spec.mask_mod is not None
@@ -266,9 +270,9 @@ def sm90_block_n_problem(spec) -> str | None:
             or not SM90_MIN_BLOCK_N <= block_n <= 256:
         return (f"sm90_block_n must be a multiple of {SM90_BLOCK_N_STEP} from {SM90_MIN_BLOCK_N} to 256, "
                 f"got {block_n!r}")
-    if spec.fp8 and block_n != SM90_FP8_BLOCK_N:
-        return (f"sm90_block_n={block_n} in {spec.dtype}: the 8-bit forward's key tile is {SM90_FP8_BLOCK_N} "
-                f"(V^T's rows, one 128-byte swizzle row of keys)")
+    if spec.fp8 and block_n % SM90_FP8_KEY_STEP:
+        return (f"sm90_block_n={block_n} in {spec.dtype}: the 8-bit forward's key tile is whole {SM90_FP8_KEY_STEP}-key "
+                f"k-steps (V^T's boxes)")
     tiles = _tiles(spec, block_n)
     if not tiles.fits:
         return (f"sm90_block_n={block_n} at head_dim={spec.head_dim}: Q and two K/V stages need "
@@ -279,10 +283,9 @@ def sm90_block_n_problem(spec) -> str | None:
 
 def narrower_sm90_tiles(spec) -> list[int]:
     """The sm90 forward's key tiles below `spec`'s, widest first (kernels.spill_free's candidates)."""
-    if spec.fp8:
-        return []   # its key tile is V^T's box (SM90_FP8_BLOCK_N)
-    widest = sm90_tiles(spec).block_n - SM90_BLOCK_N_STEP
-    return list(range(widest - widest % SM90_BLOCK_N_STEP, SM90_MIN_BLOCK_N - 1, -SM90_BLOCK_N_STEP))
+    step = SM90_FP8_KEY_STEP if spec.fp8 else SM90_BLOCK_N_STEP
+    widest = sm90_tiles(spec).block_n - step
+    return list(range(widest - widest % step, SM90_MIN_BLOCK_N - 1, -step))
 
 
 @dataclass(frozen=True)

@@ -362,7 +362,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out, *stats = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"] = q, k, v
     if source.spec.fp8:
-        tensors.update(fp8_operands.kernel_tensors(k, v, descales))
+        tensors.update(fp8_operands.kernel_tensors(source.spec, k, v, descales))
     _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
     if varlen is not None:
         packed_tensors(tensors, varlen)

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from ..arch_families import sm90_tiles
+from ..spec import Spec
+
 DESCALES = ("q_descale", "k_descale", "v_descale")   # the kernel's parameters (params._fp8_descales)
 GROUP = 16   # the keys pack_p orders among themselves
 SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's slot_of_key
 
 
-def v_in_slot_order(v: torch.Tensor) -> torch.Tensor:
-    """V (B, Nk, Hk, d_v) as the fp8 forward's B operand of P V: (B, Hk, d_v, Nk rounded up to 16),
-    key k of each group of 16 at slot SLOT_OF_KEY[k % 16] of its group, zeros past Nk. One pass
-    over V, in its dtype."""
+def v_in_slot_order(v: torch.Tensor, multiple: int = GROUP) -> torch.Tensor:
+    """V (B, Nk, Hk, d_v) as the fp8 forward's B operand of P V: (B, Hk, d_v, Nk rounded up to
+    `multiple`, a multiple of 16), key k of each group of 16 at slot SLOT_OF_KEY[k % 16] of its group,
+    zeros past Nk. One pass over V, in its dtype."""
     if v.dim() != 4:
         raise ValueError(f"v must be (batch, seqlen_k, kv_heads, head_dim_v), got shape {tuple(v.shape)}")
     batch, keys, heads, columns = v.shape
-    padded = -(-keys // GROUP) * GROUP
+    if multiple % GROUP:
+        raise ValueError(f"V^T's keys are padded to whole groups of {GROUP}, not {multiple}")
+    padded = -(-keys // multiple) * multiple
     vt = torch.zeros(batch, heads, columns, padded, dtype=v.dtype, device=v.device)
     order = torch.tensor(SLOT_OF_KEY, device=v.device).repeat(padded // GROUP)[:keys]
     slots = torch.arange(keys, device=v.device) // GROUP * GROUP + order
@@ -31,13 +36,15 @@ def v_in_slot_order(v: torch.Tensor) -> torch.Tensor:
     return vt
 
 
-def kernel_tensors(k: torch.Tensor, v: torch.Tensor, descales: dict | None) -> dict:
+def kernel_tensors(spec: Spec, k: torch.Tensor, v: torch.Tensor, descales: dict | None) -> dict:
     """An 8-bit forward call's tensors beyond q, k and v, by kernel parameter name: V^T
     (`v_in_slot_order`, made per call: one pass over V) and the three descales, each (B, Hk) fp32
-    (`descales` by name; one missing is 1, as FlashAttention-3 takes None)."""
+    (`descales` by name; one missing is 1, as FlashAttention-3 takes None). V^T's keys are padded
+    to whole key tiles: the producer loads a tile's every box, and a box wholly outside the tensor
+    is one whose zero fill (and its bytes' count on the barrier) TMA does not document."""
     descales = descales or {}
     ones = None
-    tensors = {"vt": v_in_slot_order(v)}
+    tensors = {"vt": v_in_slot_order(v, sm90_tiles(spec).block_n)}
     for name in DESCALES:
         given = descales.get(name)
         if given is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..arch_families import BOX_COLUMNS, sm90_backward_tiles, sm90_tiles
+from ..arch_families import BOX_COLUMNS, SM90_FP8_KEY_STEP, sm90_backward_tiles, sm90_tiles
 from ..spec import Spec
 from ..variants.builtins import derived_values
 from ..variants.compose import mod_expression
@@ -82,8 +82,9 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     key_rows = PageBox(tiles.block_n) if spec.kv_cache == "paged" else tiles.block_n   # a box per page, or per tile
     maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, tiles.box_columns))
             for name, rows in (("q", tiles.block_m), ("k", key_rows), ("v", key_rows))]
-    if spec.fp8:   # V^T (B, Hk, d_v, keys: fp8_operands.v_in_slot_order), a tile's box d_v rows of its keys
-        maps[2] = Param("vt", TENSOR_MAP, "tensor_map", box=(1, 1, tiles.head_dim_v, tiles.block_n))
+    if spec.fp8:   # V^T (B, Hk, d_v, keys: fp8_operands.v_in_slot_order): boxes of d_v rows of 32 keys
+        maps[2] = Param("vt", TENSOR_MAP, "tensor_map", box=(1, 1, tiles.head_dim_v, SM90_FP8_KEY_STEP),
+                        swizzle=Swizzle.B32)
     # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
     # threads (a box would write past a sequence's end, into the next one's rows; a split writes
     # fp32 partials), and the 8-bit forward's bf16 O too (twice Q's tile, where a box would be staged).

@@ -41,9 +41,24 @@ __device__ __forceinline__ uint16_t e5m2x2(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
 }
 
-// Four floats as four e4m3 bytes of one register, `a` in the lowest.
+// Four floats as four e4m3 bytes of one register, `a` in the lowest. On the GPU, one asm: two
+// conversions into 16-bit registers and mov.b32 {lo, hi}, which ptxas folds into one
+// F2FP.SATFINITE...MERGE_C per pair (e4m3x2's results joined by a shift and an or cost a PRMT per
+// register besides). The operands' order, by the PTX ISA: cvt.rn.satfinite.e4m3x2.f32 d, a, b puts
+// a's byte in d's upper half and b's in its lower (as cuda_fp8.hpp's own cvt, `%0, %2, %1` for
+// (x, y), reads it), and mov.b32's vector {lo, hi} puts its first element in the low bits. The
+// emulator joins e4m3x2's halves by that arithmetic: the twin.
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+#ifdef FAGEN_EMULATE
   return static_cast<uint32_t>(e4m3x2(a, b)) | static_cast<uint32_t>(e4m3x2(c, d)) << 16;
+#else
+  uint32_t packed;
+  asm("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\ncvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(packed)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return packed;
+#endif
 }
 
 // Where the 16 keys of a group go in a k32 A fragment built by pack_p (above), and back.
