@@ -15,7 +15,8 @@ MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor>` with d_v = d and every
 false but Is_causal (and FA3's own choices MmaPV_is_RS, IntraWGOverlap), and
 `CollectiveMainloopBwdSm90<..., Tile, Element, float, Sm90, Is_causal, Is_local, Has_softcap,
 Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both, and the forward in
-e4m3 (issue 45's peer; fagen has no fp8 kernel yet, so its columns are dashes).
+e4m3 (issue 45's peer: the `sm90` columns read fagen's e4m3 forward, `Spec(dtype="e4m3")`, at the
+head dims it takes, 128 and 256; the sm80 family has no fp8 kernel, so `fagen` is a dash there).
 
 A second table, "FA3 backward", reads every dense backward of `dew-flash-attn-cu12` (and of
 `flash-attn3-jax`, d128), deterministic or not (`describe_backward`): the mainloop's thirteen
@@ -244,7 +245,7 @@ def role_columns(report, groups: dict[str, int] | None) -> tuple[str, dict]:
 
 def fagen_figure(row: dict) -> float | None:
     """fagen's mma.sync kernel for the same problem on sm_90 (its fallback tiles); None for e4m3,
-    which the sm80 family does not take."""
+    which the sm80 family does not take (its fp8 forward is the sm90 family's: `fagen_sm90_figure`)."""
     if row["dtype"] not in ("fp16", "bf16"):
         return None
     spec = fallback_spec(Spec(row["head_dim"], dtype=row["dtype"], mask="causal" if row["causal"] else "none"),
