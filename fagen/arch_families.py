@@ -93,15 +93,13 @@ def sm90_refusal(spec) -> str | None:
 
 def _fp8_refusals(spec) -> list[str]:
     """What the 8-bit forward (Spec.fp8) does not take yet: head dims other than whole 128-byte
-    swizzle rows (d = 128, 256: d = 64 and 192 need the 64-byte swizzle), packed sequences (V^T's
-    keys are ordered in groups of 16 from each sequence's start: `fp8_operands.v_in_slot_order`),
-    and the softcap (its scale is the host's, the descales the kernel's)."""
+    swizzle rows (d = 128, 256: d = 64 and 192 need the 64-byte swizzle), and packed sequences (V^T's
+    keys are ordered in groups of 16 from each sequence's start: `fp8_operands.v_in_slot_order`)."""
     if not spec.fp8:
         return []
     refused = [("head_dim", spec.head_dim not in SM90_FP8_HEAD_DIMS,
                 f"head_dim={spec.head_dim} in {spec.dtype} (it has {', '.join(map(str, SM90_FP8_HEAD_DIMS))})"),
-               ("varlen", spec.varlen, f"varlen=True in {spec.dtype}"),
-               ("softcap", spec.softcap, f"softcap=True in {spec.dtype}")]
+               ("varlen", spec.varlen, f"varlen=True in {spec.dtype}")]
     return [what for _, on, what in refused if on]
 
 

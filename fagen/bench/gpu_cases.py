@@ -79,6 +79,14 @@ SM90_VARLEN_PAGED_SLOPES = [0.5, 0.25, 0.1, 0.05]
 SM90_BACKWARD_ROW_HEAD_DIMS = (64, 128, 256)
 SM90_BACKWARD_ROW_SMALL = (1, 150, 2)
 
+# -- tests/gpu/test_gpu_fp8_forward.py: issue 45's forward rows -------------------------------------
+
+# The e4m3 forward's head dims (the sm90 family's: arch_families.SM90_FP8_HEAD_DIMS), causal or not,
+# beside the bf16 sm90 forward and SDPA; on the emulator (and for precompile's recording) at
+# FP8_FORWARD_ROW_SMALL, (batch, seqlen, heads).
+FP8_FORWARD_ROW_HEAD_DIMS = (128, 256)
+FP8_FORWARD_ROW_SMALL = (1, 300, 2)
+
 # -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 
 RING_LAYOUTS = ("zigzag", "contiguous")

@@ -206,9 +206,10 @@ def sanitizer_workload(device: str) -> list[str]:
 
 def gpu_test_calls() -> list[tuple[str, object]]:
     """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py,
-    test_gpu_sm90_backward_rows.py and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
+    test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py and test_gpu_distributed.py, small (gpu_cases
+    holds their parameters)."""
     return (_kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _sm90_backward_row_calls()
-            + _ring_test_calls())
+            + _fp8_forward_row_calls() + _ring_test_calls())
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -318,6 +319,16 @@ def _sm90_backward_row_calls() -> list:
                 in_family, family, _dense, "bf16", d, (batch, seqlen, seqlen, heads, heads), causal=causal,
                 deterministic=deterministic)))
     return calls
+
+
+def _fp8_forward_row_calls() -> list:
+    """tests/gpu/test_gpu_fp8_forward.py's: the e4m3 forward at each of its head dims, causal or not
+    (its bf16 peer, the sm90 family's training spec, is the backward rows' own)."""
+    from fagen.spec import Spec
+
+    return [(f"fp8 forward rows d{d} causal={causal}",
+             Spec(d, dtype="e4m3", arch_family=SM90.name, mask="causal" if causal else "none"))
+            for d, causal in itertools.product(cases.FP8_FORWARD_ROW_HEAD_DIMS, (False, True))]
 
 
 def _varlen_paged_case() -> None:

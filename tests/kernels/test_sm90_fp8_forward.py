@@ -51,11 +51,16 @@ def test_without_descales_the_inputs_are_taken_as_they_are():
 
 # The variants whose values the descales reach: a window and a mask_mod (masks alone), ALiBi (its bias
 # in the raw scores' units, -slope / (tau q_descale k_descale)), sinks (the logit over the same scale),
-# and a score_mod (its chain starts from tau q_descale k_descale S).
+# the softcap (tanh(tau q_descale k_descale S / c)), and score chains (ALiBi with a softcap, a
+# score_mod: from tau q_descale k_descale S).
 VARIANTS = {"window": {"window_size": (40, 7)},
             "alibi_sinks": {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]),
                             "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
             "documents": {"mask_mod": same_document},
+            "softcap": {"softcap": 2.5},
+            "softcap_window_sinks": {"softcap": 30.0, "window_size": (40, 10),
+                                     "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+            "alibi_softcap": {"alibi_slopes": torch.tensor([0.25, 0.0625, 0.5, 0.125]), "softcap": 5.0},
             "relative_bias": {"score_mod": relative_bias}}
 
 
@@ -95,7 +100,7 @@ def test_a_key_tile_the_spec_sets_meets_the_accuracy_rule():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(arch_family="sm80"), "arch_family='sm90'"), (dict(dropout=True), "dropout=True"),
-    (dict(head_dim=64), "head_dim=64"), (dict(softcap=True), "softcap=True"), (dict(varlen=True), "varlen=True"),
+    (dict(head_dim=64), "head_dim=64"), (dict(varlen=True), "varlen=True"),
     (dict(deterministic=True), "deterministic=True"), (dict(sm90_block_n=80), "sm90_block_n=80")])
 def test_what_it_does_not_take_is_refused_by_name(fields, named):
     fields = {"head_dim": 128, "dtype": "e4m3", "arch_family": "sm90", **fields}

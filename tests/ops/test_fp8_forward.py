@@ -90,7 +90,7 @@ def _refused(match, *args, **kwargs):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dropout_p=0.1), "dropout_p must be 0"), (dict(version=1), "version must be 2"),
-    (dict(softcap=2.0), "softcap"), (dict(q_descale=torch.ones(2, 2, dtype=torch.float64)), "q_descale must be float32"),
+    (dict(window_size=(1, 2, 3)), "window_size"), (dict(q_descale=torch.ones(2, 2, dtype=torch.float64)), "q_descale must be float32"),
     (dict(v_descale=torch.ones(2, 4)), r"v_descale must be float32 of shape \(batch, kv_heads\) = \(2, 2\)"),
     (dict(k_descale=torch.ones(2, 2, device="meta")), "k_descale must be on q's device")])
 def test_what_it_refuses_names_the_argument(kwargs, match):
