@@ -8,7 +8,7 @@ times the rest (the softmax scale shrunk by N / 3 so that rows stay soft), Flash
 incoherent processing. fp8: `fagen.ops.fp8_inputs.quantize_qkv` (e4m3, a descale per batch and K/V
 head), then `fagen.reference.same_fp8` (e4m3 inputs, P scaled by 2^8 and rounded to e4m3, fp32 sums,
 bf16 out). The kernel: `fagen.flash_attn_func` on the same e4m3 inputs (the sm90 family's e4m3
-forward, d 128 and 256; on the CPU the emulator runs it), its columns a dash at other head dims.
+forward, d 64 to 256; on the CPU the emulator runs it).
 bf16: `fagen.reference.same_dtype` (the yardstick of the bf16 kernels' tolerance rule). The oracle:
 `fagen.reference.attention_forward` in float64 on the unquantised inputs.
 """

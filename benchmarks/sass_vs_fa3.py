@@ -16,7 +16,7 @@ false but Is_causal (and FA3's own choices MmaPV_is_RS, IntraWGOverlap), and
 `CollectiveMainloopBwdSm90<..., Tile, Element, float, Sm90, Is_causal, Is_local, Has_softcap,
 Varlen, Deterministic, ...>` with the features false. fp16 and bf16 both, and the forward in
 e4m3 (issue 45's peer: the `sm90` columns read fagen's e4m3 forward, `Spec(dtype="e4m3")`, at the
-head dims it takes, 128 and 256; the sm80 family has no fp8 kernel, so `fagen` is a dash there).
+head dims it takes, 64, 128, 192 and 256; the sm80 family has no fp8 kernel, so `fagen` is a dash there).
 
 A second table, "FA3 backward", reads every dense backward of `dew-flash-attn-cu12` (and of
 `flash-attn3-jax`, d128), deterministic or not (`describe_backward`): the mainloop's thirteen

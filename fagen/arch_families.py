@@ -35,11 +35,12 @@ from typing import Callable
 from .tile_shapes import SPLIT_O_ABOVE, default_tiles
 
 SM90_HEAD_DIMS = (64, 128, 192, 256, 320, 384, 448, 512)
-SM90_FP8_HEAD_DIMS = (128, 256)   # the 8-bit forward's: a tile row is whole 128-byte swizzle rows
+SM90_FP8_HEAD_DIMS = (64, 128, 192, 256)   # the 8-bit forward's (Sm90Tiles.box_columns: 64 and 192 in 64-byte rows)
 # Its key tiles: whole 32-key k-steps (V^T's TMA boxes, 32 keys wide under the 32-byte swizzle), by
-# head dim: FlashAttention-3's 224 at d = 128 (O's rescale and the rows' work over more keys); at
-# d = 256, O's 128 registers a thread leave room for 128.
-SM90_FP8_BLOCK_N = {128: 224, 256: 128}
+# head dim: FlashAttention-3's 224 at d = 128 and 160 at d = 192 (O's rescale and each row's work
+# over more keys); 256 at d = 64, whose O takes 32 registers a thread; at d = 256, O's 128 leave
+# room for 128.
+SM90_FP8_BLOCK_N = {64: 256, 128: 224, 192: 160, 256: 128}
 SM90_FP8_KEY_STEP = 32
 SM90_MLA_HEAD_DIM = 576   # absorbed MLA decoding's, with V as K's first 512 columns (Spec.v_from_k)
 SM90_ARCH = "sm_90"   # the arch whose shared memory and register file the sm90 family is sized for
@@ -92,9 +93,9 @@ def sm90_refusal(spec) -> str | None:
 
 
 def _fp8_refusals(spec) -> list[str]:
-    """What the 8-bit forward (Spec.fp8) does not take yet: head dims other than whole 128-byte
-    swizzle rows (d = 128, 256: d = 64 and 192 need the 64-byte swizzle), and packed sequences (V^T's
-    keys are ordered in groups of 16 from each sequence's start: `fp8_operands.v_in_slot_order`)."""
+    """What the 8-bit forward (Spec.fp8) does not take yet: head dims but 64, 128, 192 and 256, and
+    packed sequences (V^T's keys are ordered in groups of 16 from each sequence's start:
+    `fp8_operands.v_in_slot_order`)."""
     if not spec.fp8:
         return []
     refused = [("head_dim", spec.head_dim not in SM90_FP8_HEAD_DIMS,
@@ -168,8 +169,16 @@ class Sm90Tiles:
 
     @property
     def box_columns(self) -> int:
-        """A TMA box's columns: one 128-byte swizzle row (64 two-byte elements, 128 one-byte)."""
+        """A TMA box's columns of Q or K: one 128-byte swizzle row (64 two-byte elements, 128 one-byte),
+        or in the 8-bit forward at d = 64 and 192, one 64-byte row (64 one-byte elements)."""
+        if self.element_bytes == 1 and self.head_dim % 128:
+            return 64
         return 128 // self.element_bytes
+
+    @property
+    def box_bytes(self) -> int:
+        """A box's row in bytes, and so its swizzle's width (128 or 64)."""
+        return self.box_columns * self.element_bytes
 
     @property
     def boxes(self) -> int:

@@ -80,7 +80,8 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     and v being the caches (`k_cache`, `v_cache`: a paged cache's pages, (pages, page_size, Hk, d))."""
     tiles = sm90_tiles(spec)
     key_rows = PageBox(tiles.block_n) if spec.kv_cache == "paged" else tiles.block_n   # a box per page, or per tile
-    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, tiles.box_columns))
+    swizzle = Swizzle.B64 if tiles.box_bytes == 64 else Swizzle.B128
+    maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, tiles.box_columns), swizzle=swizzle)
             for name, rows in (("q", tiles.block_m), ("k", key_rows), ("v", key_rows))]
     if spec.fp8:   # V^T (B, Hk, d_v, keys: fp8_operands.v_in_slot_order): boxes of d_v rows of 32 keys
         maps[2] = Param("vt", TENSOR_MAP, "tensor_map", box=(1, 1, tiles.head_dim_v, SM90_FP8_KEY_STEP),

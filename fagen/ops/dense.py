@@ -159,7 +159,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     float8_e4m3fn q, k and v take FlashAttention-3's fp8 form (fagen.ops.fp8): q_descale, k_descale
     and v_descale, fp32 (B, Hk) or None (1), the real tensors being the e4m3 ones times them; O in
-    bf16; d 128 or 256, on compute capability 9.0 (or the CPU's emulator); no dropout, no gradients.
+    bf16; d 64, 128, 192 or 256, on compute capability 9.0 (or the CPU's emulator); no dropout, no gradients.
     """
     return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     # The common call: no variant to check (a window given as an array or a tensor is checked as one).

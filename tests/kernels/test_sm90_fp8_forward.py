@@ -29,7 +29,9 @@ def fp8(head_dim: int, **fields) -> Spec:
 SHAPES = {"ragged_gqa": Shape(2, 150, 200, heads=4, kv_heads=2), "more_queries_mqa": Shape(1, 200, 130, 2, 1),
           "three_ragged_tiles": Shape(1, 130, 500, heads=2, kv_heads=1)}
 SPECS = [fp8(128), fp8(128, mask="causal"), fp8(256, mask="causal"), fp8(128, key_padding=True),
-         fp8(256, head_dim_v=128)]
+         fp8(256, head_dim_v=128),
+         # d = 64 and 192: Q's and K's rows in 64-byte boxes under the 64-byte swizzle (Sm90Tiles.box_columns)
+         fp8(64, mask="causal"), fp8(192, head_dim_v=128)]
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES)
@@ -82,12 +84,13 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
 
 
 def test_the_source_is_the_forward_alone_with_its_key_tiles():
-    """Forward only (Spec.forward_only), 128 e4m3 columns a box, FlashAttention-3's 224-key tile at
-    d = 128 and 128 at d = 256, and bf16 O (Spec.output_dtype)."""
+    """Forward only (Spec.forward_only), 128 e4m3 columns a box (64 at d = 64 and 192), FlashAttention-3's
+    224-key tile at d = 128 and 128 at d = 256, and bf16 O (Spec.output_dtype)."""
     spec = fp8(128)
     source = render(spec)
     assert source.kernels.backward == () and spec.forward_only
     assert sm90_tiles(spec).box_columns == 128 and sm90_tiles(spec).block_n == 224 and sm90_tiles(fp8(256)).block_n == 128
+    assert sm90_tiles(fp8(64)).box_columns == sm90_tiles(fp8(192)).box_columns == 64
     assert "typedef __nv_bfloat16 elem_t;" in source.code and "wgmma_rs_fp8" in source.code
 
 
@@ -100,7 +103,7 @@ def test_a_key_tile_the_spec_sets_meets_the_accuracy_rule():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(arch_family="sm80"), "arch_family='sm90'"), (dict(dropout=True), "dropout=True"),
-    (dict(head_dim=64), "head_dim=64"), (dict(varlen=True), "varlen=True"),
+    (dict(head_dim=96), "head_dim=96"), (dict(varlen=True), "varlen=True"),
     (dict(deterministic=True), "deterministic=True"), (dict(sm90_block_n=80), "sm90_block_n=80")])
 def test_what_it_does_not_take_is_refused_by_name(fields, named):
     fields = {"head_dim": 128, "dtype": "e4m3", "arch_family": "sm90", **fields}
