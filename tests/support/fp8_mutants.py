@@ -39,8 +39,8 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 
 MUTANTS = [
     KernelMutant("fp8: q's descale dropped", FP8,
-                 (Edit("softmax_scale_log2 *= q_descale[descale_at] * k_descale[descale_at];",
-                       "softmax_scale_log2 *= k_descale[descale_at];"),), (fp8_check,)),
+                 (Edit("const float qk_descale = q_descale[descale_at] * k_descale[descale_at];",
+                       "const float qk_descale = k_descale[descale_at];"),), (fp8_check,)),
     KernelMutant("fp8: v's descale dropped", FP8,
                  (Edit("const float out_scale = v_descale[descale_at] * fagen::kPScaleInverse;",
                        "const float out_scale = fagen::kPScaleInverse;"),), (fp8_check,)),
