@@ -82,7 +82,9 @@ def sm90_refusal(spec) -> str | None:
                     f"head_dim={spec.head_dim} (it has {', '.join(map(str, SM90_HEAD_DIMS))}, and "
                     f"{SM90_MLA_HEAD_DIM} with v_from_k)"),
                    ("head_dim_v", (spec.head_dim_v or spec.head_dim) % BOX_COLUMNS,
-                    f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})")]
+                    f"head_dim_v={spec.head_dim_v} (a multiple of {BOX_COLUMNS})"),
+                   ("cache_dtype", spec.cache_dtype is not None,
+                    f"cache_dtype={spec.cache_dtype!r} (an 8-bit KV cache is widened by the sm80 family's decoding)")]
     found = [what for _, refused, what in unsupported if refused] + _fp8_refusals(spec)
     if not found:
         return None

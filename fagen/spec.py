@@ -25,6 +25,7 @@ DTYPES = ("fp16", "bf16", "e4m3")
 # FlashAttention-3's fp8 forward takes them): the sm90 family's forward alone, its output in bf16.
 FP8_DTYPES = ("e4m3",)
 FP8_OUTPUT_DTYPE = "bf16"
+CACHE_FP8_ROW_MULTIPLE = 16   # an 8-bit cache's head dims (Spec.cache_dtype): its rows' 16-byte chunks
 MASKS = ("none", "causal")
 KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcache's cache is laid out
 VERSIONS = (1, 2)
@@ -153,6 +154,9 @@ class Spec:
                  takes what arch_families.sm90_backward_refusal lets through, sm80's the rest
     sm90_block_n the sm90 forward's keys per K/V tile; unset takes arch_families.sm90_tiles' rule
                  (a narrower one keeps a heavy mod from spilling: kernels.spill_free)
+    cache_dtype  kv_cache only: the cache's dtype where it is not `dtype`: "e4m3" (an 8-bit cache with
+                 k/v descales per (batch entry, K/V head), as vLLM and FlashInfer serve; q and O stay
+                 dtype, and the sm80 family's kernels widen each K/V tile to dtype in shared memory)
     sm80_backward  an sm90 training spec only: the backward is the sm80 family's even where
                  sm90's own takes the spec (the self-test's gate sets it where sm90.backward did not
                  pass on this GPU but the forward's templates did: fagen.selftest.gate)
@@ -186,6 +190,7 @@ class Spec:
     arch_family: str = "sm80"
     sm90_block_n: int | None = None
     sm80_backward: bool = False
+    cache_dtype: str | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -204,6 +209,7 @@ class Spec:
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         self._check_kv_cache()
+        self._check_cache_dtype()
         self._check_fp8()
         if self.arch_family not in ARCH_FAMILIES:
             raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
@@ -281,6 +287,27 @@ class Spec:
         if self.dropout or self.sinks:
             raise ValueError("kv_cache kernels take no dropout or sinks "
                              "(flash-attn's paged and decoding kernels take window, softcap and ALiBi)")
+
+    def _check_cache_dtype(self):
+        if self.cache_dtype is None:
+            return
+        if self.cache_dtype not in FP8_DTYPES:
+            raise ValueError(f"unknown cache_dtype {self.cache_dtype!r}; expected None (the cache is dtype) or one "
+                             f"of {FP8_DTYPES}")
+        if self.kv_cache is None or self.fp8:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is a KV cache's dtype: it needs kv_cache and a "
+                             f"dtype of fp16 or bf16 (q's and O's), got kv_cache={self.kv_cache!r}, "
+                             f"dtype={self.dtype!r}")
+        for field in ("head_dim", "head_dim_v"):
+            if (getattr(self, field) or self.head_dim) % CACHE_FP8_ROW_MULTIPLE:
+                raise ValueError(f"{field}={getattr(self, field)} with cache_dtype={self.cache_dtype!r}: an 8-bit "
+                                 f"cache's rows are copied in 16-byte chunks, so its head dims are multiples of "
+                                 f"{CACHE_FP8_ROW_MULTIPLE}")
+
+    @property
+    def cache_fp8(self) -> bool:
+        """An 8-bit KV cache (cache_dtype) under fp16 or bf16 queries."""
+        return self.cache_dtype is not None
 
     @property
     def fp8(self) -> bool:
@@ -455,7 +482,23 @@ class Spec:
         total = v_offset + kv_stages * kv_stage
         if self.v_from_k:   # V_j is K_j's first d_v columns: no tiles of its own
             v_offset, total = k_offset, v_offset
+        if self.cache_fp8:
+            return self._cache_fp8_layout(row, q_stage, kv_stage)
         return SharedLayout(row, 0, q_stages, q_stage, k_offset, v_offset, kv_stages, kv_stage, total)
+
+    def _cache_fp8_layout(self, row: int, q_stage: int, kv_stage: int) -> SharedLayout:
+        """An 8-bit cache's: Q, one widened K tile and one V tile (the mmas' operands, as
+        dtype's), then num_stages stages of raw e4m3 K rows and of V rows (a byte per element,
+        head_dim_pad wide plus 16 bytes against bank conflicts); absorbed MLA's V is K's."""
+        raw_row = self.head_dim_pad + 16
+        raw_stage = self.block_n * raw_row
+        k_offset = q_stage
+        v_offset = k_offset if self.v_from_k else k_offset + kv_stage
+        k_raw = v_offset + kv_stage
+        v_raw = k_raw if self.v_from_k else k_raw + self.num_stages * raw_stage
+        total = v_raw + self.num_stages * raw_stage
+        return SharedLayout(row, 0, 1, q_stage, k_offset, v_offset, self.num_stages, kv_stage, total,
+                            k_raw_offset=k_raw, v_raw_offset=v_raw, raw_row_bytes=raw_row)
 
     @property
     def backward_tiles(self) -> BackwardTiles:
@@ -511,6 +554,8 @@ class Spec:
             parts.append("packgqa")
         if self.v_from_k:
             parts.append("vfromk")
+        if self.cache_dtype:
+            parts.append("kv" + self.cache_dtype)
         if self.arch_family != "sm80":
             parts.append(self.arch_family)
         if self.sm80_backward:
@@ -544,8 +589,9 @@ class Spec:
             del data["head_dim_v"]
         if data["arch_family"] == "sm80":
             del data["arch_family"]
-        if data["sm90_block_n"] is None:
-            del data["sm90_block_n"]
+        for field in ("sm90_block_n", "cache_dtype"):
+            if data[field] is None:
+                del data[field]
         for field in ("score_mod", "mask_mod", "kv_cache"):
             if data[field] is None:
                 del data[field]
@@ -579,6 +625,7 @@ class Spec:
                  "cache": ("kv_cache", "contiguous"), "paged": ("kv_cache", "paged"),
                  "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
                  "bwdsm80": ("sm80_backward", True),
+                 **{"kv" + dtype: ("cache_dtype", dtype) for dtype in FP8_DTYPES},
                  **{family: ("arch_family", family) for family in ARCH_FAMILIES if family != DEFAULT_FAMILY.name},
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None

@@ -64,6 +64,11 @@ class SharedLayout:
     kv_stages: int
     kv_stage_bytes: int
     total_bytes: int
+    # An 8-bit KV cache (Spec.cache_dtype): K_j and V_j land as bytes in kv_stages stages of their
+    # own (rows of raw_row_bytes), and the K/V tiles above (one stage each) hold them widened.
+    k_raw_offset: int = 0
+    v_raw_offset: int = 0
+    raw_row_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,10 @@ SM90_BACKWARD_ROW_SMALL = (1, 150, 2)
 FP8_FORWARD_ROW_HEAD_DIMS = (128, 256)
 FP8_FORWARD_ROW_SMALL = (1, 300, 2)
 
+# tests/gpu/test_gpu_fp8_decode.py: decoding from an 8-bit cache (tests/support/fp8_cache_cases.Fp8Case's
+# arguments, then the call's), contiguous and paged, unsplit and split.
+FP8_DECODE_CASES = {"contiguous": (dict(), dict(num_splits=1)), "paged 32 split 3": (dict(page=32), dict(num_splits=3))}
+
 # -- tests/gpu/test_gpu_distributed.py ------------------------------------------------------------
 
 RING_LAYOUTS = ("zigzag", "contiguous")

@@ -206,10 +206,10 @@ def sanitizer_workload(device: str) -> list[str]:
 
 def gpu_test_calls() -> list[tuple[str, object]]:
     """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py,
-    test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py and test_gpu_distributed.py, small (gpu_cases
-    holds their parameters)."""
+    test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py, test_gpu_fp8_decode.py and
+    test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
     return (_kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _sm90_backward_row_calls()
-            + _fp8_forward_row_calls() + _ring_test_calls())
+            + _fp8_forward_row_calls() + _fp8_decode_calls() + _ring_test_calls())
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -329,6 +329,35 @@ def _fp8_forward_row_calls() -> list:
     return [(f"fp8 forward rows d{d} causal={causal}",
              Spec(d, dtype="e4m3", arch_family=SM90.name, mask="causal" if causal else "none"))
             for d, causal in itertools.product(cases.FP8_FORWARD_ROW_HEAD_DIMS, (False, True))]
+
+
+def _fp8_decode_case(case: dict, call: dict) -> None:
+    """flash_attn_with_kvcache over an 8-bit cache as tests/support/fp8_cache_cases.Fp8Case makes it:
+    bf16 q (3 entries, 4 heads over 2 K/V heads, d 64), an e4m3 cache of 128 rows per entry
+    (contiguous with cache_batch_idx and cache_leftpad, or paged), two new rows."""
+    import torch
+
+    import fagen
+
+    batch, heads, kv_heads, d, capacity, page = 3, 4, 2, 64, 128, case.get("page")
+    q = torch.randn(batch, 1, heads, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 2, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    kwargs = {"cache_seqlens": torch.tensor([37, 0, 90], dtype=torch.int32),
+              "k_descale": torch.ones(batch, kv_heads), "v_descale": torch.ones(batch, kv_heads)}
+    if page is None:
+        shape = (batch + 1, capacity, kv_heads, d)
+        kwargs.update(cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32),
+                      cache_leftpad=torch.tensor([5, 0, 17], dtype=torch.int32))
+    else:
+        shape = (batch * capacity // page + 2, page, kv_heads, d)
+        kwargs["block_table"] = torch.arange(batch * capacity // page, dtype=torch.int32).view(batch, -1)
+    k_cache, v_cache = (torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2))
+    fagen.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=call.get("num_splits", 0), **kwargs)
+
+
+def _fp8_decode_calls() -> list:
+    return [(f"fp8 decode {name}", functools.partial(_fp8_decode_case, *args))
+            for name, args in cases.FP8_DECODE_CASES.items()]
 
 
 def _varlen_paged_case() -> None:

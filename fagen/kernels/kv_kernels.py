@@ -48,14 +48,24 @@ def _cache_rows(tensors: dict, cache_rows, block_table) -> None:
 # -- the append -------------------------------------------------------------------------------
 
 def cache_update_arguments(q, q_rot, k_new, v_new, k_cache, v_cache, cache_seqlens, rotary_cos, rotary_sin, flag, *,
-                           cache_rows=None, block_table=None) -> dict:
+                           cache_rows=None, block_table=None, descales=None) -> dict:
     """The cache update kernel's tensors: without rotary, q_rot is q and the tables are
-    0-element (`attention_kernels.unused`)."""
+    0-element (`attention_kernels.unused`); an 8-bit cache's `descales` = (k_descale, v_descale)."""
     tensors = {"q": q, "k_new": k_new, "v_new": v_new, "q_rot": q_rot, "k_cache": k_cache, "v_cache": v_cache,
                "cache_seqlens": cache_seqlens, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
                "error_flag": flag}
     _cache_rows(tensors, cache_rows, block_table)
+    _descales(tensors, descales)
     return tensors
+
+
+def _descales(tensors: dict, descales) -> None:
+    """An 8-bit cache's (Spec.cache_dtype) k_descale and v_descale, fp32 (B, Hk) each; its caches
+    pass as their bytes (the kernels' unsigned char: float8_e4m3fn has no C type of its own)."""
+    if descales is not None:
+        tensors["k_descale"], tensors["v_descale"] = descales
+        for name in ("k_cache", "v_cache"):
+            tensors[name] = tensors[name].view(torch.uint8)
 
 
 def bind_cache_update(source: Source, tensors: dict, *, interleaved: bool,
@@ -81,14 +91,16 @@ def bind_cache_update(source: Source, tensors: dict, *, interleaved: bool,
 
 
 def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seqlens, *, cache_batch=None,
-                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None):
+                    cache_start=None, block_table=None, rotary=None, q_positions_step: bool = False, flag=None,
+                    descales=None):
     """Append k_new, v_new (B, N_new, Hk, d) to a kv_cache spec's cache in place at rows
     cache_seqlens[b] + t (contiguous: of cache entry cache_batch[b]; paged: through block_table),
     rotating the keys with rotary = (cos, sin, interleaved). Returns q, or with rotary a rotated
     copy (at row cache_seqlens[b] + i with q_positions_step, else at cache_seqlens[b]).
     The guard checks every entry's rows (and a contiguous cache's cache_start, 0 by default)
     before any is written: one value out of range refuses the whole append and sets `flag`
-    (as forward_kv_cache's)."""
+    (as forward_kv_cache's). An 8-bit cache (Spec.cache_dtype) takes `descales` = (k_descale,
+    v_descale), fp32 (B, Hk): each new row is stored as e4m3(x / its descale)."""
     cos, sin, interleaved = rotary or (None, None, False)
     q_rot = q if rotary is None else attention_kernels.new_output(q)
     if block_table is None and cache_start is None:
@@ -96,7 +108,7 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
     nothing = attention_kernels.unused(q.device, q.dtype)
     tensors = cache_update_arguments(q, q_rot, k_new, v_new, k_cache, v_cache, cache_seqlens,
                                      nothing if cos is None else cos, nothing if sin is None else sin, None,
-                                     cache_rows=(cache_batch, cache_start), block_table=block_table)
+                                     cache_rows=(cache_batch, cache_start), block_table=block_table, descales=descales)
     _flagged(tensors, flag, q.device)
 
     def key():
@@ -116,7 +128,7 @@ def update_kv_cache(source: Source, q, k_cache, v_cache, k_new, v_new, cache_seq
 # -- the attention over the cache ---------------------------------------------------------------
 
 def kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k, o_partial, lse_partial, flag, *, cache_rows=None,
-                       block_table=None, variant_tensors=None) -> dict:
+                       block_table=None, variant_tensors=None, descales=None) -> dict:
     """The attention kernel's tensors (the combine kernel takes the same names); `flag` None:
     the caller adds one (`_flagged`, or packed sequences' own in `attention_kernels.packed_sequences`)."""
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "out": out, "lse": lse, "seqlens_k": seqlens_k,
@@ -126,6 +138,7 @@ def kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k, o_partial, lse_
     _cache_rows(tensors, cache_rows, block_table)
     if variant_tensors:
         tensors.update(variant_tensors)
+    _descales(tensors, descales)
     return tensors
 
 
@@ -169,7 +182,7 @@ def bind_kv_cache(source: Source, tensors: dict, *, batch: int, seqlen_q: int, h
 
 def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k: int, cache_rows=None,
                      block_table=None, num_splits: int = 1, softmax_scale=None, variant_values=None, varlen=None,
-                     pack_group: int | None = None, flag=None, new_tokens: int = 0):
+                     pack_group: int | None = None, flag=None, new_tokens: int = 0, descales=None):
     """Launch a kv_cache spec's forward over the cache, and with num_splits > 1 its combine kernel.
 
     q (B, Nq, H, d); seqlens_k (B,) int32 and new_tokens: entry b's keys end at cache row
@@ -183,7 +196,8 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     A Spec.pack_gqa source takes q packed (B, Nq * group, Hk, d) and pack_group = group.
     The guards refuse index values that reach outside the cache and set `flag` (int32 (1,),
     `attention_kernels.error_flag`); without one the call makes its own and raises from it
-    (`attention_kernels.raise_flagged`).
+    (`attention_kernels.raise_flagged`). An 8-bit cache (Spec.cache_dtype) takes `descales` =
+    (k_descale, v_descale), fp32 (B, Hk): the cached K and V are its e4m3 values times them.
     """
     batch, seqlen_q, heads, head_dim = attention_kernels.geometry(q, q, varlen)[:4]
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
@@ -193,7 +207,8 @@ def forward_kv_cache(source: Source, q, k_cache, v_cache, seqlens_k, *, seqlen_k
     variant_tensors, variant_scalars = attention_kernels.split_variant(source.spec, variant_values, scale)
     tensors = kv_cache_arguments(q, k_cache, v_cache, out, lse, seqlens_k,
                                  *partials(q, heads, seqlen_q, num_splits, head_dim_v),
-                                 None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors)
+                                 None, cache_rows=cache_rows, block_table=block_table, variant_tensors=variant_tensors,
+                                 descales=descales)
     # Else attention_kernels.packed_sequences makes it, naming cu_seqlens in its message.
     if varlen is None or flag is not None:
         _flagged(tensors, flag, q.device)

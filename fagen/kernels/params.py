@@ -61,7 +61,8 @@ def _dropout(spec: Spec) -> list[Param]:
 
 def forward_params(spec: Spec, debug: bool = False) -> tuple[Param, ...]:
     elem = ELEM_CTYPE[spec.dtype]
-    params = [_tensor(n, elem, const=True) for n in ("q", "k", "v")] + [_tensor("out", elem)]
+    params = ([_tensor("q", elem, const=True)] + [_tensor(n, cache_ctype(spec), const=True) for n in ("k", "v")]
+              + [_tensor("out", elem)])
     params += _stats(spec, const=False)
     if spec.version == 1:
         params.append(_tensor("o_accum", "float"))  # FA-1 keeps O in HBM between steps
@@ -142,7 +143,19 @@ def _kv_cache(spec: Spec) -> list[Param]:
     appended = [Param("new_tokens", "int", "int32")] if spec.key_padding else []
     return rows + [Param("k_cache_stride_b", "long long", "int64"), Param("v_cache_stride_b", "long long", "int64"),
                    Param("num_splits", "int", "int32"), _tensor("o_partial", "float"), _tensor("lse_partial", "float"),
-                   *appended, *group, *_guard()]
+                   *appended, *group, *_cache_descales(spec), *_guard()]
+
+
+def cache_ctype(spec: Spec) -> str:
+    """The C type of a decoding spec's cache elements: an 8-bit cache's bytes (Spec.cache_dtype),
+    else dtype's."""
+    return "unsigned char" if spec.cache_fp8 else ELEM_CTYPE[spec.dtype]
+
+
+def _cache_descales(spec: Spec) -> list[Param]:
+    """An 8-bit cache's descales (Spec.cache_dtype): fp32 (batch, Hk), the cached K and V being the
+    e4m3 values times them; the append divides the new rows by them."""
+    return [_tensor(f"{name}_descale", "float", const=True) for name in ("k", "v")] if spec.cache_fp8 else []
 
 
 def _guard() -> list[Param]:
@@ -167,10 +180,10 @@ def cache_update_params(spec: Spec) -> tuple[Param, ...]:
     ints = ("rotary_dim", "rotary_interleaved", "q_positions_step", "new_tokens", "seqlen_q", "heads", "kv_heads",
             "batch_size", "capacity")
     return (_tensor("q", elem, const=True), _tensor("k_new", elem, const=True), _tensor("v_new", elem, const=True),
-            _tensor("q_rot", elem), _tensor("k_cache", elem), _tensor("v_cache", elem),
+            _tensor("q_rot", elem), _tensor("k_cache", cache_ctype(spec)), _tensor("v_cache", cache_ctype(spec)),
             _tensor("cache_seqlens", "int", const=True), *rows, _tensor("rotary_cos", elem, const=True),
             _tensor("rotary_sin", elem, const=True), *(Param(n, "int", "int32") for n in ints),
-            *_strides("q", "kn", "vn", "qr", "k", "v"), *_guard())
+            *_strides("q", "kn", "vn", "qr", "k", "v"), *_cache_descales(spec), *_guard())
 
 
 def combine_params(spec: Spec) -> tuple[Param, ...]:

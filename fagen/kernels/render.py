@@ -134,7 +134,8 @@ def _context(spec: Spec, entries: Entries, debug: bool) -> dict:
     return dict(
         spec=spec,
         entries=entries,
-        family_headers=family.headers + (("fp8.cuh",) if spec.fp8 else ()),
+        family_headers=(family.headers + (("fp8.cuh",) if spec.fp8 else ())
+                        + (("fp8_cache.cuh",) if spec.cache_fp8 else ())),
         **family.context(spec),
         layout=spec.shared_layout,
         bwd=spec.backward_tiles,

@@ -45,7 +45,7 @@ from ..environment import raw_settings, setting_keys
 from .common import (CHECK_VALUES_ENV, HEAD_DIM_MULTIPLE, aligned_rows, check_flag, device_shared_limit,
                      values_checked)
 from .call import decoding_spec
-from .kvcache_args import CacheCall, check_kvcache, check_rotary
+from .kvcache_args import CacheCall, check_cache_descales, check_kvcache, check_rotary
 from .variant_args import variant_call
 
 
@@ -169,7 +169,7 @@ class StepPlan:
     packs_in_place: bool = False         # GQA packing of one query: q and out pass as they are (`_attend`)
 
     def run(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, alibi_slopes):
+            block_table, alibi_slopes, k_descale=None, v_descale=None):
         """The step on this call's tensors: the append (with rotary), the attention, the raise
         from the guards' flag."""
         padded, cache = self.padded, self.cache
@@ -182,14 +182,20 @@ class StepPlan:
                 cache_leftpad.contiguous() if start_given else cache.cache_start)
         block_table = None if block_table is None else block_table.contiguous()
         flag = attention_kernels.error_flag(q.device)   # the guards' refusals, raised once below
+        descales = None
+        if cache.unit_descales is not None:   # an 8-bit cache: absorbed MLA's V is K's bytes, k_descale scales both
+            k_descale = cache.unit_descales if k_descale is None else k_descale.contiguous()
+            descales = (k_descale, k_descale if cache.v_from_k else
+                        cache.unit_descales if v_descale is None else v_descale.contiguous())
         if k is not None:
-            q = self._append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag)
+            q = self._append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag,
+                             descales)
         batch, seqlen_q, heads, _ = q.shape
         if batch == 0 or seqlen_q == 0 or heads == 0:
             out = q.new_zeros(batch, seqlen_q, heads, v_cache.shape[-1])
             lse = torch.full((batch, heads, seqlen_q), math.inf, device=q.device)
         else:
-            out, lse = self._attend(q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag)
+            out, lse = self._attend(q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag, descales)
         attention_kernels.raise_flagged(flag, kv_kernels.DECODE_REFUSED)
         if padded is not None:
             if cache.new_tokens:
@@ -197,7 +203,7 @@ class StepPlan:
             out = out[..., :padded.v_cache.shape[-1]]
         return (out, lse) if self.return_lse else out
 
-    def _append(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag):
+    def _append(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, flag, descales):
         """Rotary and the append: one kernel, in place. Returns the rotated q (or q)."""
         if rotary_cos is None:
             q_rot = q
@@ -206,7 +212,8 @@ class StepPlan:
             q_rot = attention_kernels.new_output(q)
             rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
         tensors = kv_kernels.cache_update_arguments(q, q_rot, k, v, k_cache, v_cache, seqlens, rotary_cos, rotary_sin,
-                                                    flag, cache_rows=rows, block_table=block_table)
+                                                    flag, cache_rows=rows, block_table=block_table,
+                                                    descales=descales)
         if self.update is None:
             self.update = kv_kernels.bind_cache_update(self.source, tensors, interleaved=self.rotary_interleaved,
                                                        q_positions_step=self.q_positions_step)
@@ -216,7 +223,7 @@ class StepPlan:
         torch.autograd.graph.increment_version((k_cache, v_cache))
         return q_rot
 
-    def _attend(self, q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag):
+    def _attend(self, q, k_cache, v_cache, seqlens, rows, block_table, alibi_slopes, flag, descales):
         """The attention over the cache (each entry's keys end at row seqlens[b] + new_tokens:
         the kernel adds the append), its (out, L) in the caller's layout. GQA packing with one
         query per head packs by views: the kernel reads q and writes the caller's output through
@@ -255,7 +262,7 @@ class StepPlan:
             q_kernel, k_cache, v_cache, out_kernel, lse, seqlens,
             *kv_kernels.partials(q_kernel, kernel_heads, kernel_rows, self.num_splits, head_dim_v), flag,
             cache_rows=None if block_table is not None else rows, block_table=block_table,
-            variant_tensors=variant_tensors)
+            variant_tensors=variant_tensors, descales=descales)
         if self.attend is None:
             self.attend = kv_kernels.bind_kv_cache(
                 self.source, tensors, batch=batch, seqlen_q=kernel_rows, heads=kernel_heads,
@@ -282,12 +289,13 @@ def _check_scale(softmax_scale):
 
 def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_softmax_lse) -> StepPlan:
+             return_softmax_lse, k_descale=None, v_descale=None) -> StepPlan:
     """Check a step's arguments (everything but index values, which the kernels' guards check;
     FAGEN_CHECK_VALUES=1: here too), find its kernels and load them before the cache is touched."""
     cache = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                           rotary_given=rotary_cos is not None or rotary_sin is not None)
     check_rotary(q, rotary_cos, rotary_sin, k, cache.capacity, rotary_interleaved)
+    check_cache_descales(k_cache, k_descale, v_descale, q.shape[0], cache.v_from_k)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     num_splits = _check_splits(num_splits)
     causal = check_flag("causal", causal)
@@ -308,6 +316,8 @@ def _prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
         fields["head_dim_v"] = v_cache.shape[-1]
     if cache.v_from_k:   # V's rows are K's first columns: read and appended once (Spec.v_from_k)
         fields["v_from_k"] = True
+    if cache.unit_descales is not None:   # an 8-bit cache, widened in the kernel (Spec.cache_dtype)
+        fields["cache_dtype"] = DTYPE_NAME[k_cache.dtype]
     spec = step_spec(head_dim, q.dtype, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, causal=causal,
                      page_size=cache.page_size, fields=fields, shared_limit=device_shared_limit(q.device),
                      device=q.device)
@@ -396,12 +406,12 @@ def _unplanned(q, check_values_raw) -> bool:
 def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
           cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-          return_softmax_lse=False):
+          return_softmax_lse=False, k_descale=None, v_descale=None):
     """flash_attn_with_kvcache's eager implementation (the custom op's too): the plan of the
     call's signature (checked once by `_prepare`), run on its tensors."""
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            return_softmax_lse)
+            return_softmax_lse, k_descale, v_descale)
     key = _signature(args)
     plan = None if key is None else _plans.get(key)
     if plan is None:
@@ -411,13 +421,14 @@ def _step(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                 _plans.clear()
             _plans[key] = plan
     return plan.run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                    block_table, alibi_slopes)
+                    block_table, alibi_slopes, k_descale, v_descale)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            k_descale=None, v_descale=None):
     """Attention of q against a KV cache, after appending k and v to it in place (flash-attn 2.8).
 
     q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or with block_table (B,
@@ -431,28 +442,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap and alibi_slopes as in flash_attn_func. num_splits = 0 picks the split-KV count from
     the SM count. Returns out (B, Nq, H, d), and with return_softmax_lse also L (B, H, Nq).
     Any d up to 512: one that is not a multiple of 8 is zero-padded as flash-attn does.
+    An 8-bit cache: k_cache and v_cache in float8_e4m3fn (q, k, v and the output stay fp16 or
+    bf16), with k_descale and v_descale, fp32 (B, Hk), FlashAttention-3's names: the cache holds
+    K / k_descale and V / v_descale in e4m3, the appended k and v are quantised so (rounded to
+    nearest, saturated at +-448), and the kernel widens each tile exactly. Head dims are then
+    multiples of 16; absorbed MLA's one cache takes k_descale alone.
     """
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    descales = (k_descale, v_descale)
     # Forward only, as in flash-attn (errors.forward_only, unrolled: a step is a hot path). The
     # index tensors are integers, which cannot require grad.
-    if wanting_grad((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes)):
-        return run_forward_only("flash_attn_with_kvcache", functools.partial(_dispatch, args, return_softmax_lse),
-                                args)
-    return _dispatch(args, return_softmax_lse)
+    if wanting_grad((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, alibi_slopes, *descales)):
+        return run_forward_only("flash_attn_with_kvcache",
+                                functools.partial(_dispatch, args, return_softmax_lse, descales), args)
+    return _dispatch(args, return_softmax_lse, descales)
 
 
-def _dispatch(args: tuple, return_softmax_lse):
+def _dispatch(args: tuple, return_softmax_lse, descales: tuple):
     if torch.compiler.is_compiling():
-        return _traced_step(*args, check_flag("return_softmax_lse", return_softmax_lse))
-    return _step(*args, return_softmax_lse)
+        return _traced_step(*args, check_flag("return_softmax_lse", return_softmax_lse), *descales)
+    return _step(*args, return_softmax_lse, *descales)
 
 
 # -- torch.compile: the step as one custom op ---------------------------------------------------
 
 def _traced_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse: bool):
+                 num_splits, return_softmax_lse: bool, k_descale=None, v_descale=None):
     """The op's arguments in its schema's types (flags as Python bools, the window as two ints,
     an int cache_seqlens apart from a tensor one); every other check runs in the op, eagerly."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
@@ -464,7 +481,8 @@ def _traced_step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                         None if seqlens_tensor is not None else cache_seqlens, cache_batch_idx, cache_leftpad,
                         block_table, None if softmax_scale is None else float(softmax_scale),
                         check_flag("causal", causal), int(window_size[0]), int(window_size[1]), float(softcap),
-                        check_flag("rotary_interleaved", rotary_interleaved), alibi_slopes, _check_splits(num_splits))
+                        check_flag("rotary_interleaved", rotary_interleaved), alibi_slopes, _check_splits(num_splits),
+                        k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -474,19 +492,20 @@ def _step_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
              cache_seqlens: torch.Tensor | None, cache_seqlens_int: int | None, cache_batch_idx: torch.Tensor | None,
              cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float | None,
              causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
-             alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+             alibi_slopes: torch.Tensor | None, num_splits: int, k_descale: torch.Tensor | None = None,
+             v_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step (the eager implementation), declared to write k_cache and v_cache: functionalization
     and the version counters see the append. Returns fresh contiguous (out, L)."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     out, lse = _step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                     alibi_slopes, num_splits, True)
+                     alibi_slopes, num_splits, True, k_descale, v_descale)
     return out.contiguous(), lse.contiguous()
 
 
 @_step_op.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits):
+      alibi_slopes, num_splits, k_descale=None, v_descale=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)

@@ -3,7 +3,10 @@
 flash-attn 2.8's layout: q (B, Nq, H, d); k_cache, v_cache (B_cache, N_cache, Hk, d), or
 paged (num_pages, page_size, Hk, d) with block_table (B, max_pages) int32; k, v (B, N_new,
 Hk, d) to append at cache_seqlens. Every error names the argument and what was expected.
-Shapes, dtypes and devices are always checked. The values of the index tensors (cache_seqlens,
+An 8-bit cache (float8_e4m3fn k_cache and v_cache under fp16 or bf16 q, as vLLM and FlashInfer
+serve) takes k_descale and v_descale, fp32 (B, Hk): the cached K and V are the e4m3 values times
+them (ones when omitted), and the new k and v, in q's dtype, are divided by them as they are
+quantised into the cache. Shapes, dtypes and devices are always checked. The values of the index tensors (cache_seqlens,
 cache_leftpad, cache_batch_idx, block_table) are checked here only with FAGEN_CHECK_VALUES=1
 (one device sync per call, messages that name the entry and its value; never under
 torch.compile or CUDA graph capture). By default the kernels' guards check them on the device:
@@ -18,9 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, InputTypeError
-from ..spec import MAX_HEAD_DIM, MLA_HEAD_DIM
+from ..spec import CACHE_FP8_ROW_MULTIPLE, MAX_HEAD_DIM, MLA_HEAD_DIM
 from .common import HEAD_DIM_MULTIPLE, check_dense_tensor, check_flag, check_half_rows, values_checked
 from .varlen_args import check_cache_rows, check_page_size, check_some_pages, pages_held
+
+CACHE_FP8_DTYPE = torch.float8_e4m3fn   # an 8-bit cache's (Spec.cache_dtype "e4m3")
 
 
 @dataclass
@@ -30,17 +35,18 @@ class CacheCall:
     cache_seqlens: torch.Tensor   # keys already in the cache, per entry (absolute row index of the append)
     cache_batch: torch.Tensor     # the cache entry each batch entry reads (contiguous cache)
     cache_start: torch.Tensor     # its first row (cache_leftpad)
+    unit_descales: torch.Tensor | None   # an 8-bit cache's descales where none are given: ones (B, Hk)
     capacity: int                 # rows one entry can hold: N_cache, or max_pages * page_size
     page_size: int | None         # None: a contiguous cache
     new_tokens: int               # N_new, 0 without k / v
     v_from_k: bool = False        # v_cache is k_cache's first d_v columns (absorbed MLA: one cache)
 
 
-def _check_data(name: str, t, ndim: int, layout: str) -> None:
+def _check_data(name: str, t, ndim: int, layout: str, dtypes=None) -> None:
     check_dense_tensor(name, t)
     if t.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dims {layout}, got shape {tuple(t.shape)}")
-    check_half_rows(name, t)
+    check_half_rows(name, t, dtypes)
 
 
 def _check_index(name: str, t, shape: tuple, device, dims: str) -> torch.Tensor:
@@ -85,8 +91,19 @@ def _check_cache(q, k_cache, v_cache, block_table):
     layout = "(num_pages, page_size, kv_heads, head_dim)" if block_table is not None else \
         "(batch_cache, seqlen_cache, kv_heads, head_dim)"
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_data(name, t, 4, layout)
-        _same_as_q(name, t, q)
+        if t.dtype != CACHE_FP8_DTYPE:   # a cache in q's dtype
+            _check_data(name, t, 4, layout)
+            _same_as_q(name, t, q)
+            continue
+        _check_data(name, t, 4, layout, (CACHE_FP8_DTYPE,))
+        if t.device != q.device:
+            raise InputError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k_cache.dtype != v_cache.dtype:
+        raise InputError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype == CACHE_FP8_DTYPE and (k_cache.shape[3] % CACHE_FP8_ROW_MULTIPLE
+                                             or v_cache.shape[3] % CACHE_FP8_ROW_MULTIPLE):
+        raise InputError(f"an 8-bit cache's head dims must be multiples of {CACHE_FP8_ROW_MULTIPLE} (its rows are "
+                         f"read in 16-byte chunks), got {k_cache.shape[3]} and {v_cache.shape[3]}")
     if k_cache.shape[:3] != v_cache.shape[:3]:   # v's head dim (d_v) may differ: checked below
         raise InputError(f"k_cache and v_cache must have the same shape but for the head dim, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -246,7 +263,31 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         start = _check_index("cache_leftpad", cache_leftpad, (batch,), device, "(batch,)")
         checks.add("cache_leftpad", start, 0, seqlens, "it must be in 0..cache_seqlens of its entry")
     checks.raise_first()
-    return CacheCall(seqlens, cache_batch, start, capacity, page_size, new_tokens, v_from_k)
+    unit = torch.ones(batch, k_cache.shape[2], device=device) if k_cache.dtype == CACHE_FP8_DTYPE else None
+    return CacheCall(seqlens, cache_batch, start, unit, capacity, page_size, new_tokens, v_from_k)
+
+
+def check_cache_descales(k_cache, k_descale, v_descale, batch: int, v_from_k: bool) -> None:
+    """An 8-bit cache's descales: fp32 (B, Hk) on the cache's device, or None (ones). Refused for
+    a cache in q's dtype, which has none, and v_descale for absorbed MLA's one cache, whose V is
+    K's bytes (k_descale scales both)."""
+    if k_cache.dtype != CACHE_FP8_DTYPE:
+        for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if t is not None:
+                raise InputError(f"{name} scales an 8-bit (float8_e4m3fn) cache; k_cache is {k_cache.dtype}")
+        return
+    if v_from_k and v_descale is not None:
+        raise InputError("v_descale: v_cache is a view of k_cache (one cache, absorbed MLA's), so its values are "
+                         "k_cache's bytes and k_descale scales both; pass k_descale alone")
+    shape = (batch, k_cache.shape[2])
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{name} must be a float32 tensor of shape (batch, kv_heads) = {shape}, got {got}")
+        if t.device != k_cache.device:
+            raise InputError(f"{name} must be on the cache's device {k_cache.device}, got {t.device}")
 
 
 def _cache_seqlens(cache_seqlens, batch: int, device, capacity: int, new_tokens: int, holds: str,

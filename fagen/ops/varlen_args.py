@@ -71,10 +71,11 @@ def check_cache_rows(name: str, t: torch.Tensor) -> None:
     """A K/V cache is read in place, 16 bytes at a time: it cannot be copied into alignment. (A
     head_dim that is not a multiple of 8 is zero-padded into a copy first, as flash-attn does:
     the copy is aligned whatever the cache's strides.)"""
-    if t.shape[-1] % ROW_CHUNK:
+    chunk = 16 // t.element_size()   # ROW_CHUNK for 2-byte elements, 16 for an 8-bit cache's bytes
+    if t.shape[-1] % chunk:
         return
-    if t.data_ptr() % 16 or any(s % ROW_CHUNK for s in t.stride()[:3]):
-        raise InputError(f"{name} must be 16-byte aligned with strides that are multiples of 8 elements "
+    if t.data_ptr() % 16 or any(s % chunk for s in t.stride()[:3]):
+        raise InputError(f"{name} must be 16-byte aligned with strides that are multiples of {chunk} elements "
                          f"(the kernels read 16-byte rows), got strides {t.stride()}")
 
 

@@ -28,12 +28,12 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert "decode" in OPTIONAL_SECTIONS
     assert (d.batch, d.cache_len, d.q_heads, d.kv_heads, d.head_dim, d.dtype, d.page_size) == (
         64, 8192, 32, 8, 128, "bf16", 256)
-    assert d.decode_systems == ("fagen", "fagen_paged", "fagen_sm90", "fagen_sm90_paged", "sdpa_math", "sdpa_efficient",
-                                "sdpa_flash", "flex")
+    assert d.decode_systems == ("fagen", "fagen_paged", "fagen_fp8", "fagen_fp8_paged", "fagen_sm90", "fagen_sm90_paged",
+                                "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
     assert d.varlen_systems == ("fagen_varlen", "fagen_padded", "sdpa_padded")
     assert (d.varlen_tokens, d.varlen_heads, d.varlen_passes) == (16384, 16, ("fwd", "fwd_bwd"))
     # + the graph's two, + absorbed MLA's four systems at B = 64 and B = 1
-    assert d.timed_runs() == 8 + 2 * 3 + 2 + 4 * 2 and d.pages_per_entry == 32 and d.group == 4
+    assert d.timed_runs() == 10 + 2 * 3 + 2 + 4 * 2 and d.pages_per_entry == 32 and d.group == 4
     assert (d.mla_systems, d.mla_batches, d.mla_cache_len, d.mla_heads) == (
         ("fagen_mla", "fagen_sm90_mla", "sdpa", "flex"), (64, 1), 8192, 128)
     # The section's cap is in the forecast, and --quick keeps it (without Flex's compile, smaller).
@@ -43,10 +43,10 @@ def test_the_plan_has_a_decode_section_after_the_variants():
     assert 0 < replay(quick, sanitizers=True)["decode"] < estimate["decode"]
     assert replay(quick, sanitizers=True)["total"] < quick.budget_s
     assert DecodeConfig(decode_systems=(), varlen_systems=(), graph_shape=(), mla_systems=()).estimate_seconds() == 0.0
-    # fagen's kernels: decode step, paged, both on the sm90 family, varlen; the padded batch's is the
-    # sweep's causal kernel.
-    assert plan.decode_kernels() == 7   # + the MLA steps' (the sm80 and the sm90 family's)
-    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 8
+    # fagen's kernels: decode step, paged, both over an 8-bit cache, both on the sm90 family, varlen; the
+    # padded batch's is the sweep's causal kernel.
+    assert plan.decode_kernels() == 9   # + the MLA steps' (the sm80 and the sm90 family's)
+    assert Plan(systems=("sdpa_flash",)).decode_kernels() == 10
     text = describe(plan)
     assert "\n  decode: cap 31 s" in text and "decode 31" in text.split("estimated seconds:")[1]
     # Documents: seeded, between about 1/4 and 7/4 of the mean, covering the 16k tokens exactly.
@@ -250,6 +250,11 @@ def test_the_decode_section_end_to_end_on_the_emulator(tmp_path, monkeypatch):
         assert cell["bytes"] == native and cell["kv_heads_read"] == 2 and not cell["expanded"], (name, cell)
         assert cell["tb_per_s"] == pytest.approx(native / 2e-3 / 1e12)
         assert cell["copy_fraction"] == pytest.approx(cell["tb_per_s"] / 0.02)
+    # The 8-bit cache's rows read a byte per K/V element: the cache's share of the bytes halves.
+    eight_bit = config.decode_bytes(cache_element=1)
+    assert native - eight_bit == 2 * 2 * 64 * 2 * 16   # B N Hk d, K and V, one byte saved each
+    for name in ("fagen_fp8", "fagen_fp8_paged"):
+        assert decode["results"][name]["bytes"] == eight_bit, decode["results"][name]
     assert "enable_gqa" in decode["results"]["sdpa_efficient"]["skipped"]   # no CPU kernel: a skipped cell
     for point in (fwd, fwd_bwd):
         assert point["flops"] == config.varlen_flops(point["pass"])
@@ -258,7 +263,8 @@ def test_the_decode_section_end_to_end_on_the_emulator(tmp_path, monkeypatch):
         assert point["results"]["sdpa_padded"]["backend"] == "SDPA flash"
         assert point["ratios"]["fagen_varlen/sdpa_padded"] == pytest.approx(1.0)
     sanity = section["sanity"]
-    assert set(sanity) == {"fagen", "fagen_paged", "fagen_varlen", "fagen_padded", "fagen_mla"}
+    assert set(sanity) == {"fagen", "fagen_paged", "fagen_fp8", "fagen_fp8_paged", "fagen_varlen", "fagen_padded",
+                           "fagen_mla"}
     assert all(r["ok"] for r in sanity.values()), sanity
     assert "dq_err" in sanity["fagen_varlen"] and sanity["fagen"]["shape"] == "B=2 cache 32"
     assert "sanity ok" in section["note"] and "fagen varlen / fagen padded fwd 1.00 f+b 1.00" in section["note"]

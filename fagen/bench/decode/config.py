@@ -12,14 +12,15 @@ from ..sizes import random_lengths, short_seqlen
 
 # The decode section: one decoding step against a KV cache (memory-bound, so judged by its
 # bandwidth), and causal training over packed documents of mixed lengths (varlen).
-DECODE_SYSTEMS = ("fagen", "fagen_paged", "fagen_sm90", "fagen_sm90_paged", "sdpa_math", "sdpa_efficient",
-                  "sdpa_flash", "flex")
+DECODE_SYSTEMS = ("fagen", "fagen_paged", "fagen_fp8", "fagen_fp8_paged", "fagen_sm90", "fagen_sm90_paged",
+                  "sdpa_math", "sdpa_efficient", "sdpa_flash", "flex")
 VARLEN_SYSTEMS = ("fagen_varlen", "fagen_padded", "sdpa_padded")
 MLA_SYSTEMS = ("fagen_mla", "fagen_sm90_mla", "sdpa", "flex")   # mla.py
 MLA_DIM, MLA_DIM_V = 576, 512   # absorbed MLA's cache row (512 latent + 64 rotary) and V's share of it
 DECODE_LABELS = {
     "fagen_mla": "fagen MLA (paged 64)", "fagen_sm90_mla": "sm90 MLA (paged 64)", "sdpa": "SDPA (enable_gqa)",
     "fagen": "fagen", "fagen_paged": "fagen paged", "fagen_sm90": "fagen sm90", "fagen_sm90_paged": "sm90 paged",
+    "fagen_fp8": "fagen fp8 cache", "fagen_fp8_paged": "fagen fp8 paged",
     "sdpa_math": "SDPA math",
     "sdpa_efficient": "SDPA efficient", "sdpa_flash": "SDPA flash", "flex": "FlexAttention",
     "fagen_varlen": "fagen varlen", "fagen_padded": "fagen padded", "sdpa_padded": "SDPA padded",
@@ -111,15 +112,16 @@ class DecodeConfig:
                 f"(max {max(lengths)}) H={self.varlen_heads} d={self.head_dim} causal")
 
     def decode_bytes(self, kv_heads_read: int | None = None, *, batch: int | None = None,
-                     cache_len: int | None = None) -> int:
+                     cache_len: int | None = None, cache_element: int = 2) -> int:
         """Bytes one decoding step must move to or from memory: K and V read
-        (B N Hk d, 2 bytes each, two tensors), q read and out written (B Hq d each). A peer
-        that is given K/V expanded to every query head reads `kv_heads_read` = Hq heads."""
+        (B N Hk d, `cache_element` bytes each: 2 in bf16 / fp16, 1 in an 8-bit cache; two
+        tensors), q read and out written (B Hq d each, 2 bytes). A peer that is given K/V expanded
+        to every query head reads `kv_heads_read` = Hq heads."""
         b = self.batch if batch is None else batch
         n = self.cache_len if cache_len is None else cache_len
         heads = self.kv_heads if kv_heads_read is None else kv_heads_read
-        element = 2   # bf16 / fp16
-        return 2 * b * n * heads * self.head_dim * element + 2 * b * self.q_heads * self.head_dim * element
+        element = 2   # q and O: bf16 / fp16
+        return 2 * b * n * heads * self.head_dim * cache_element + 2 * b * self.q_heads * self.head_dim * element
 
     @property
     def graph_label(self) -> str:

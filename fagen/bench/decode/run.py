@@ -5,6 +5,9 @@ bf16, one query per entry, non-causal, every cache full):
 
   fagen           flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)
   fagen_paged     the same keys in pages of 256 (a seeded random block table), block_table=...
+  fagen_fp8, fagen_fp8_paged
+                  the same two over the caches quantised to e4m3 (float8_e4m3fn, one descale per
+                  K/V head, made before the timing): half the cache bytes read
   fagen_sm90, fagen_sm90_paged
                   the same two on the Hopper family (FAGEN_ARCH_FAMILY=sm90; compute capability
                   9.0 only)
@@ -78,6 +81,8 @@ def default_factories() -> dict[str, Callable[[], object]]:
     """Per system name, a function making the system (varlen ones get their Documents later)."""
     factories: dict[str, Callable[[], object]] = {
         "fagen": lambda: FagenDecode(paged=False), "fagen_paged": lambda: FagenDecode(paged=True),
+        "fagen_fp8": lambda: FagenDecode(paged=False, fp8=True),
+        "fagen_fp8_paged": lambda: FagenDecode(paged=True, fp8=True),
         "fagen_sm90": lambda: FagenDecode(paged=False, family=SM90.name),
         "fagen_sm90_paged": lambda: FagenDecode(paged=True, family=SM90.name),
         "flex": FlexDecode, "fagen_varlen": FagenVarlen, "fagen_padded": FagenPadded, "sdpa_padded": SdpaPadded}

@@ -85,14 +85,20 @@ class DecodeSystem:
     def prepare(self, inputs: DecodeInputs, config: DecodeConfig) -> tuple[Callable, dict]:
         raise NotImplementedError
 
+    def reference_caches(self, inputs: DecodeInputs) -> tuple:
+        """The contiguous caches whose attention the system computes (the sanity check's)."""
+        return inputs.k_cache, inputs.v_cache
+
 
 class FagenDecode(DecodeSystem):
     """flash_attn_with_kvcache on the contiguous cache or the paged one; with `family` sm90 (arch_families.SM90), on
-    the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each step; compute capability 9.0 only)."""
+    the Hopper family (FAGEN_ARCH_FAMILY=sm90 around each step; compute capability 9.0 only); with `fp8`, on
+    the caches quantised to e4m3 once, before the timing (`quantised_caches`: half the bytes read)."""
 
-    def __init__(self, paged: bool, family: str = ""):
-        self.paged, self.family = paged, family
-        self.name = "_".join(["fagen", *([family] if family else []), *(["paged"] if paged else [])])
+    def __init__(self, paged: bool, family: str = "", fp8: bool = False):
+        self.paged, self.family, self.fp8 = paged, family, fp8
+        self.name = "_".join(["fagen", *([family] if family else []), *(["fp8"] if fp8 else []),
+                              *(["paged"] if paged else [])])
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -103,15 +109,37 @@ class FagenDecode(DecodeSystem):
 
     def prepare(self, inputs, config):
         decode = fagen_decode_functions()[0]
-        if self.paged:
-            def step():
-                return in_family(self.family, decode, inputs.q, inputs.k_pages, inputs.v_pages,
-                                 cache_seqlens=inputs.cache_seqlens, block_table=inputs.block_table)
-        else:
-            def step():
-                return in_family(self.family, decode, inputs.q, inputs.k_cache, inputs.v_cache,
-                                 cache_seqlens=inputs.cache_seqlens)
-        return step, {"kv_heads_read": config.kv_heads, "gqa": "native"}
+        k_cache, v_cache = (inputs.k_pages, inputs.v_pages) if self.paged else (inputs.k_cache, inputs.v_cache)
+        options = {"cache_seqlens": inputs.cache_seqlens, **({"block_table": inputs.block_table} if self.paged else {})}
+        info = {"kv_heads_read": config.kv_heads, "gqa": "native"}
+        if self.fp8:
+            k_cache, v_cache, options["k_descale"], options["v_descale"] = quantised_caches(k_cache, v_cache,
+                                                                                           inputs.q.shape[0])
+            info["cache_element"] = 1
+
+        def step():
+            return in_family(self.family, decode, inputs.q, k_cache, v_cache, **options)
+        return step, info
+
+    def reference_caches(self, inputs):
+        """The contiguous caches this system attends to: its e4m3 values times their descales."""
+        if not self.fp8:
+            return inputs.k_cache, inputs.v_cache
+        k8, v8, kd, vd = quantised_caches(inputs.k_cache, inputs.v_cache, inputs.q.shape[0])
+        return k8.to(kd.dtype) * kd[:, None, :, None], v8.to(vd.dtype) * vd[:, None, :, None]
+
+
+def quantised_caches(k_cache, v_cache, batch: int) -> tuple:
+    """(k8, v8, k_descale, v_descale): each cache in e4m3 with one descale per K/V head (amax / 448,
+    the same for every batch entry, so that pages need no entry of their own), as (B, Hk) fp32."""
+    import torch
+
+    out = []
+    for cache in (k_cache, v_cache):
+        descale = (cache.abs().amax(dim=(0, 1, 3)).float() / 448.0).clamp_min(1e-12)   # (Hk,)
+        out.append(((cache.float() / descale[:, None]).to(torch.float8_e4m3fn), descale.expand(batch, -1).contiguous()))
+    (k8, kd), (v8, vd) = out
+    return k8, v8, kd, vd
 
 
 class SdpaDecode(DecodeSystem):
@@ -189,7 +217,8 @@ def measure_decode(system: DecodeSystem, inputs: DecodeInputs, config: DecodeCon
     except Exception as exc:  # noqa: BLE001 - fail soft: the reason goes in the report
         return {"skipped": failure_reason(exc), "oom": is_out_of_memory(exc)}
     cell = timing.to_dict()
-    cell.update(bytes=config.decode_bytes(info["kv_heads_read"], batch=batch, cache_len=cache_len),
+    cell.update(bytes=config.decode_bytes(info["kv_heads_read"], batch=batch, cache_len=cache_len,
+                                          cache_element=info.get("cache_element", 2)),
                 kv_heads_read=info["kv_heads_read"], expanded=info["kv_heads_read"] != config.kv_heads,
                 gqa=info["gqa"], host_bound=timing.host_ms >= 0.9 * timing.median_ms)
     return cell
@@ -205,9 +234,9 @@ def decode_sanity(system: DecodeSystem, config: DecodeConfig, device) -> dict:
         out = system.prepare(inputs, config)[0]()
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "error": failure_reason(exc)}
-    k, v = (t.repeat_interleave(config.group, dim=2) for t in (inputs.k_cache, inputs.v_cache))
+    k, v = (t.repeat_interleave(config.group, dim=2) for t in system.reference_caches(inputs))
     ref = torch_attention(inputs.q, k, v, False, torch.float32)
-    same = torch_attention(inputs.q, k, v, False, inputs.q.dtype)
+    same = torch_attention(inputs.q, k.to(inputs.q.dtype), v.to(inputs.q.dtype), False, inputs.q.dtype)
     err, err_pt = [(x.float() - ref).abs().max().item() for x in (out, same)]
     return {"fwd_err": err, "fwd_torch_err": err_pt, "ok": bool(err <= 2 * err_pt + 1e-4),
             "shape": f"B={batch} cache {cache_len}"}

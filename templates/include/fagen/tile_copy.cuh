@@ -9,6 +9,9 @@
 // 64-bit multiply in the main loop. When kThreads is not a multiple of kChunksPerRow
 // (head dims whose padded width is not a power of two), the last threads copy nothing.
 //
+// A chunk is kChunkElems elements: 8 of 2-byte elements, 16 of an 8-bit cache's bytes
+// (fagen/fp8_cache.cuh), whose head dims are then multiples of 16.
+//
 // Columns past kHeadDim (padding up to kHeadDimPad) are zero-filled: the mma k-steps read
 // them. `rows` zero-fills the rows at or past `valid_rows` and reads nothing there:
 // src-size 0 reads no byte, so the address of such a chunk (past the tensor's end) is
@@ -21,14 +24,14 @@
 
 namespace fagen {
 
-template <int kRows, int kHeadDim, int kHeadDimPad, int kRowElems, int kThreads>
+template <int kRows, int kHeadDim, int kHeadDimPad, int kRowElems, int kThreads, int kChunkElems = 8>
 struct TileCopy {
-  static constexpr int kChunksPerRow = kHeadDimPad / 8;                 // 8 elements = 16 bytes
+  static constexpr int kChunksPerRow = kHeadDimPad / kChunkElems;       // kChunkElems elements = 16 bytes
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
   static constexpr bool kAllThreads = kRowsPerPass * kChunksPerRow == kThreads;
   static constexpr bool kEvenPasses = kPasses * kRowsPerPass == kRows;  // every pass has kRowsPerPass rows
-  static_assert(kHeadDimPad % 8 == 0 && kRowsPerPass > 0, "a pass copies at least one row");
+  static_assert(kHeadDimPad % kChunkElems == 0 && kRowsPerPass > 0, "a pass copies at least one row");
 
   int row;        // this thread's first row (>= kRowsPerPass: a thread with nothing to copy)
   int col;        // its column chunk's first element
@@ -37,7 +40,7 @@ struct TileCopy {
 
   __device__ __forceinline__ TileCopy()
       : row(threadIdx.x / kChunksPerRow),
-        col((threadIdx.x % kChunksPerRow) * 8),
+        col((threadIdx.x % kChunksPerRow) * kChunkElems),
         src_col(col < kHeadDim ? col : 0),
         col_bytes(col < kHeadDim ? 16 : 0) {}
 
