@@ -70,19 +70,36 @@ class Fp8Case:
 def check_fp8_call(case: Fp8Case, causal=False, num_splits=0, device="cpu", **variant):
     """The call (on `device`), then: the appended rows bit for bit, the rows around them untouched, and each
     entry's O and L against the float64 oracle on the dequantised keys."""
-    before_k, before_v = case.k_cache.clone(), case.v_cache.clone()
+    before = case.k_cache.clone(), case.v_cache.clone()
     out, lse = case.call(device, causal=causal, num_splits=num_splits, **variant)
+    check_appended(case, before)
+    check_entries(case, out, lse, causal, variant)
+
+
+def check_appended(case: Fp8Case, before: tuple | None = None) -> None:
+    """Each entry's new rows are the model's bytes (`quantised`); with `before` (the caches as they
+    were), every other row is as it was."""
+    for cache, new, descale, old in zip((case.k_cache, case.v_cache), (case.k, case.v),
+                                        (case.k_descale, case.v_descale), before or (None, None)):
+        appended = quantised(new, descale).view(torch.uint8)
+        for b in range(B):
+            start, stop = SEQLENS[b], SEQLENS[b] + case.new
+            got = case.rows(cache, b).view(torch.uint8)
+            assert torch.equal(got[start:stop], appended[b]), f"entry {b}: the appended rows"
+            if old is not None:
+                was = case.rows(old, b).view(torch.uint8)
+                assert torch.equal(got[:start], was[:start]) and torch.equal(got[stop:], was[stop:]), f"entry {b}"
+
+
+def check_entries(case: Fp8Case, out, lse, causal=False, variant=None) -> None:
+    """Each entry's O and L against the float64 oracle on its dequantised keys, FlashAttention-2's
+    rule over the call (the same-dtype PyTorch error on the keys rounded to q's dtype)."""
+    variant = variant or {}
     worst_kernel = worst_torch = slack = 0.0
-    appended_k, appended_v = quantised(case.k, case.k_descale), quantised(case.v, case.v_descale)
     for b in range(B):
-        start, stop = SEQLENS[b], SEQLENS[b] + case.new
-        for cache, old, appended in ((case.k_cache, before_k, appended_k), (case.v_cache, before_v, appended_v)):
-            got, was = case.rows(cache, b).view(torch.uint8), case.rows(old, b).view(torch.uint8)
-            assert torch.equal(got[:start], was[:start]) and torch.equal(got[stop:], was[stop:]), f"entry {b}"
-            assert torch.equal(got[start:stop], appended[b].view(torch.uint8)), f"entry {b}: the appended rows"
-        first = 0 if case.leftpad is None else int(case.leftpad[b])
-        keys_k = case.rows(case.k_cache, b)[first:stop][None].double() * case.k_descale[b][None, None, :, None].double()
-        keys_v = case.rows(case.v_cache, b)[first:stop][None].double() * case.v_descale[b][None, None, :, None].double()
+        first, stop = (0 if case.leftpad is None else int(case.leftpad[b])), SEQLENS[b] + case.new
+        keys_k, keys_v = (case.rows(cache, b)[first:stop][None].double() * descale[b][None, None, :, None].double()
+                          for cache, descale in ((case.k_cache, case.k_descale), (case.v_cache, case.v_descale)))
         one = {n: (x[b:b + 1] if isinstance(x, torch.Tensor) and x.dim() == 2 else x) for n, x in variant.items()}
         ref_out, ref_lse = attention_forward(case.q[b:b + 1], keys_k, keys_v, causal=causal, **one)
         dout = case.q.new_zeros(1, case.q.shape[1], H, keys_v.shape[-1])
@@ -98,3 +115,24 @@ def check_fp8_call(case: Fp8Case, causal=False, num_splits=0, device="cpu", **va
         slack = max(slack, softcap_output_slack(variant.get("softcap", 0.0), keys_v))
     assert worst_kernel <= OUTPUT_FACTOR * worst_torch + ABS_FLOOR + slack, \
         f"{worst_kernel:.3g} vs PyTorch's {worst_torch:.3g}"
+
+
+def fp8_cache_kernels_check(spec, source=None) -> None:
+    """The mutants' check (tests/support/fp8_mutants.py): `spec`'s kernels (a paged decoding spec over
+    an 8-bit cache without GQA packing; or `source`, another rendering of it) called directly on a
+    paged Fp8Case whose first new key is past e4m3's range (600 descales: the append saturates it to
+    448): the appended bytes, then O and L over three splits, as check_fp8_call checks them."""
+    from fagen.kernels import kv_kernels
+    from fagen.kernels.render import render
+
+    source = render(spec) if source is None else source
+    case = Fp8Case(page=32, seed=13)
+    case.k[0, 0, 0, 0] = 600 * case.k_descale[0, 0]
+    descales = (case.k_descale, case.v_descale)
+    kv_kernels.update_kv_cache(source, case.q, case.k_cache, case.v_cache, case.k, case.v, case.seqlens,
+                               block_table=case.block_table, descales=descales)
+    check_appended(case)
+    out, lse = kv_kernels.forward_kv_cache(source, case.q, case.k_cache, case.v_cache, case.seqlens,
+                                           seqlen_k=case.capacity, block_table=case.block_table, num_splits=3,
+                                           new_tokens=case.new, descales=descales)
+    check_entries(case, out, lse)

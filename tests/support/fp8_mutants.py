@@ -1,6 +1,8 @@
 """The 8-bit forward's mutants (issue 45): a descale dropped, P's scale off by one exponent, V not
 transposed, and P truncated where it is rounded; each killed by `fp8_check`, the accuracy rule on a
-GQA shape whose descales differ per (batch, K/V head). Joined to tests/support/kernel_mutants.py's."""
+GQA shape whose descales differ per (batch, K/V head). And the 8-bit KV cache's (part 2): a descale
+dropped, the bytes widened as e5m2, the append truncating or not saturating; each killed by
+fp8_cache_cases.fp8_cache_kernels_check. Joined to tests/support/kernel_mutants.py's."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import torch
 
 from fagen.kernels import fp8_operands
 from fagen.spec import Spec
+from fp8_cache_cases import fp8_cache_kernels_check
 from fp8_cases import run_fp8_case
 from kernel_cases import Shape
 from kernel_mutant import Edit, KernelMutant
 
 FP8 = Spec(128, dtype="e4m3", mask="causal", arch_family="sm90")
+FP8_CACHE = Spec.for_kv_cache(64, "bf16", causal=False, page_size=32, cache_dtype="e4m3")
 
 
 def fp8_check(spec: Spec, source=None) -> None:
@@ -58,4 +62,19 @@ MUTANTS = [
     KernelMutant("fp8: P truncated (saturated, not rounded)", FP8,
                  (Edit("__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {",
                        _TRUNCATED_E4M3X4, "fp8.cuh"),), (fp8_check,)),
+    KernelMutant("fp8 cache: k's descale dropped", FP8_CACHE,
+                 (Edit("fagen::descale_all(s, k_scale);", "(void)k_scale;"),), (fp8_cache_kernels_check,)),
+    KernelMutant("fp8 cache: v's descale dropped", FP8_CACHE,
+                 (Edit("fagen::descale_all(o, v_scale);", "(void)v_scale;"),), (fp8_cache_kernels_check,)),
+    KernelMutant("fp8 cache: the bytes widened as e5m2", FP8_CACHE,
+                 (Edit("__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)", "__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E5M2)",
+                       "fp8_cache.cuh"),), (fp8_cache_kernels_check,)),
+    KernelMutant("fp8 cache: the append truncates (rounds toward zero)", FP8_CACHE,
+                 (Edit("return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);",
+                       "return __nv_cvt_float_to_fp8(__uint_as_float(__float_as_uint(x) & 0xfff00000u), __NV_SATFINITE, "
+                       "__NV_E4M3);", "fp8_cache.cuh"),), (fp8_cache_kernels_check,)),
+    KernelMutant("fp8 cache: the append does not saturate", FP8_CACHE,
+                 (Edit("return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);",
+                       "return __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3);", "fp8_cache.cuh"),),
+                 (fp8_cache_kernels_check,)),
 ]

@@ -543,7 +543,8 @@ SAMPLE = ("no max subtraction", "causal aligned to the padded Nk", "softmax_scal
           "documents: tiles whose id ranges touch skipped as empty",
           "combine: splits weighed by the largest L, not by L", "GQA packing: the window evaluated at the packed row",
           "d_v: dV's slices at dK's columns", "sm90 backward: the dQ tile rewritten before its bulk reduction has read it",
-          "deterministic captured gradient: the carry into the next digit dropped", "fp8: V not transposed")
+          "deterministic captured gradient: the carry into the next digit dropped", "fp8: V not transposed",
+          "fp8 cache: the bytes widened as e5m2")
 
 
 def mutation_score() -> tuple[int, int, list[str]]:

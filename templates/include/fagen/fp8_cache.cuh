@@ -29,11 +29,18 @@ __device__ __forceinline__ e4m3_t to_e4m3(float x) {
   return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Two e4m3 bytes (`lo` in the low byte) as two elem_t, packed as an mma operand register is.
+// Two e4m3 bytes (`lo` in the low byte) as two elem_t, packed as an mma operand register is: for
+// bf16 through fp32 (e4m3 -> f16x2, two f16 -> f32, one f32x2 -> bf16x2: four instructions a pair
+// on sm_90's SASS); for fp16 the f16x2 is the operand already (one).
 template <class T>
 __device__ __forceinline__ uint32_t widen_e4m3x2(uint16_t pair) {
   const float2 wide = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
   return pack2<T>(wide.x, wide.y);
+}
+template <>
+__device__ __forceinline__ uint32_t widen_e4m3x2<__half>(uint16_t pair) {
+  const __half2_raw wide = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+  return static_cast<uint32_t>(wide.x) | static_cast<uint32_t>(wide.y) << 16;
 }
 
 // A tile of kRows rows of e4m3 (rows kRawRowBytes apart, kHeadDimPad bytes each: the padding
