@@ -155,3 +155,13 @@ def test_an_fp8_step_compiles_without_graph_breaks_and_equals_eager():
     expected, got = step(eager_case), torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_case)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert torch.equal(compiled_case.k_cache.view(torch.uint8), eager_case.k_cache.view(torch.uint8))
+
+
+def test_an_fp8_cache_step_stays_on_the_sm80_family_under_FAGEN_ARCH_FAMILY_sm90(monkeypatch):
+    from fagen.ops.kvcache import decode_spec
+
+    monkeypatch.setenv("FAGEN_ARCH_FAMILY", "sm90")
+    fields = {"cache_dtype": "e4m3", "pack_gqa": True}
+    assert decode_spec(128, torch.bfloat16, False, 64, fields, device=torch.device("cpu")).arch_family == "sm80"
+    assert decode_spec(128, torch.bfloat16, False, 64, {"pack_gqa": True},
+                       device=torch.device("cpu")).arch_family == "sm90"
