@@ -18,6 +18,7 @@ with the code generator it checks.
               (the same variants; return_extra adds lse, dsinks, captures)
   same_fp8    the fp8 forward's roundings alone (e4m3 inputs with descales, P scaled
               by 2^8 and rounded to e4m3): the yardstick of fp8's accuracy rule
+  same_fp8_backward  the fp8 backward's roundings (8-bit inputs, P or dS to fp8 per GEMM): its yardstick
   empty_rows  the convention for rows that see no key (m = -inf, l = 0, L = +inf, O = 0)
 
 All functions take q (B, Nq, H, d) and k, v (B, Nk, Hk, d) of any float dtype
