@@ -106,6 +106,21 @@ def _fp8_refusals(spec) -> list[str]:
     return [what for _, on, what in refused if on]
 
 
+def fp8_backward_refusal(spec) -> str | None:
+    """Why an 8-bit spec (Spec.fp8) has no backward yet, naming the fields; None if the sm90
+    backward takes it (its tensors widened to bf16 exactly, the descales in fp32:
+    hopper_bwd_walk.j2). It takes causal, key padding and a window; the variants whose scores read
+    the softmax's scale (softcap, ALiBi, sinks, mods) are refused for now."""
+    refused = [name for name in ("softcap", "alibi", "sinks") if getattr(spec, name)]
+    refused += [name for name in ("score_mod", "mask_mod") if getattr(spec, name) is not None]
+    found = sm90_backward_refusal(spec)
+    if found:
+        return f"the fp8 backward is the sm90 family's, which says: {found}"
+    if refused:
+        return f"the fp8 backward takes causal, key padding and a window for now, not {', '.join(refused)}"
+    return None
+
+
 def sm80_refusal(spec) -> str | None:
     """The sm80 family renders every spec but the 8-bit ones (mma.sync has no e4m3 before sm_89,
     and fagen's 8-bit forward is the sm90 family's)."""

@@ -14,7 +14,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from .arch_families import ARCH_FAMILIES, DEFAULT_FAMILY, family_of, sm80_backward_problem, sm90_block_n_problem
+from .arch_families import (ARCH_FAMILIES, DEFAULT_FAMILY, family_of, fp8_backward_refusal, sm80_backward_problem,
+                             sm90_block_n_problem)
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                           BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
@@ -321,8 +322,9 @@ class Spec:
 
     @property
     def forward_only(self) -> bool:
-        """Whether its source has no backward: decoding (kv_cache) and the 8-bit forward."""
-        return self.kv_cache is not None or self.fp8
+        """Whether its source has no backward: decoding (kv_cache), and an 8-bit spec whose variants
+        the fp8 backward does not take yet (arch_families.fp8_backward_refusal)."""
+        return self.kv_cache is not None or (self.fp8 and fp8_backward_refusal(self) is not None)
 
     def _check_fp8(self):
         """The 8-bit forward is inference's: it refuses, by name, what has no meaning without a backward."""

@@ -14,6 +14,9 @@ from ..arch_families import sm90_tiles
 from ..spec import Spec
 
 DESCALES = ("q_descale", "k_descale", "v_descale")   # the kernel's parameters (params._fp8_descales)
+# The backward's (params.FP8_BACKWARD_DESCALES and the row kernels'): O's and dO's too.
+BACKWARD_DESCALES = (*DESCALES, "o_descale", "do_descale")
+EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2)
 GROUP = 16   # the keys pack_p orders among themselves
 SLOT_OF_KEY = tuple(4 * (k % 8 // 2) + k % 2 + 2 * (k // 8) for k in range(GROUP))   # fp8.cuh's slot_of_key
 
@@ -42,10 +45,15 @@ def kernel_tensors(spec: Spec, k: torch.Tensor, v: torch.Tensor, descales: dict 
     (`descales` by name; one missing is 1, as FlashAttention-3 takes None). V^T's keys are padded
     to whole key tiles: the producer loads a tile's every box, and a box wholly outside the tensor
     is one whose zero fill (and its bytes' count on the barrier) TMA does not document."""
+    return {"vt": v_in_slot_order(v, sm90_tiles(spec).block_n), **_descales(DESCALES, k, descales)}
+
+
+def _descales(names: tuple, k: torch.Tensor, descales: dict | None) -> dict:
+    """`descales` by name, each (B, Hk) fp32; one missing is ones."""
     descales = descales or {}
     ones = None
-    tensors = {"vt": v_in_slot_order(v, sm90_tiles(spec).block_n)}
-    for name in DESCALES:
+    tensors = {}
+    for name in names:
         given = descales.get(name)
         if given is None:
             if ones is None:
@@ -53,3 +61,17 @@ def kernel_tensors(spec: Spec, k: torch.Tensor, v: torch.Tensor, descales: dict 
             given = ones
         tensors[name] = given
     return tensors
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit tensor (e4m3 or e5m2) as bf16, exactly (3 or 2 mantissa bits, exponents inside
+    bf16's): what the fp8 backward's bf16 GEMMs read (fagen/reference/same_fp8_backward.py measured
+    fp8 in dV's, dK's and dQ's GEMMs past the accuracy rule, and S's and dP's the same values in
+    either). Others pass as they are (a bf16 O or dO)."""
+    return t.to(torch.bfloat16) if t.dtype in EIGHT_BIT else t
+
+
+def backward_tensors(k: torch.Tensor, descales: dict | None) -> dict:
+    """An 8-bit backward call's descales by kernel parameter name (`BACKWARD_DESCALES`): q's, k's,
+    v's, O's and dO's, each (B, Hk) fp32; one missing is 1 (a bf16 O or dO passes with none)."""
+    return _descales(BACKWARD_DESCALES, k, descales)

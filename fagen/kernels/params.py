@@ -106,7 +106,7 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
     swizzle); dQ's fp32 accumulator in whole query blocks (`dq_blocks`), summed into by bulk
     reductions; dK and dV per query head (in fp32 under GQA, as the sm80 backward's)."""
     tiles = sm90_backward_tiles(spec)
-    elem = ELEM_CTYPE[spec.dtype]
+    elem = ELEM_CTYPE[spec.output_dtype]
     maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n),
                                ("dout", tiles.block_m))]
@@ -116,7 +116,8 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
                + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
-                 + _dropout(spec) + _variant(spec, grads=True))
+                 + _dropout(spec) + _variant(spec, grads=True)
+                 + [_tensor(f"{name}_descale", "float", const=True) for name in FP8_BACKWARD_DESCALES if spec.fp8])
 
 
 def _fp8_descales(spec: Spec) -> list[Param]:
@@ -125,6 +126,17 @@ def _fp8_descales(spec: Spec) -> list[Param]:
     if not spec.fp8:
         return []
     return [_tensor(f"{name}_descale", "float", const=True) for name in ("q", "k", "v")]
+
+
+FP8_BACKWARD_DESCALES = ("q", "k", "v", "do")   # the sm90 main kernel's (hopper_bwd_walk.j2)
+
+
+def _fp8_backward_descales(spec: Spec, *names: str) -> list[Param]:
+    """A row kernel's descales of an 8-bit spec's backward (bwd_rows.j2), with kv_heads to index
+    them by (batch entry, K/V head)."""
+    if not spec.fp8:
+        return []
+    return [_tensor(f"{name}_descale", "float", const=True) for name in names] + [Param("kv_heads", "int", "int32")]
 
 
 def _kv_cache(spec: Spec) -> list[Param]:
@@ -226,8 +238,9 @@ def backward_params(spec: Spec, debug: bool = False, blocked_dq: bool = False) -
     pass without them), or with `blocked_dq` `dq_blocks`: (B, H, padded Nq, d) in whole query blocks,
     each holding its elements in the main kernel's order (`bwd::dq_offset`), summed into block by
     block by bulk reductions, in a fixed order of key blocks when deterministic (the sm90 family:
-    the preprocess then also zeroes `dq_order`'s turn counters)."""
-    elem = ELEM_CTYPE[spec.dtype]
+    the preprocess then also zeroes `dq_order`'s turn counters). An 8-bit spec's kernels read its
+    tensors widened to bf16 (`fp8_operands.widened`), and their descales (`_fp8_backward_descales`)."""
+    elem = ELEM_CTYPE[spec.output_dtype]
     scales = [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
     dq_pass = spec.deterministic and not blocked_dq
     accumulator = "dq_blocks" if blocked_dq else "dq_accum"
@@ -240,7 +253,7 @@ def backward_params(spec: Spec, debug: bool = False, blocked_dq: bool = False) -
         "bwd_preprocess": [_tensor("out", elem, const=True), _tensor("dout", elem, const=True)]
                           + _stats(spec, const=True) + [_tensor("delta", "float"), _tensor("lse_log2", "float")]
                           + dq_accum + [Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")]
-                          + _strides("o", "do"),
+                          + _strides("o", "do") + _fp8_backward_descales(spec, "o", "v"),
         # dK/dV per query head: in the element type, or in fp32 under GQA (the op sums a
         # group's heads before it rounds); the kernel writes one pair, by heads != kv_heads.
         "bwd_main": inputs + dq_accum + [_tensor(n, elem) for n in ("dk_out", "dv_out")]
@@ -254,7 +267,8 @@ def backward_params(spec: Spec, debug: bool = False, blocked_dq: bool = False) -
     else:
         params["bwd_dq_convert"] = [_tensor(accumulator, "float", const=True), _tensor("dq", elem),
                                     Param("heads", "int", "int32"), Param("seqlen_q", "int", "int32")] \
-                                   + _strides("dq") + [Param("softmax_scale", "float", "float32")]
+                                   + _strides("dq") + [Param("softmax_scale", "float", "float32")] \
+                                   + _fp8_backward_descales(spec, "k", "v", "do")
     return {role: tuple(p) for role, p in params.items()}
 
 

@@ -119,10 +119,10 @@ class KernelFamily:
     def passes_of(self, spec: Spec) -> tuple[Pass, ...]:
         """The passes of `spec`'s source: training's forward and backward; decoding's
         forward, with the split-KV combine and the append unless queries are packed (varlen); the
-        8-bit forward alone (Spec.fp8)."""
+        8-bit forward, with its backward where one takes it (Spec.forward_only)."""
         if spec.kv_cache:
             return (self.decoding[spec.version],) + (() if spec.varlen else (self.combine,))
-        if spec.fp8:
+        if spec.forward_only:
             return (self.forward[spec.version],)
         return (self.forward[spec.version], self.backward_of(spec))
 

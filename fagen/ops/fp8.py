@@ -3,8 +3,9 @@ fp8 signature (q_descale, k_descale, v_descale: fp32 (batch, K/V heads), None me
 
 The kernels are the sm90 family's (Spec.fp8: e4m3 wgmma, P~ = 2^8 P in e4m3, the descales folded
 into the softmax's scale and O's), so a CUDA call needs compute capability 9.0; the CPU runs them
-on the emulator. Inference only, as FlashAttention-3's: no dropout and no gradients (a call with
-an input that requires grad is refused, not silently cut from the graph). Each call makes V^T, the
+on the emulator. No dropout, as FlashAttention-3's; and no gradients through these e4m3 inputs (a
+call with an input that requires grad is refused, not silently cut from the graph): training is
+fagen/ops/fp8_training.py's. Each call makes V^T, the
 operand the kernel's P V reads (`fagen.kernels.fp8_operands`): one pass over V.
 
 `fagen.ops.fp8_inputs.quantize_qkv` makes the inputs and their descales from bf16 or fp32 tensors.
@@ -42,8 +43,9 @@ def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, 
         raise InputError(f"dropout_p must be 0 for float8_e4m3fn inputs (the fp8 forward has no dropout, as "
                          f"FlashAttention-3's has none), got {dropout_p}")
     if any(t.requires_grad for t in (q, k, v)):
-        raise InputError("q, k and v in float8_e4m3fn take no gradients: the fp8 forward is inference's (its "
-                         "backward is not built yet); pass tensors that do not require grad")
+        raise InputError("q, k and v in float8_e4m3fn take no gradients here: train with fagen.fp8_attention_func "
+                         "(16- or 32-bit q, k, v quantised inside, gradients from the fp8 backward), or call "
+                         "fagen.fp8_attention_backward; pass tensors that do not require grad")
     _, softmax_scale, causal, return_lse, _ = check_options(0.0, softmax_scale, causal, return_lse, deterministic, 2,
                                                             q.shape[-1])
     given = {name: _checked_descale(name, descales.get(name), q, k) for name in DESCALES}

@@ -67,14 +67,15 @@ def fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def attention_backward_same_fp8(q, k, v, out, dout, lse, *, q_descale=None, k_descale=None, v_descale=None,
                                 o_descale=None, do_descale=None, softmax_scale=None, causal=False,
-                                fp8_gemms=GEMMS, ds_dtype=DS_DTYPE, ds_block=DS_BLOCK,
-                                p_exponent: int = P_EXPONENT):
+                                seqlens_k=None, window_size=(-1, -1), fp8_gemms=GEMMS, ds_dtype=DS_DTYPE,
+                                ds_block=DS_BLOCK, p_exponent: int = P_EXPONENT):
     """(dq, dk, dv) in bf16, shaped like q, k, v, from e4m3 q (B, Nq, H, d), k, v (B, Nk, Hk, d / d_v),
-    out (B, Nq, H, d_v), dout like out in e4m3 or e5m2, lse (B, H, Nq) (natural log, taken as fp32);
-    descales (B, Hk) fp32 or None (1). `fp8_gemms` names the GEMMs (GEMMS) whose operands are 8-bit;
-    the rest take bf16 ones."""
+    out (B, Nq, H, d_v) in e4m3 or bf16, dout like out in e4m3, e5m2 or bf16, lse (B, H, Nq) (natural
+    log, taken as fp32); descales (B, Hk) fp32 or None (1); key padding and a window as the oracle
+    takes them. `fp8_gemms` names the GEMMs (GEMMS) whose operands are 8-bit; the rest take bf16 ones."""
     gemms = _check_inputs(q, k, v, out, dout, lse, fp8_gemms, ds_dtype)
-    prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal)
+    prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
+                        seqlens_k=seqlens_k, window_size=window_size)
     batch, kv_heads, group = prob.batch, prob.kv_heads, prob.group
     qd, kd, vd, od, dod = (_descale(d, batch, kv_heads, name).repeat_interleave(group, 1)[:, :, None, None]
                            for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"),
@@ -136,8 +137,8 @@ def _sum_group(x: torch.Tensor, group: int) -> torch.Tensor:
 def _check_inputs(q, k, v, out, dout, lse, fp8_gemms, ds_dtype) -> frozenset:
     """TypeError for a wrong dtype, ValueError for a wrong shape or GEMM name; the GEMMs in fp8."""
     for name, t, allowed in (("q", q, (torch.float8_e4m3fn,)), ("k", k, (torch.float8_e4m3fn,)),
-                             ("v", v, (torch.float8_e4m3fn,)), ("out", out, (torch.float8_e4m3fn,)),
-                             ("dout", dout, tuple(FORMAT_MAX)), ("ds_dtype", ds_dtype, tuple(FORMAT_MAX))):
+                             ("v", v, (torch.float8_e4m3fn,)), ("out", out, (torch.float8_e4m3fn, torch.bfloat16)),
+                             ("dout", dout, (*FORMAT_MAX, torch.bfloat16)), ("ds_dtype", ds_dtype, tuple(FORMAT_MAX))):
         dtype = t if name == "ds_dtype" else getattr(t, "dtype", type(t).__name__)
         if dtype not in allowed:
             raise TypeError(f"attention_backward_same_fp8: {name} must be "

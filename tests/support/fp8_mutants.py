@@ -2,7 +2,8 @@
 transposed, and P truncated where it is rounded; each killed by `fp8_check`, the accuracy rule on a
 GQA shape whose descales differ per (batch, K/V head). And the 8-bit KV cache's (part 2): a descale
 dropped, the bytes widened as e5m2, the append truncating or not saturating; each killed by
-fp8_cache_cases.fp8_cache_kernels_check. Joined to tests/support/kernel_mutants.py's."""
+fp8_cache_cases.fp8_cache_kernels_check. And the fp8 backward's (part 3): each descale it applies
+left out, killed by `fp8_backward_check`. Joined to tests/support/kernel_mutants.py's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from fagen.kernels import fp8_operands
 from fagen.spec import Spec
+from fp8_backward_cases import run_fp8_backward_case
 from fp8_cache_cases import fp8_cache_kernels_check
 from fp8_cases import run_fp8_case
 from kernel_cases import Shape
@@ -17,6 +19,12 @@ from kernel_mutant import Edit, KernelMutant
 
 FP8 = Spec(128, dtype="e4m3", mask="causal", arch_family="sm90")
 FP8_CACHE = Spec.for_kv_cache(64, "bf16", causal=False, page_size=32, cache_dtype="e4m3")
+FP8_BACKWARD = Spec(64, dtype="e4m3", mask="causal", arch_family="sm90")
+
+
+def fp8_backward_check(spec: Spec, source=None) -> None:
+    """GQA, ragged tiles, descales that differ per (batch, K/V head): the fp8 backward's rule."""
+    run_fp8_backward_case(spec, Shape(2, 100, 140, heads=4, kv_heads=2), source=source)
 
 
 def fp8_check(spec: Spec, source=None) -> None:
@@ -77,4 +85,21 @@ MUTANTS = [
                  (Edit("return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);",
                        "return __nv_cvt_float_to_fp8(x, __NV_NOSAT, __NV_E4M3);", "fp8_cache.cuh"),),
                  (fp8_cache_kernels_check,)),
+    KernelMutant("fp8 backward: q's descale left out of the softmax's scale", FP8_BACKWARD,
+                 (Edit("softmax_scale_log2 *= q_descale[descale_at] * k_descale[descale_at];",
+                       "softmax_scale_log2 *= k_descale[descale_at];"),), (fp8_backward_check,)),
+    KernelMutant("fp8 backward: dK's store without v's descale", FP8_BACKWARD,
+                 (Edit("const float dk_scale = softmax_scale * do_descale[descale_at] * v_descale[descale_at] * "
+                       "q_descale[descale_at];",
+                       "const float dk_scale = softmax_scale * do_descale[descale_at] * q_descale[descale_at];"),),
+                 (fp8_backward_check,)),
+    KernelMutant("fp8 backward: dV's store without dO's descale", FP8_BACKWARD,
+                 (Edit("const float dv_scale = do_descale[descale_at];", "const float dv_scale = 1.f;"),),
+                 (fp8_backward_check,)),
+    KernelMutant("fp8 backward: D without o's descale over v's", FP8_BACKWARD,
+                 (Edit("partial *= o_descale[descale_at] / v_descale[descale_at];", "(void)descale_at;"),),
+                 (fp8_backward_check,)),
+    KernelMutant("fp8 backward: dQ's conversion without k's descale", FP8_BACKWARD,
+                 (Edit("softmax_scale *= do_descale[descale_at] * v_descale[descale_at] * k_descale[descale_at];",
+                       "softmax_scale *= do_descale[descale_at] * v_descale[descale_at];"),), (fp8_backward_check,)),
 ]

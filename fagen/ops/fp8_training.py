@@ -1,0 +1,143 @@
+"""fp8 training (issue 45, part 3): the e4m3 attention's backward, and a training step's autograd.
+
+`fp8_attention_backward(dout, q, k, v, out, lse, ...)` takes Transformer Engine's contract with
+cuDNN's fp8 attention: q, k, v and O in e4m3 (O may be bf16), dO in e4m3, e5m2 or bf16, an fp32
+descale each per (batch, K/V head), None meaning 1; it returns dQ, dK and dV in bf16. The kernels
+are the sm90 backward's on those tensors widened to bf16 exactly, the descales applied in fp32
+(templates/sm90/hopper_bwd_walk.j2): fagen/reference/same_fp8_backward.py measured fp8 operands in
+dV's, dK's and dQ's GEMMs past the accuracy rule (7-11x the bf16 GEMMs' error), and S's and dP's
+give the same values either way, so every GEMM reads bf16. It takes causal, key padding and a
+window (arch_families.fp8_backward_refusal says what else, by name).
+
+`fp8_attention_func(q, k, v, ...)` is a training step's attention in fp8 from 16- or 32-bit q, k
+and v: each is quantised per (batch, K/V head) (`quantize_qkv`), the fp8 forward runs, and the
+backward runs on the same e4m3 tensors with O and dO in bf16 (the kernel widens them anyway, so
+rounding them to e4m3 would only add error); the gradient passes straight through the
+quantisation, as Transformer Engine's does. Both passes are custom ops (fagen::fp8_attention_fwd,
+fagen::fp8_attention_bwd), so torch.compile traces a step without a graph break.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..arch_families import fp8_backward_refusal
+from ..errors import InputError, InputTypeError
+from ..kernels import attention_kernels
+from ..kernels.fp8_operands import BACKWARD_DESCALES
+from ..kernels.render import source_for
+from .common import check_dense_tensor, check_options
+from .fp8 import FP8, _check_device, _check_fp8_inputs, _checked_descale, _spec, fp8_attention
+from .fp8_inputs import quantize_qkv
+from .variant_args import variant_call
+
+OUTPUT_DTYPES = (FP8, torch.bfloat16)                          # O as the backward takes it
+GRADIENT_DTYPES = (FP8, torch.float8_e5m2, torch.bfloat16)     # dO
+
+
+def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None,
+                           o_descale=None, do_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           seqlens_k=None):
+    """(dq, dk, dv) in bf16 of the fp8 attention O = softmax(q k^T tau) v: q (B, Nq, H, d), k, v
+    (B, Nk, Hk, d / d_v) in float8_e4m3fn; out (B, Nq, H, d_v) in e4m3 or bf16; dout likewise or
+    in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1)."""
+    _check_fp8_inputs(q, k, v)
+    for name, t, dtypes in (("out", out, OUTPUT_DTYPES), ("dout", dout, GRADIENT_DTYPES)):
+        check_dense_tensor(name, t)
+        if t.dtype not in dtypes:
+            raise InputTypeError(f"{name} must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                                 f"got {t.dtype}")
+        expected = (*q.shape[:3], v.shape[-1])
+        if tuple(t.shape) != expected or t.device != q.device:
+            raise InputError(f"{name} must be (batch, seqlen_q, heads, head_dim_v) = {expected} on {q.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    check_dense_tensor("lse", lse)
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
+        raise InputError(f"lse must be float32 (batch, heads, seqlen_q) = {(q.shape[0], q.shape[2], q.shape[1])}, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    _, softmax_scale, causal, _, _ = check_options(0.0, softmax_scale, causal, False, False, 2, q.shape[-1])
+    given = dict(zip(BACKWARD_DESCALES, (q_descale, k_descale, v_descale, o_descale, do_descale)))
+    descales = {name: _checked_descale(name, descale, q, k) for name, descale in given.items()}
+    call = variant_call(q, k, causal=causal, window_size=window_size)
+    spec = _spec(q, v, causal, seqlens_k is not None, call)
+    if spec.forward_only:
+        raise InputError(f"no fp8 backward for this call: {fp8_backward_refusal(spec)}")
+    _check_device(q, spec)
+    return attention_kernels.backward(source_for(spec), q, k, v, out, (lse.contiguous(),), dout.contiguous(),
+                                      softmax_scale=softmax_scale, seqlens_k=seqlens_k,
+                                      variant_values=call.values if call else None, descales=descales)
+
+
+def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """O (B, Nq, H, d_v), in q's dtype, of q, k and v (fp32, fp16 or bf16) quantised to e4m3 per
+    (batch, K/V head), with gradients for q, k and v from the fp8 backward (module docstring)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dense_tensor(name, t)
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InputTypeError(f"{name} must be float32, float16 or bfloat16 (fp8_attention_func quantises it), "
+                                 f"got {t.dtype}")
+    left, right = window_size
+    scale = -1.0 if softmax_scale is None else float(softmax_scale)
+    out = fp8_attention_fwd(q, k, v, scale, bool(causal), int(left), int(right))[0]
+    return out.to(q.dtype)
+
+
+# -- the custom ops ---------------------------------------------------------------------------------
+
+def _options(scale: float, causal: bool, left: int, right: int) -> dict:
+    return dict(softmax_scale=None if scale < 0 else scale, causal=causal, window_size=(left, right))
+
+
+@torch.library.custom_op("fagen::fp8_attention_fwd", mutates_args=())
+def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, left: int,
+                      right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O bf16, L, q8, k8, v8, q_descale, k_descale, v_descale): the forward, and what its backward reads."""
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    variant = {"window_size": (left, right)} if (left, right) != (-1, -1) else None
+    options = _options(scale, causal, left, right)
+    out, lse = fp8_attention(q8, k8, v8, softmax_scale=options["softmax_scale"], causal=causal, return_lse=True,
+                             variant=variant, descales={"q_descale": qd, "k_descale": kd, "v_descale": vd})
+    return out, lse, q8, k8, v8, qd, kd, vd
+
+
+@fp8_attention_fwd.register_fake
+def _(q, k, v, scale, causal, left, right):
+    batch, seqlen_q, heads, _ = q.shape
+    f32 = dict(dtype=torch.float32)
+    descale = (batch, k.shape[2])
+    return (q.new_empty(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16), q.new_empty(batch, heads, seqlen_q, **f32),
+            torch.empty_like(q, dtype=FP8), torch.empty_like(k, dtype=FP8), torch.empty_like(v, dtype=FP8),
+            q.new_empty(descale, **f32), q.new_empty(descale, **f32), q.new_empty(descale, **f32))
+
+
+@torch.library.custom_op("fagen::fp8_attention_bwd", mutates_args=())
+def fp8_attention_bwd(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
+                      causal: bool, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in bf16 for fp8_attention_fwd's outputs; O and dO in bf16 (descales 1)."""
+    return fp8_attention_backward(dout.to(torch.bfloat16).contiguous(), q8, k8, v8, out, lse, q_descale=qd,
+                                  k_descale=kd, v_descale=vd, **_options(scale, causal, left, right))
+
+
+@fp8_attention_bwd.register_fake
+def _(dout, q8, k8, v8, out, lse, qd, kd, vd, scale, causal, left, right):
+    fresh = dict(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    return torch.empty_like(q8, **fresh), torch.empty_like(k8, **fresh), torch.empty_like(v8, **fresh)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, left, right = inputs
+    out, lse, q8, k8, v8, qd, kd, vd = output
+    ctx.save_for_backward(out, lse, q8, k8, v8, qd, kd, vd)
+    ctx.options = (scale, causal, left, right)
+    ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+
+
+def _backward(ctx, dout, *unused):
+    out, lse, q8, k8, v8, qd, kd, vd = ctx.saved_tensors
+    grads = fp8_attention_bwd(dout, q8, k8, v8, out, lse, qd, kd, vd, *ctx.options)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None)
+
+
+torch.library.register_autograd("fagen::fp8_attention_fwd", _backward, setup_context=_setup_context)
