@@ -131,7 +131,7 @@ def test_gqa_sums_dk_and_dv_over_the_query_heads_of_a_group():
 @pytest.mark.parametrize("name, change, error, message", [
     ("q", lambda kw: dict(kw, q=kw["q"].float().bfloat16()), TypeError, "q must be torch.float8_e4m3fn"),
     ("v", lambda kw: dict(kw, v=kw["v"].float().to(torch.float8_e5m2)), TypeError, "v must be torch.float8_e4m3fn"),
-    ("out", lambda kw: dict(kw, out=kw["out"].float().bfloat16()), TypeError, "out must be torch.float8_e4m3fn"),
+    ("out", lambda kw: dict(kw, out=kw["out"].float().half()), TypeError, "out must be torch.float8_e4m3fn or"),
     ("dout", lambda kw: dict(kw, dout=kw["dout"].float()), TypeError, "dout must be torch.float8_e4m3fn or"),
     ("ds_dtype", lambda kw: dict(kw, ds_dtype=torch.bfloat16), TypeError, "ds_dtype must be"),
     ("fp8_gemms", lambda kw: dict(kw, fp8_gemms=("dv", "do")), ValueError, "fp8_gemms must name"),

@@ -1,0 +1,121 @@
+"""fp8 training (issue 45, part 3) as users call it: fagen.fp8_attention_backward (Transformer Engine's
+contract: e4m3 q, k, v, O; dO in e4m3, e5m2 or bf16; descales) and fagen.fp8_attention_func (bf16 q,
+k, v quantised inside, gradients from the fp8 backward), eagerly and under torch.compile."""
+
+import pytest
+import torch
+
+import fagen
+from fagen.errors import InputError
+from fagen.ops.fp8_inputs import quantize
+from fagen.reference import attention_forward, attention_gradients
+from fagen.reference.same_fp8_backward import RECOMMENDED_FP8_GEMMS, attention_backward_same_fp8
+from fp8_backward_cases import FP8_GRAD_FACTOR
+from fp8_cases import dequantise
+from kernel_cases import ABS_FLOOR, max_error
+
+E4M3 = torch.float8_e4m3fn
+
+
+def inputs(seed=0, b=2, nq=96, nk=96, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, n, heads, d, generator=g).to(dtype).requires_grad_(grad)
+            for n, heads in ((nq, h), (nk, hk), (nk, hk))]
+
+
+def test_fp8_attention_backward_with_the_forward_s_outputs_is_within_the_rule():
+    """The functional backward on the forward's own O (bf16) and L, against the float64 oracle on
+    the dequantised inputs: within FP8_GRAD_FACTOR times the rounding model's error
+    (tests/support/fp8_backward_cases.py's rule)."""
+    q, k, v = inputs(grad=False)
+    q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q, k, v)
+    out, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd,
+                                     v_descale=vd)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    dq, dk, dv = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **scales, causal=True)
+    qx, kx, vx = dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd)
+    exact, _ = attention_forward(qx, kx, vx, causal=True)
+    dlse = ((dout.double() * exact).sum(-1) - (dout.double() * out.double()).sum(-1)).transpose(1, 2)
+    oracle = attention_gradients(qx, kx, vx, dout.double(), dlse=dlse, causal=True)
+    model = attention_backward_same_fp8(q8, k8, v8, out, dout, lse, **scales, causal=True,
+                                        fp8_gemms=RECOMMENDED_FP8_GEMMS)
+    for name, got, modelled in zip(("dq", "dk", "dv"), (dq, dk, dv), model):
+        assert got.dtype == torch.bfloat16 and got.shape == oracle[name].shape
+        assert max_error(got, oracle[name]) <= FP8_GRAD_FACTOR * max_error(modelled, oracle[name]) + ABS_FLOOR, name
+
+
+def test_a_training_step_s_gradients_are_the_fp8_backward_s_on_the_quantised_inputs():
+    """fp8_attention_func: O and the gradients in q's dtype, equal (bit for bit) to the forward and
+    backward called by hand on the same quantised tensors; the gradient passes straight through the
+    quantisation."""
+    q, k, v = inputs(seed=1)
+    out = fagen.fp8_attention_func(q, k, v, causal=True, window_size=(40, 0))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out.backward(dout)
+    q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q.detach(), k.detach(), v.detach())
+    by_hand, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, window_size=(40, 0), return_lse=True,
+                                         q_descale=qd, k_descale=kd, v_descale=vd)
+    grads = fagen.fp8_attention_backward(dout, q8, k8, v8, by_hand, lse, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, causal=True, window_size=(40, 0))
+    assert torch.equal(out, by_hand)
+    for tensor, expected in zip((q, k, v), grads):
+        assert tensor.grad.dtype == tensor.dtype and torch.equal(tensor.grad, expected)
+
+
+def test_a_training_step_compiles_without_graph_breaks_and_equals_eager():
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        out = fagen.fp8_attention_func(q, k, v, causal=True)
+        return out.float().square().sum()
+
+    eager_inputs, compiled_inputs = inputs(seed=2, d=128), inputs(seed=2, d=128)
+    explained = torch._dynamo.explain(step)(*inputs(seed=2, d=128))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    step(*eager_inputs).backward()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled_inputs).backward()
+    for eager, compiled in zip(eager_inputs, compiled_inputs):
+        assert torch.equal(eager.grad, compiled.grad)
+
+
+def test_fp32_inputs_get_fp32_gradients():
+    q, k, v = inputs(seed=5, dtype=torch.float32, nq=40, nk=50)
+    fagen.fp8_attention_func(q, k, v).sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def _bad_backward_calls():
+    q, k, v = inputs(grad=False)
+    q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q, k, v)
+    out = torch.zeros(*q.shape, dtype=torch.bfloat16)
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    base = dict(dout=out, q=q8, k=k8, v=v8, out=out, lse=lse)
+    return [
+        ({**base, "q": q}, "q is float8_e4m3fn|must be float8_e4m3fn"),
+        ({**base, "out": out.half()}, "out must be float8_e4m3fn or bfloat16"),
+        ({**base, "dout": out[:, :5]}, "dout must be \\(batch, seqlen_q, heads, head_dim_v\\)"),
+        ({**base, "lse": lse[..., :5]}, "lse must be float32 \\(batch, heads, seqlen_q\\)"),
+        ({**base, "o_descale": torch.ones(2, 3)}, "o_descale must be float32 of shape \\(batch, kv_heads\\)"),
+    ]
+
+
+@pytest.mark.parametrize("call, message", _bad_backward_calls())
+def test_bad_backward_calls_name_the_argument(call, message):
+    with pytest.raises((InputError, TypeError), match=message):
+        fagen.fp8_attention_backward(**call)
+
+
+def test_the_fp8_forward_s_own_gradient_refusal_points_to_the_training_entry():
+    q8, k8, v8 = (x.to(E4M3).requires_grad_() for x in inputs(grad=False))
+    with pytest.raises(InputError, match="fagen.fp8_attention_func"):
+        fagen.flash_attn_func(q8, k8, v8)
+
+
+def test_a_per_head_quantisation_round_trips_within_e4m3():
+    """The training entry's quantiser: each (batch, K/V head) scaled to 448, so dequantising errs by
+    e4m3's half ulp at most (2^-4 relative)."""
+    x = inputs(grad=False, dtype=torch.float32)[0]
+    x8, descale = quantize(x, 2)
+    err = (dequantise(x8, descale) - x.double()).abs()
+    assert bool((err <= 2.0 ** -4 * x.double().abs() + 2.0 ** -9 * descale.max().item()).all())
