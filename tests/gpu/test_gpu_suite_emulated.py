@@ -1,8 +1,8 @@
 """The GPU test modules that take FAGEN_GPU_TESTS_DEVICE, run on the CPU through the emulator.
 
 tests/gpu/test_gpu_kernels.py is what a GPU session runs first (and
-test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py and test_gpu_fp8_decode.py measure issues 44's and
-45's rows), and GPU time is
+test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py, test_gpu_fp8_backward.py and test_gpu_fp8_decode.py
+measure issues 44's and 45's rows), and GPU time is
 scarce: its own logic (inputs, the PyTorch baselines, the one-hot dropout mask
 readout, the deterministic repeats) must not fail there for a reason a CPU
 could have caught. FAGEN_GPU_TESTS_DEVICE=cpu points it at CPU tensors, which
@@ -27,7 +27,7 @@ REPO = HERE.parents[1]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module", ["test_gpu_kernels.py", "test_gpu_sm90_backward_rows.py", "test_gpu_fp8_forward.py",
-                                    "test_gpu_fp8_decode.py"])
+                                    "test_gpu_fp8_backward.py", "test_gpu_fp8_decode.py"])
 def test_gpu_kernel_tests_pass_on_the_emulator(module):
     env = {**os.environ, "FAGEN_GPU_TESTS_DEVICE": "cpu"}
     result = subprocess.run(
