@@ -32,6 +32,7 @@ import torch
 from ..errors import InputError, InputTypeError
 from .common import TORCH_LAYOUT, check_flag, check_inputs, check_scale
 from .dense import flash_attn_func
+from .fp8 import FP8, is_fp8
 
 LARGE_BLOCK = 1 << 30   # FlexAttention's block size of a BlockMask that masks nothing (one block)
 
@@ -95,8 +96,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                    return_lse=False, kernel_options=None, *, return_aux=None):
     """FlexAttention on fagen's kernels (see the module doc). query (B, H, Nq, d), key and value
     (B, Hk, Nk, d). Returns out (B, H, Nq, d) in query's dtype, with autograd; with
-    return_lse, (out, lse); with return_aux, (out, AuxOutput(lse=..., max_scores=None))."""
-    check_inputs(query, key, value, names=("query", "key", "value"), dims=TORCH_LAYOUT)
+    return_lse, (out, lse); with return_aux, (out, AuxOutput(lse=..., max_scores=None)).
+    float8_e4m3fn query, key and value run the fp8 forward (ops/fp8.py) with descales of 1, which
+    FlexAttention's signature has no place for (fagen.flash_attn_func takes them); out is bf16."""
+    check_inputs(query, key, value, names=("query", "key", "value"), dims=TORCH_LAYOUT,
+                 dtypes=(FP8,) if is_fp8(query) else None)
     _check_heads(query, key, enable_gqa)
     scale = check_scale("scale", scale, query.shape[-1])
     want_lse = _lse_wanted(return_lse, return_aux)

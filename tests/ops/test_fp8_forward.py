@@ -59,6 +59,20 @@ def test_attention_takes_it_in_pytorchs_layout_and_the_variants_too():
     assert max_error(flash, ref) <= FP8_OUTPUT_FACTOR * max_error(same, ref) + ABS_FLOOR
 
 
+def test_flex_attention_takes_e4m3_inputs_with_descales_of_one_and_a_score_mod():
+    """FlexAttention's signature has no descales: fp8 inputs run with 1, and its score_mod (a relative
+    bias) and scale reach the fp8 forward as flash_attn_func's."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs(d=64, nq=100, nk=100))
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * (q_idx - kv_idx)
+
+    heads_first = [t.transpose(1, 2) for t in (q, k, v)]
+    out = fagen.flex_attention(*heads_first, score_mod=bias, scale=0.2, enable_gqa=True)
+    flash = fagen.flash_attn_func(q, k, v, score_mod=bias, softmax_scale=0.2)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.transpose(1, 2), flash)
+
+
 def test_missing_descales_are_one():
     q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs())
     ones = torch.ones(2, 2)
