@@ -76,7 +76,9 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
     for needle in ("  decode: cap 31 s;",
                    "    decode step: bf16 B=64 cache 8k Hq=32 Hk=8 d=128 Nq=1 non-causal, full caches",
                    "    systems: fagen (flash_attn_with_kvcache, contiguous cache), fagen paged (the same keys in "
-                   "pages of 256, seeded random block table), fagen sm90 (the contiguous cache on the sm90 family; "
+                   "pages of 256, seeded random block table), fagen fp8 cache (the contiguous cache in e4m3, one "
+                   "descale per K/V head: half the cache's bytes), fagen fp8 paged (the pages in e4m3), fagen sm90 "
+                   "(the contiguous cache on the sm90 family; "
                    "compute capability 9.0), sm90 paged (the pages on the sm90 family; compute capability "
                    "9.0), SDPA math, SDPA efficient, SDPA flash, FlexAttention",
                    "bytes per step: K + V read (B N Hk d, 2 B each) + q + out = 2.15 GB (K/V expanded to Hq heads: "
@@ -85,7 +87,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "    CUDA graph: bf16 B=8 cache 4k Hq=32 Hk=8 d=128 Nq=1, 1 new token with rotary, 4 splits, "
                    "causal;",
                    "    absorbed MLA at B = 64, 1: absorbed MLA, bf16 B=64 cache 8k Hq=128 Hk=1 d=576 d_v=512",
-                   "    timed runs: 24; fagen kernels to compile: 7",
+                   "    timed runs: 26; fagen kernels to compile: 9",
                    "[     ok] fagen flash_attn_with_kvcache and flash_attn_varlen_func",
                    "[     ok] the decode section's fagen kernels compile for sm_90: "):
         assert needle in out, needle

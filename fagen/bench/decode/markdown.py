@@ -161,6 +161,8 @@ def plan_lines(c, fagen_kernels: int) -> list[str]:
 _DECODE_CALLS = {
     "fagen": " (flash_attn_with_kvcache, contiguous cache)",
     "fagen_paged": " (the same keys in pages of {c.page_size}, seeded random block table)",
+    "fagen_fp8": " (the contiguous cache in e4m3, one descale per K/V head: half the cache's bytes)",
+    "fagen_fp8_paged": " (the pages in e4m3)",
     "fagen_sm90": " (the contiguous cache on the sm90 family; compute capability 9.0)",
     "fagen_sm90_paged": " (the pages on the sm90 family; compute capability 9.0)",
 }
