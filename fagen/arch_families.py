@@ -95,14 +95,12 @@ def sm90_refusal(spec) -> str | None:
 
 
 def _fp8_refusals(spec) -> list[str]:
-    """What the 8-bit forward (Spec.fp8) does not take yet: head dims but 64, 128, 192 and 256, and
-    packed sequences (V^T's keys are ordered in groups of 16 from each sequence's start:
-    `fp8_operands.v_in_slot_order`)."""
+    """What the 8-bit forward (Spec.fp8) does not take: head dims but 64, 128, 192 and 256 (its tiles,
+    SM90_FP8_BLOCK_N)."""
     if not spec.fp8:
         return []
     refused = [("head_dim", spec.head_dim not in SM90_FP8_HEAD_DIMS,
-                f"head_dim={spec.head_dim} in {spec.dtype} (it has {', '.join(map(str, SM90_FP8_HEAD_DIMS))})"),
-               ("varlen", spec.varlen, f"varlen=True in {spec.dtype}")]
+                f"head_dim={spec.head_dim} in {spec.dtype} (it has {', '.join(map(str, SM90_FP8_HEAD_DIMS))})")]
     return [what for _, on, what in refused if on]
 
 

@@ -362,7 +362,7 @@ def forward(source: Source, q, k, v, *, softmax_scale=None, seqlens_k=None, drop
     out, *stats = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"] = q, k, v
     if source.spec.fp8:
-        tensors.update(fp8_operands.kernel_tensors(source.spec, k, v, descales))
+        tensors.update(fp8_operands.kernel_tensors(source.spec, k, v, descales, varlen))
     _call_values(tensors, seqlens_k, seed, philox_offset, coord_offsets, variant_tensors, debug)
     if varlen is not None:
         packed_tensors(tensors, varlen)
@@ -441,7 +441,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dq, dk, dv = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
     if spec.fp8:
-        tensors.update(fp8_operands.backward_tensors(k, descales))
+        tensors.update(fp8_operands.backward_tensors(k, descales, varlen))
     _add_stats(tensors, stats)
     grads = _capture_gradients(spec, variant_tensors, q, k, varlen) if variant_values else {}
     _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,

@@ -39,17 +39,42 @@ def v_in_slot_order(v: torch.Tensor, multiple: int = GROUP) -> torch.Tensor:
     return vt
 
 
-def kernel_tensors(spec: Spec, k: torch.Tensor, v: torch.Tensor, descales: dict | None) -> dict:
+def packed_v_in_slot_order(v: torch.Tensor, cu_seqlens_k: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences' V (total_k, Hk, d_v) as (V^T, starts): V^T (1, Hk, d_v, keys) holding each
+    sequence's keys from starts[b] on, in `v_in_slot_order`'s order counted from the sequence's own
+    first key, and zeros up to a whole number of `tile` keys (a tile's boxes never reach the next
+    sequence's keys, whose groups of 16 start elsewhere); starts int32 (B,). One pass over V."""
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    padded = (lengths + tile - 1) // tile * tile
+    starts = torch.cumsum(padded, 0) - padded
+    total = int(padded.sum()) if lengths.numel() else 0
+    keys, heads, columns = v.shape
+    vt = torch.zeros(1, heads, columns, max(total, tile), dtype=v.dtype, device=v.device)
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=v.device), lengths)
+    local = torch.arange(keys, device=v.device) - cu_seqlens_k[:-1].long()[sequence]
+    order = torch.tensor(SLOT_OF_KEY, device=v.device)
+    slots = starts[sequence] + local // GROUP * GROUP + order[local % GROUP]
+    raw = (lambda t: t.view(torch.uint8)) if v.element_size() == 1 else (lambda t: t)   # float8 has no index_put
+    raw(vt)[0, :, :, slots] = raw(v[:int(cu_seqlens_k[-1])].permute(1, 2, 0))
+    return vt, starts.to(torch.int32)
+
+
+def kernel_tensors(spec: Spec, k: torch.Tensor, v: torch.Tensor, descales: dict | None, varlen=None) -> dict:
     """An 8-bit forward call's tensors beyond q, k and v, by kernel parameter name: V^T
     (`v_in_slot_order`, made per call: one pass over V) and the three descales, each (B, Hk) fp32
-    (`descales` by name; one missing is 1, as FlashAttention-3 takes None). V^T's keys are padded
+    (`descales` by name; one missing is 1, as FlashAttention-3 takes None); packed sequences'
+    (`varlen`) V^T and each one's start there (`packed_v_in_slot_order`). V^T's keys are padded
     to whole key tiles: the producer loads a tile's every box, and a box wholly outside the tensor
     is one whose zero fill (and its bytes' count on the barrier) TMA does not document."""
-    return {"vt": v_in_slot_order(v, sm90_tiles(spec).block_n), **_descales(DESCALES, k, descales)}
+    tile = sm90_tiles(spec).block_n
+    if varlen is None:
+        return {"vt": v_in_slot_order(v, tile), **_descales(DESCALES, k.shape[0], k.shape[2], k.device, descales)}
+    vt, starts = packed_v_in_slot_order(v, varlen[1], tile)   # k (total_k, Hk, d): a descale per sequence
+    return {"vt": vt, "vt_starts": starts, **_descales(DESCALES, starts.numel(), k.shape[1], k.device, descales)}
 
 
-def _descales(names: tuple, k: torch.Tensor, descales: dict | None) -> dict:
-    """`descales` by name, each (B, Hk) fp32; one missing is ones."""
+def _descales(names: tuple, batch: int, kv_heads: int, device, descales: dict | None) -> dict:
+    """`descales` by name, each (batch, kv_heads) fp32; one missing is ones."""
     descales = descales or {}
     ones = None
     tensors = {}
@@ -57,7 +82,7 @@ def _descales(names: tuple, k: torch.Tensor, descales: dict | None) -> dict:
         given = descales.get(name)
         if given is None:
             if ones is None:
-                ones = torch.ones(k.shape[0], k.shape[2], dtype=torch.float32, device=k.device)
+                ones = torch.ones(batch, kv_heads, dtype=torch.float32, device=device)
             given = ones
         tensors[name] = given
     return tensors
@@ -71,7 +96,9 @@ def widened(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.dtype in EIGHT_BIT else t
 
 
-def backward_tensors(k: torch.Tensor, descales: dict | None) -> dict:
+def backward_tensors(k: torch.Tensor, descales: dict | None, varlen=None) -> dict:
     """An 8-bit backward call's descales by kernel parameter name (`BACKWARD_DESCALES`): q's, k's,
-    v's, O's and dO's, each (B, Hk) fp32; one missing is 1 (a bf16 O or dO passes with none)."""
-    return _descales(BACKWARD_DESCALES, k, descales)
+    v's, O's and dO's, each (B, Hk) fp32 (packed sequences': a row per sequence); one missing is 1
+    (a bf16 O or dO passes with none)."""
+    batch = k.shape[0] if varlen is None else varlen[1].numel() - 1
+    return _descales(BACKWARD_DESCALES, batch, k.shape[-2], k.device, descales)

@@ -87,6 +87,8 @@ def sm90_forward_params(spec: Spec) -> tuple[Param, ...]:
     if spec.fp8:   # V^T (B, Hk, d_v, keys: fp8_operands.v_in_slot_order): boxes of d_v rows of 32 keys
         maps[2] = Param("vt", TENSOR_MAP, "tensor_map", box=(1, 1, tiles.head_dim_v, SM90_FP8_KEY_STEP),
                         swizzle=Swizzle.B32)
+        if spec.varlen:   # packed sequences' V^T: each sequence's keys from its start there, in whole tiles
+            maps.append(_tensor("vt_starts", "int", const=True))
     # O: stored by TMA, one consumer warpgroup's 64 rows a box; packed sequences and decoding by the
     # threads (a box would write past a sequence's end, into the next one's rows; a split writes
     # fp32 partials), and the 8-bit forward's bf16 O too (twice Q's tile, where a box would be staged).

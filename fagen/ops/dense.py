@@ -30,7 +30,7 @@ from . import autograd
 from .call import CallOptions, CallValues, kernels_state, options_for, values_of
 from .common import (HEAD_DIM_MULTIPLE, check_flag, check_inputs, check_options, padded_head_dim,
                      philox_state, strides_aligned)
-from .fp8 import fp8_attention, is_fp8
+from .fp8 import check_descales_for, fp8_attention, is_fp8
 from .variant_args import variant_call
 
 
@@ -176,10 +176,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                return_lse=check_flag("return_lse", return_lse) or return_attn_probs,
                                dropout_p=dropout_p, deterministic=deterministic, variant=variant, descales=descales)
         return (*result, None) if return_attn_probs else result
-    given = [name for name, descale in descales.items() if descale is not None]
-    if given:
-        raise InputError(f"{', '.join(given)} given, but q is {getattr(q, 'dtype', type(q).__name__)}: descales "
-                         f"scale float8_e4m3fn inputs")
+    check_descales_for(q, q_descale, k_descale, v_descale)
     result = _attention(q, k, v, dropout_p, softmax_scale, causal, seqlens_k,
                         check_flag("return_lse", return_lse) or return_attn_probs,
                         deterministic, version, "", variant)

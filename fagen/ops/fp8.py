@@ -34,6 +34,16 @@ def is_fp8(q) -> bool:
     return isinstance(q, torch.Tensor) and q.dtype == FP8
 
 
+def check_descales_for(q, q_descale, k_descale, v_descale) -> None:
+    """Descales given with a q that is not 8-bit are refused, by name: they would be ignored."""
+    if is_fp8(q):
+        return
+    given = [name for name, descale in zip(DESCALES, (q_descale, k_descale, v_descale)) if descale is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} given, but q is {getattr(q, 'dtype', type(q).__name__)}: descales "
+                         f"scale float8_e4m3fn inputs")
+
+
 def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, return_lse=False, dropout_p=0.0,
                   deterministic=False, variant=None, descales=NO_DESCALES):
     """O (B, Nq, H, d_v) bf16, and L (B, H, Nq) with `return_lse`, of float8_e4m3fn q (B, Nq, H, d) and
@@ -48,7 +58,7 @@ def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, 
                          "fagen.fp8_attention_backward; pass tensors that do not require grad")
     _, softmax_scale, causal, return_lse, _ = check_options(0.0, softmax_scale, causal, return_lse, deterministic, 2,
                                                             q.shape[-1])
-    given = {name: _checked_descale(name, descales.get(name), q, k) for name in DESCALES}
+    given = {name: _checked_descale(name, descales.get(name), (k.shape[0], k.shape[2]), q.device) for name in DESCALES}
     call = variant_call(q, k, causal=causal, **variant) if variant else None
     spec = _spec(q, v, causal, seqlens_k is not None, call)
     _check_device(q, spec)
@@ -69,17 +79,44 @@ def _check_fp8_inputs(q, k, v) -> None:
     check_inputs(q, k, v, dtypes=(FP8,))
 
 
-def _checked_descale(name: str, descale, q, k):
-    """`descale` as the kernel reads it: contiguous fp32 (B, Hk) on q's device, or None."""
+def fp8_varlen_attention(q, k, v, varlen, *, softmax_scale, causal: bool, dropout_p, call, descales):
+    """Packed sequences' fp8 forward (flash_attn_varlen_func's e4m3 path, its arguments checked there but
+    for these): q (total_q, H, d), k, v (total_k, Hk, d / d_v) in float8_e4m3fn, `varlen` = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k), descales (B, Hk) fp32 by name or None (1). Returns O
+    (total_q, H, d_v) bf16 and L in (B, H, max_seqlen_q) slots."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != FP8:
+            raise InputTypeError(f"q is float8_e4m3fn, so {name} must be too, got {t.dtype}")
+    if dropout_p:
+        raise InputError(f"dropout_p must be 0 for float8_e4m3fn inputs (the fp8 forward has no dropout), got "
+                         f"{dropout_p}")
+    if any(t.requires_grad for t in (q, k, v)):
+        raise InputError("q, k and v in float8_e4m3fn take no gradients here: train with fagen.fp8_attention_func")
+    shape = (varlen[0].numel() - 1, k.shape[1])   # a descale per (sequence, K/V head)
+    given = {name: _checked_descale(name, descales.get(name), shape, q.device) for name in DESCALES}
+    d, d_v = q.shape[-1], v.shape[-1]
+    try:
+        spec = Spec(d, head_dim_v=None if d_v == d else d_v, dtype="e4m3", arch_family=FP8_FAMILY.name,
+                    mask="causal" if causal else "none", varlen=True, **(call.spec_fields if call else {}))
+    except ValueError as refusal:
+        raise InputError(f"float8_e4m3fn q (head_dim {d}), v (head_dim {d_v}): {refusal}") from None
+    _check_device(q, spec)
+    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
+    out, (slots,) = attention_kernels.forward(source_for(spec), q, k, v, softmax_scale=softmax_scale, varlen=varlen,
+                                              variant_values=call.values if call else None, descales=given)
+    return out, slots
+
+
+def _checked_descale(name: str, descale, shape: tuple, device):
+    """`descale` as the kernel reads it: contiguous fp32 of `shape` ((B, Hk)) on `device`, or None."""
     if descale is None:
         return None
     check_dense_tensor(name, descale)
-    shape = (k.shape[0], k.shape[2])
     if descale.dtype != torch.float32 or tuple(descale.shape) != shape:
         raise InputError(f"{name} must be float32 of shape (batch, kv_heads) = {shape}, got {descale.dtype} of "
                          f"shape {tuple(descale.shape)}")
-    if descale.device != q.device:
-        raise InputError(f"{name} must be on q's device {q.device}, got {descale.device}")
+    if descale.device != device:
+        raise InputError(f"{name} must be on q's device {device}, got {descale.device}")
     return descale.contiguous()
 
 

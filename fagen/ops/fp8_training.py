@@ -57,7 +57,8 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
                          f"got {lse.dtype} {tuple(lse.shape)}")
     _, softmax_scale, causal, _, _ = check_options(0.0, softmax_scale, causal, False, False, 2, q.shape[-1])
     given = dict(zip(BACKWARD_DESCALES, (q_descale, k_descale, v_descale, o_descale, do_descale)))
-    descales = {name: _checked_descale(name, descale, q, k) for name, descale in given.items()}
+    descales = {name: _checked_descale(name, descale, (k.shape[0], k.shape[2]), q.device)
+                for name, descale in given.items()}
     call = variant_call(q, k, causal=causal, window_size=window_size)
     spec = _spec(q, v, causal, seqlens_k is not None, call)
     if spec.forward_only:

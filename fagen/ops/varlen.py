@@ -13,6 +13,7 @@ from . import autograd
 from .call import decoding_spec, options_for, values_of
 from .common import (aligned_rows, check_flag, check_options, device_shared_limit, padded_head_dim,
                      padded_width, philox_state)
+from .fp8 import FP8, check_descales_for, fp8_varlen_attention, is_fp8
 from .variant_args import variant_call
 from .varlen_args import check_varlen, packed_lse
 
@@ -20,7 +21,8 @@ from .varlen_args import check_varlen, packed_lse
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
-                           sinks=None, score_mod=None, mask_mod=None, version=2):
+                           sinks=None, score_mod=None, mask_mod=None, version=2, q_descale=None, k_descale=None,
+                           v_descale=None):
     """Exact attention over packed sequences, flash-attn 2.8's signature and conventions.
 
     q (total_q, H, d), k and v (total_k, Hk, d) hold B sequences back to back; cu_seqlens_q
@@ -30,10 +32,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     variant (window, softcap, ALiBi, sinks, score_mod with q_idx / kv_idx counted within the
     sequence, mask_mod) applies per sequence; dropout keys on each sequence's own (b, h, row,
     col). Returns out (total_q, H, d); with return_lse also L (H, total_q), differentiable;
-    return_attn_probs=True returns (out, L, None).
+    return_attn_probs=True returns (out, L, None). float8_e4m3fn q, k and v take FlashAttention-3's
+    fp8 form, as flash_attn_func's (q_descale, k_descale, v_descale: fp32 (B, Hk), a row per
+    sequence; O in bf16; no block_table, dropout or gradients).
     """
     return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
-    cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    eight_bit = is_fp8(q)
+    cu_q, cu_k, table = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                     dtypes=(FP8,) if eight_bit else None)
+    check_descales_for(q, q_descale, k_descale, v_descale)
     dropout_p, softmax_scale, causal, return_lse, deterministic = check_options(
         dropout_p, softmax_scale, causal, return_lse, deterministic, version, q.shape[-1])
     batch, heads = cu_q.numel() - 1, q.shape[1]
@@ -41,6 +48,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
                         sizes=(batch, max_seqlen_q, heads, max_seqlen_k))
     varlen = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if eight_bit:
+        if table is not None or version != 2:
+            raise InputError("float8_e4m3fn packed sequences run the fp8 forward (version=2) on packed k and v, not "
+                             "through a block_table")
+        out, slots = fp8_varlen_attention(q, k, v, varlen, softmax_scale=softmax_scale, causal=causal,
+                                          dropout_p=dropout_p, call=call,
+                                          descales={"q_descale": q_descale, "k_descale": k_descale,
+                                                    "v_descale": v_descale})
+        return _varlen_result(out, slots, cu_q, q.shape[0], v.shape[-1], return_lse, return_attn_probs)
     if table is not None:
         out, slots = _varlen_paged_run(call, q, k, v, varlen, table, dropout_p, softmax_scale, causal, version)
         return _varlen_result(out, slots, cu_q, q.shape[0], v.shape[-1], return_lse, return_attn_probs)

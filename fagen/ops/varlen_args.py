@@ -23,12 +23,12 @@ PAGE_MULTIPLE = 16   # a paged cache's page_size: any multiple of the mma tile's
 ROW_CHUNK = 8        # elements in the kernels' 16-byte loads (fp16 / bf16)
 
 
-def _check_packed(name: str, t) -> None:
+def _check_packed(name: str, t, dtypes=None) -> None:
     check_dense_tensor(name, t)
     if t.dim() != 3:
         raise InputError(f"{name} must have 3 dims (total tokens, heads, head_dim) for packed sequences, "
                          f"got shape {tuple(t.shape)}")
-    check_half_rows(name, t)
+    check_half_rows(name, t, dtypes)
 
 
 def _check_cu(name: str, cu, total: int, max_name: str, max_seqlen, device) -> torch.Tensor:
@@ -120,15 +120,16 @@ def _check_table(block_table, q, k, batch: int, max_seqlen_k: int) -> torch.Tens
     return block_table.contiguous()
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, dtypes=None):
     """Validate a packed call; returns (cu_seqlens_q, cu_seqlens_k, block_table) ready for the
     kernels. With a block_table, k and v are a paged cache (num_pages, page_size, Hk, d) and
-    cu_seqlens_k counts each sequence's keys in it."""
-    _check_packed("q", q)
+    cu_seqlens_k counts each sequence's keys in it. `dtypes`: the ones taken, where not fp16 and
+    bf16 (the fp8 forward's)."""
+    _check_packed("q", q, dtypes)
     paged = block_table is not None
     k_rows, v_rows = _paged_rows(k, v) if paged else (k, v)
     for name, t in (("k", k_rows), ("v", v_rows)):
-        _check_packed(name, t)
+        _check_packed(name, t, dtypes)
     if not q.dtype == k.dtype == v.dtype:
         raise InputTypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not q.device == k.device == v.device:

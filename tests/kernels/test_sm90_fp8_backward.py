@@ -4,8 +4,10 @@ accuracy rule: each gradient's error against the float64 oracle at most twice th
 (fagen/reference/same_fp8_backward.py)."""
 
 import pytest
+import torch
 
 from fagen.arch_families import fp8_backward_refusal
+from fagen.kernels import attention_kernels
 from fagen.kernels.compile import compile_source
 from fagen.kernels.render import render
 from fagen.spec import Spec
@@ -55,3 +57,26 @@ def test_variants_the_fp8_backward_does_not_take_leave_a_forward_only_spec():
         assert spec.forward_only and "not " + next(iter(fields)) in fp8_backward_refusal(spec)
         assert [e.name.rsplit("_", 1)[-1] for e in render(spec).entries] == ["fwd"]
     assert not fp8(128, window=True).forward_only
+
+
+def test_packed_sequences_get_each_sequence_s_dense_gradients_bit_for_bit():
+    """The fp8 backward over packed sequences (one of a single key): each sequence's dQ, dK and dV
+    are the dense backward's on it alone, its descales a row of the packed call's."""
+    cu = torch.tensor([0, 37, 167, 168], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q8, k8, v8 = (torch.randn(168, h, 64, generator=g).to(torch.float8_e4m3fn) for h in (4, 2, 2))
+    kd = torch.rand(3, 2, generator=g) + 0.5
+    dout = torch.randn(168, 4, 64, generator=g).bfloat16()
+    packed, dense = render(fp8(64, True, varlen=True)), render(fp8(64, True))
+    varlen = (cu, cu, 130, 130)
+    out, (slots,) = attention_kernels.forward(packed, q8, k8, v8, varlen=varlen, descales={"k_descale": kd})
+    grads = attention_kernels.backward(packed, q8, k8, v8, out, (slots,), dout, varlen=varlen,
+                                       descales={"k_descale": kd})
+    for b in range(3):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        one = [t[rows][None] for t in (q8, k8, v8)]
+        scales = {"k_descale": kd[b:b + 1]}
+        o, (lse,) = attention_kernels.forward(dense, *one, descales=scales)
+        expected = attention_kernels.backward(dense, *one, o, (lse,), dout[rows][None], descales=scales)
+        for got, want in zip(grads, expected):
+            assert torch.equal(got[rows], want[0]), b

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fagen.arch_families import sm90_tiles
+from fagen.kernels import fp8_operands
 from fagen.kernels.render import render
 from fagen.spec import Spec
 from fp8_cases import run_fp8_case
@@ -103,9 +104,22 @@ def test_a_key_tile_the_spec_sets_meets_the_accuracy_rule():
 
 @pytest.mark.parametrize("fields, named", [
     (dict(arch_family="sm80"), "arch_family='sm90'"), (dict(dropout=True), "dropout=True"),
-    (dict(head_dim=96), "head_dim=96"), (dict(varlen=True), "varlen=True"),
+    (dict(head_dim=96), "head_dim=96"),
     (dict(deterministic=True), "deterministic=True"), (dict(sm90_block_n=80), "sm90_block_n=80")])
 def test_what_it_does_not_take_is_refused_by_name(fields, named):
     fields = {"head_dim": 128, "dtype": "e4m3", "arch_family": "sm90", **fields}
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
         Spec(**fields)
+
+
+def test_packed_v_in_slot_order_starts_each_sequence_on_a_whole_tile_in_its_own_order():
+    """Packed sequences' V^T: sequence b's keys from starts[b] (whole tiles of zeros between), each
+    in v_in_slot_order's order counted from its own first key."""
+    v = torch.randn(37 + 0 + 70, 2, 32).to(torch.float8_e4m3fn)
+    cu = torch.tensor([0, 37, 37, 107], dtype=torch.int32)
+    vt, starts = fp8_operands.packed_v_in_slot_order(v, cu, 32)
+    assert starts.tolist() == [0, 64, 64] and vt.shape == (1, 2, 32, 160)
+    for b, length in enumerate((37, 0, 70)):
+        own = fp8_operands.v_in_slot_order(v[int(cu[b]):int(cu[b + 1])][None], 32)
+        got = vt[..., int(starts[b]):int(starts[b]) + own.shape[-1]]
+        assert torch.equal(got.view(torch.uint8), own.view(torch.uint8)), b

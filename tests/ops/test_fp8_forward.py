@@ -73,6 +73,40 @@ def test_flex_attention_takes_e4m3_inputs_with_descales_of_one_and_a_score_mod()
     assert out.dtype == torch.bfloat16 and torch.equal(out.transpose(1, 2), flash)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func_takes_fp8_sequences_as_flash_attn_func_each(causal):
+    """Packed e4m3 sequences (one empty, one of a single key) with a descale per (sequence, K/V head):
+    each sequence's O and L bit for bit the dense call's on it alone."""
+    lengths = [37, 0, 130, 1]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    q8, k8, v8 = (torch.randn(sum(lengths), h, 64, generator=g).to(torch.float8_e4m3fn) for h in (4, 2, 2))
+    qd, kd, vd = (torch.rand(len(lengths), 2, generator=g) + 0.5 for _ in range(3))
+    out, lse = fagen.flash_attn_varlen_func(q8, k8, v8, cu, cu, 130, 130, causal=causal, return_lse=True,
+                                            q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16 and lse.shape == (4, sum(lengths))
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if not lengths[b]:
+            continue
+        dense, dense_lse = fagen.flash_attn_func(q8[rows][None], k8[rows][None], v8[rows][None], causal=causal,
+                                                 return_lse=True, q_descale=qd[b:b + 1], k_descale=kd[b:b + 1],
+                                                 v_descale=vd[b:b + 1])
+        assert torch.equal(out[rows], dense[0]) and torch.equal(lse[:, rows], dense_lse[0]), b
+
+
+def test_fp8_packed_sequences_refuse_a_block_table_and_stray_descales():
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    q, k, v = (torch.randn(20, 2, 64) for _ in range(3))
+    with pytest.raises(InputError, match="k_descale given, but q is torch.bfloat16"):
+        fagen.flash_attn_varlen_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, cu, 20, 20,
+                                     k_descale=torch.ones(1, 2))
+    pages = torch.randn(2, 16, 2, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(InputError, match="not through a block_table"):
+        fagen.flash_attn_varlen_func(q.to(torch.float8_e4m3fn), pages, pages, cu, cu, 20, 20,
+                                     block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+
+
 def test_missing_descales_are_one():
     q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs())
     ones = torch.ones(2, 2)
