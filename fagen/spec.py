@@ -17,16 +17,14 @@ from dataclasses import dataclass
 from .arch_families import (ARCH_FAMILIES, DEFAULT_FAMILY, family_of, fp8_backward_refusal, sm80_backward_problem,
                              sm90_block_n_problem)
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
+from .spec_fp8 import (CACHE_FP8_ROW_MULTIPLE, FP8_DTYPES, FP8_OUTPUT_DTYPE,  # noqa: F401  (re-exported)
+                       cache_fp8_layout, check_cache_dtype, check_fp8)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                           BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
                           default_tiles, dq_layout, smaller_kv_cache_tiles)
 
 DTYPES = ("fp16", "bf16", "e4m3")
-# The 8-bit ones (q, k and v in e4m3, each with an fp32 descale per batch entry and K/V head, as
-# FlashAttention-3's fp8 forward takes them): the sm90 family's forward alone, its output in bf16.
-FP8_DTYPES = ("e4m3",)
-FP8_OUTPUT_DTYPE = "bf16"
-CACHE_FP8_ROW_MULTIPLE = 16   # an 8-bit cache's head dims (Spec.cache_dtype): its rows' 16-byte chunks
+# The 8-bit ones (fagen/spec_fp8.py): q, k and v in e4m3 with their descales, O in bf16.
 MASKS = ("none", "causal")
 KV_CACHES = ("contiguous", "paged")   # Spec.kv_cache: how flash_attn_with_kvcache's cache is laid out
 VERSIONS = (1, 2)
@@ -210,8 +208,8 @@ class Spec:
         if self.varlen and self.key_padding:
             raise ValueError("varlen takes each sequence's own key count from cu_seqlens_k: it has no key_padding")
         self._check_kv_cache()
-        self._check_cache_dtype()
-        self._check_fp8()
+        check_cache_dtype(self)
+        check_fp8(self)
         if self.arch_family not in ARCH_FAMILIES:
             raise ValueError(f"unknown arch_family {self.arch_family!r}; expected one of {ARCH_FAMILIES}")
         refusal = family_of(self).refusal(self)
@@ -289,22 +287,6 @@ class Spec:
             raise ValueError("kv_cache kernels take no dropout or sinks "
                              "(flash-attn's paged and decoding kernels take window, softcap and ALiBi)")
 
-    def _check_cache_dtype(self):
-        if self.cache_dtype is None:
-            return
-        if self.cache_dtype not in FP8_DTYPES:
-            raise ValueError(f"unknown cache_dtype {self.cache_dtype!r}; expected None (the cache is dtype) or one "
-                             f"of {FP8_DTYPES}")
-        if self.kv_cache is None or self.fp8:
-            raise ValueError(f"cache_dtype={self.cache_dtype!r} is a KV cache's dtype: it needs kv_cache and a "
-                             f"dtype of fp16 or bf16 (q's and O's), got kv_cache={self.kv_cache!r}, "
-                             f"dtype={self.dtype!r}")
-        for field in ("head_dim", "head_dim_v"):
-            if (getattr(self, field) or self.head_dim) % CACHE_FP8_ROW_MULTIPLE:
-                raise ValueError(f"{field}={getattr(self, field)} with cache_dtype={self.cache_dtype!r}: an 8-bit "
-                                 f"cache's rows are copied in 16-byte chunks, so its head dims are multiples of "
-                                 f"{CACHE_FP8_ROW_MULTIPLE}")
-
     @property
     def cache_fp8(self) -> bool:
         """An 8-bit KV cache (cache_dtype) under fp16 or bf16 queries."""
@@ -312,7 +294,7 @@ class Spec:
 
     @property
     def fp8(self) -> bool:
-        """8-bit inputs (FP8_DTYPES): a forward alone, whose output is bf16 (`output_dtype`)."""
+        """8-bit inputs (FP8_DTYPES): the sm90 family's, whose output is bf16 (`output_dtype`)."""
         return self.dtype in FP8_DTYPES
 
     @property
@@ -325,18 +307,6 @@ class Spec:
         """Whether its source has no backward: decoding (kv_cache), and an 8-bit spec whose variants
         the fp8 backward does not take yet (arch_families.fp8_backward_refusal)."""
         return self.kv_cache is not None or (self.fp8 and fp8_backward_refusal(self) is not None)
-
-    def _check_fp8(self):
-        """The 8-bit forward is inference's: it refuses, by name, what has no meaning without a backward."""
-        if not self.fp8:
-            return
-        refused = [what for what, on in (("dropout=True", self.dropout), ("deterministic=True", self.deterministic),
-                                         ("sm80_backward=True", self.sm80_backward), (f"kv_cache={self.kv_cache!r}",
-                                         self.kv_cache is not None)) if on]
-        if refused:
-            raise ValueError(f"dtype={self.dtype!r} is a forward for inference (FlashAttention-3's fp8 forward has no "
-                             f"dropout and no backward either; an fp8 KV cache is decoding's cache dtype, not the "
-                             f"spec's): it takes no {', '.join(refused)}")
 
     @property
     def has_mods(self) -> bool:
@@ -485,22 +455,8 @@ class Spec:
         if self.v_from_k:   # V_j is K_j's first d_v columns: no tiles of its own
             v_offset, total = k_offset, v_offset
         if self.cache_fp8:
-            return self._cache_fp8_layout(row, q_stage, kv_stage)
+            return cache_fp8_layout(self, row, q_stage, kv_stage)
         return SharedLayout(row, 0, q_stages, q_stage, k_offset, v_offset, kv_stages, kv_stage, total)
-
-    def _cache_fp8_layout(self, row: int, q_stage: int, kv_stage: int) -> SharedLayout:
-        """An 8-bit cache's: Q, one widened K tile and one V tile (the mmas' operands, as
-        dtype's), then num_stages stages of raw e4m3 K rows and of V rows (a byte per element,
-        head_dim_pad wide plus 16 bytes against bank conflicts); absorbed MLA's V is K's."""
-        raw_row = self.head_dim_pad + 16
-        raw_stage = self.block_n * raw_row
-        k_offset = q_stage
-        v_offset = k_offset if self.v_from_k else k_offset + kv_stage
-        k_raw = v_offset + kv_stage
-        v_raw = k_raw if self.v_from_k else k_raw + self.num_stages * raw_stage
-        total = v_raw + self.num_stages * raw_stage
-        return SharedLayout(row, 0, 1, q_stage, k_offset, v_offset, self.num_stages, kv_stage, total,
-                            k_raw_offset=k_raw, v_raw_offset=v_raw, raw_row_bytes=raw_row)
 
     @property
     def backward_tiles(self) -> BackwardTiles:

@@ -37,10 +37,11 @@ GRADIENT_DTYPES = (FP8, torch.float8_e5m2, torch.bfloat16)     # dO
 
 def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None,
                            o_descale=None, do_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           seqlens_k=None):
+                           seqlens_k=None, deterministic=False):
     """(dq, dk, dv) in bf16 of the fp8 attention O = softmax(q k^T tau) v: q (B, Nq, H, d), k, v
     (B, Nk, Hk, d / d_v) in float8_e4m3fn; out (B, Nq, H, d_v) in e4m3 or bf16; dout likewise or
-    in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1)."""
+    in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1).
+    `deterministic`: dQ summed in a fixed order, repeated calls bit-identical (the sm90 backward's)."""
     _check_fp8_inputs(q, k, v)
     for name, t, dtypes in (("out", out, OUTPUT_DTYPES), ("dout", dout, GRADIENT_DTYPES)):
         check_dense_tensor(name, t)
@@ -55,12 +56,13 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
     if lse.dtype != torch.float32 or tuple(lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
         raise InputError(f"lse must be float32 (batch, heads, seqlen_q) = {(q.shape[0], q.shape[2], q.shape[1])}, "
                          f"got {lse.dtype} {tuple(lse.shape)}")
-    _, softmax_scale, causal, _, _ = check_options(0.0, softmax_scale, causal, False, False, 2, q.shape[-1])
+    _, softmax_scale, causal, _, deterministic = check_options(0.0, softmax_scale, causal, False, deterministic, 2,
+                                                               q.shape[-1])
     given = dict(zip(BACKWARD_DESCALES, (q_descale, k_descale, v_descale, o_descale, do_descale)))
     descales = {name: _checked_descale(name, descale, (k.shape[0], k.shape[2]), q.device)
                 for name, descale in given.items()}
     call = variant_call(q, k, causal=causal, window_size=window_size)
-    spec = _spec(q, v, causal, seqlens_k is not None, call)
+    spec = _spec(q, v, causal, seqlens_k is not None, call, deterministic)
     if spec.forward_only:
         raise InputError(f"no fp8 backward for this call: {fp8_backward_refusal(spec)}")
     _check_device(q, spec)
@@ -69,9 +71,10 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
                                       variant_values=call.values if call else None, descales=descales)
 
 
-def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
+def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False):
     """O (B, Nq, H, d_v), in q's dtype, of q, k and v (fp32, fp16 or bf16) quantised to e4m3 per
-    (batch, K/V head), with gradients for q, k and v from the fp8 backward (module docstring)."""
+    (batch, K/V head), with gradients for q, k and v from the fp8 backward (module docstring);
+    `deterministic` as fp8_attention_backward's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_dense_tensor(name, t)
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -79,7 +82,7 @@ def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size
                                  f"got {t.dtype}")
     left, right = window_size
     scale = -1.0 if softmax_scale is None else float(softmax_scale)
-    out = fp8_attention_fwd(q, k, v, scale, bool(causal), int(left), int(right))[0]
+    out = fp8_attention_fwd(q, k, v, scale, bool(causal), int(left), int(right), bool(deterministic))[0]
     return out.to(q.dtype)
 
 
@@ -89,9 +92,13 @@ def _options(scale: float, causal: bool, left: int, right: int) -> dict:
     return dict(softmax_scale=None if scale < 0 else scale, causal=causal, window_size=(left, right))
 
 
+# The custom ops take the call's options as plain values (scale -1: the default), so that a compiled
+# step's graph holds them.
+
+
 @torch.library.custom_op("fagen::fp8_attention_fwd", mutates_args=())
 def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, left: int,
-                      right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O bf16, L, q8, k8, v8, q_descale, k_descale, v_descale): the forward, and what its backward reads."""
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
@@ -103,7 +110,7 @@ def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 @fp8_attention_fwd.register_fake
-def _(q, k, v, scale, causal, left, right):
+def _(q, k, v, scale, causal, left, right, deterministic):
     batch, seqlen_q, heads, _ = q.shape
     f32 = dict(dtype=torch.float32)
     descale = (batch, k.shape[2])
@@ -115,30 +122,32 @@ def _(q, k, v, scale, causal, left, right):
 @torch.library.custom_op("fagen::fp8_attention_bwd", mutates_args=())
 def fp8_attention_bwd(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
-                      causal: bool, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      causal: bool, left: int, right: int,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in bf16 for fp8_attention_fwd's outputs; O and dO in bf16 (descales 1)."""
     return fp8_attention_backward(dout.to(torch.bfloat16).contiguous(), q8, k8, v8, out, lse, q_descale=qd,
-                                  k_descale=kd, v_descale=vd, **_options(scale, causal, left, right))
+                                  k_descale=kd, v_descale=vd, deterministic=deterministic,
+                                  **_options(scale, causal, left, right))
 
 
 @fp8_attention_bwd.register_fake
-def _(dout, q8, k8, v8, out, lse, qd, kd, vd, scale, causal, left, right):
+def _(dout, q8, k8, v8, out, lse, qd, kd, vd, scale, causal, left, right, deterministic):
     fresh = dict(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
     return torch.empty_like(q8, **fresh), torch.empty_like(k8, **fresh), torch.empty_like(v8, **fresh)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, left, right = inputs
+    q, k, v, scale, causal, left, right, deterministic = inputs
     out, lse, q8, k8, v8, qd, kd, vd = output
     ctx.save_for_backward(out, lse, q8, k8, v8, qd, kd, vd)
-    ctx.options = (scale, causal, left, right)
+    ctx.options = (scale, causal, left, right, deterministic)
     ctx.dtypes = (q.dtype, k.dtype, v.dtype)
 
 
 def _backward(ctx, dout, *unused):
     out, lse, q8, k8, v8, qd, kd, vd = ctx.saved_tensors
     grads = fp8_attention_bwd(dout, q8, k8, v8, out, lse, qd, kd, vd, *ctx.options)
-    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None, None)
 
 
 torch.library.register_autograd("fagen::fp8_attention_fwd", _backward, setup_context=_setup_context)

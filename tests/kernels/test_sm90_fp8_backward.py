@@ -36,6 +36,15 @@ def test_key_padding_and_mqa():
     run_fp8_backward_case(fp8(64, True, key_padding=True), Shape(3, 70, 190, heads=4, kv_heads=1))
 
 
+def test_deterministic_repeats_bit_for_bit_within_the_rule():
+    """deterministic=True: dQ's reductions in key-block order (the sm90 backward's), three runs equal."""
+    spec, shape = fp8(128, True, deterministic=True), Shape(1, 300, 300, heads=2, kv_heads=1)
+    _, first = run_fp8_backward_case(spec, shape)
+    for _ in range(2):
+        _, again = run_fp8_backward_case(spec, shape)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_the_fp8_backward_is_race_free_under_the_schedules(monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
     for schedule in ("warp-serial", "producer-first"):

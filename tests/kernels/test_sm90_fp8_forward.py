@@ -84,12 +84,15 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
     check_sm90_forward_compiles(spec)
 
 
-def test_the_source_is_the_forward_alone_with_its_key_tiles():
-    """Forward only (Spec.forward_only), 128 e4m3 columns a box (64 at d = 64 and 192), FlashAttention-3's
+def test_the_source_is_the_forward_and_the_sm90_backward_with_its_key_tiles():
+    """The forward and the sm90 family's backward (a softcap's spec the forward alone:
+    arch_families.fp8_backward_refusal), 128 e4m3 columns a box (64 at d = 64 and 192), FlashAttention-3's
     224-key tile at d = 128 and 128 at d = 256, and bf16 O (Spec.output_dtype)."""
     spec = fp8(128)
     source = render(spec)
-    assert source.kernels.backward == () and spec.forward_only
+    assert [e.name.rsplit("_", 1)[-1] for e in source.kernels.backward] == ["preprocess", "bwd", "convert"]
+    assert "namespace hopper_bwd" in source.code and not spec.forward_only
+    assert render(fp8(128, softcap=True)).kernels.backward == () and fp8(128, softcap=True).forward_only
     assert sm90_tiles(spec).box_columns == 128 and sm90_tiles(spec).block_n == 224 and sm90_tiles(fp8(256)).block_n == 128
     assert sm90_tiles(fp8(64)).box_columns == sm90_tiles(fp8(192)).box_columns == 64
     assert "typedef __nv_bfloat16 elem_t;" in source.code and "wgmma_rs_fp8" in source.code
@@ -105,7 +108,7 @@ def test_a_key_tile_the_spec_sets_meets_the_accuracy_rule():
 @pytest.mark.parametrize("fields, named", [
     (dict(arch_family="sm80"), "arch_family='sm90'"), (dict(dropout=True), "dropout=True"),
     (dict(head_dim=96), "head_dim=96"),
-    (dict(deterministic=True), "deterministic=True"), (dict(sm90_block_n=80), "sm90_block_n=80")])
+    (dict(sm80_backward=True), "sm80_backward=True"), (dict(sm90_block_n=80), "sm90_block_n=80")])
 def test_what_it_does_not_take_is_refused_by_name(fields, named):
     fields = {"head_dim": 128, "dtype": "e4m3", "arch_family": "sm90", **fields}
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):

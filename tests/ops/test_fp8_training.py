@@ -79,6 +79,15 @@ def test_a_training_step_compiles_without_graph_breaks_and_equals_eager():
         assert torch.equal(eager.grad, compiled.grad)
 
 
+def test_deterministic_training_repeats_its_gradients_bit_for_bit():
+    grads = []
+    for _ in range(2):
+        q, k, v = inputs(seed=6, nq=200, nk=200)
+        fagen.fp8_attention_func(q, k, v, causal=True, deterministic=True).float().sum().backward()
+        grads.append((q.grad, k.grad, v.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_fp32_inputs_get_fp32_gradients():
     q, k, v = inputs(seed=5, dtype=torch.float32, nq=40, nk=50)
     fagen.fp8_attention_func(q, k, v).sum().backward()

@@ -43,10 +43,10 @@ def _in_format(x: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, tor
 
 
 def run_fp8_backward_case(spec: Spec, shape: Shape, *, device: str = "cpu", source=None, out_format: str = "e4m3",
-                          do_format: str = "e4m3", seed: int = 0) -> dict:
+                          do_format: str = "e4m3", seed: int = 0) -> tuple[dict, tuple]:
     """The backward of `spec` (an 8-bit spec with a backward) on `shape`, run on `device`, held to the
-    rule above; O and dO arrive in `out_format` / `do_format`. Returns {name: (kernel's error,
-    model's)}. `source`: another rendering of the spec (the mutants)."""
+    rule above; O and dO arrive in `out_format` / `do_format`. Returns ({name: (kernel's error,
+    model's)}, (dq, dk, dv) on the CPU). `source`: another rendering of the spec (the mutants)."""
     q8, k8, v8, descales, (q, k, v) = fp8_inputs(spec, shape, seed=seed)
     group = shape.heads // shape.kv_heads
     lengths = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
@@ -65,12 +65,11 @@ def run_fp8_backward_case(spec: Spec, shape: Shape, *, device: str = "cpu", sour
     oracle = attention_gradients(q, k, v, do, dlse=dlse, causal=spec.causal, seqlens_k=lengths)
     model = attention_backward_same_fp8(q8, k8, v8, o8, do8, lse.float(), **scales, causal=spec.causal,
                                         seqlens_k=lengths, fp8_gemms=RECOMMENDED_FP8_GEMMS)
-    errors = {}
-    for name, got, modelled in zip(("dq", "dk", "dv"), (dq, dk, dv), model):
-        got = got.cpu()
+    errors, grads = {}, tuple(t.cpu() for t in (dq, dk, dv))
+    for name, got, modelled in zip(("dq", "dk", "dv"), grads, model):
         assert got.dtype == torch.bfloat16 and not got.isnan().any(), f"{spec.name}: {name}"
         errors[name] = kernel_err, model_err = max_error(got, oracle[name]), max_error(modelled, oracle[name])
         assert kernel_err <= FP8_GRAD_FACTOR * model_err + ABS_FLOOR, (
             f"{spec.name} {shape} O {out_format} dO {do_format}: {name}'s error {kernel_err:.3g} exceeds "
             f"{FP8_GRAD_FACTOR}x the model's {model_err:.3g}")
-    return errors
+    return errors, grads
