@@ -41,7 +41,7 @@ def _context(spec) -> dict:
 
 FORWARD = Pass(("sm90/hopper_fwd.cu.j2",), _forward_entries,
                includes=tuple(f"sm90/hopper_{part}.j2" for part in ("kv_cache", "mask", "epilogue", "variant_steps",
-                                                                     "producer", "softmax", "tile_span")))
+                                                                     "producer", "softmax", "tile_span", "pv")))
 
 
 def _refusal(paired: bool):
