@@ -46,7 +46,7 @@ def attention_same_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
         if t.dtype != torch.float8_e4m3fn:
             raise TypeError(f"attention_same_fp8: {name} must be torch.float8_e4m3fn, got {t.dtype}")
     batch, kv_heads = k.shape[0], k.shape[2]
-    scales = [_descale(d, batch, kv_heads, name)
+    scales = [descale_of(d, batch, kv_heads, name)
               for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
     prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
                         seqlens_k=seqlens_k, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -73,10 +73,11 @@ def attention_same_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=Non
     return out.masked_fill(empty, 0.0).transpose(1, 2).to(torch.bfloat16)
 
 
-def _descale(descale, batch: int, kv_heads: int, name: str) -> torch.Tensor:
+def descale_of(descale, batch: int, kv_heads: int, name: str, caller: str = "attention_same_fp8") -> torch.Tensor:
+    """A model's descale as fp32 (batch, kv_heads): ones for None; ValueError naming `name` for another shape."""
     if descale is None:
         return torch.ones(batch, kv_heads)
     if tuple(descale.shape) != (batch, kv_heads):
-        raise ValueError(f"attention_same_fp8: {name} must be (batch, kv heads) = ({batch}, {kv_heads}), "
+        raise ValueError(f"{caller}: {name} must be (batch, kv heads) = ({batch}, {kv_heads}), "
                          f"got {tuple(descale.shape)}")
     return descale.float()

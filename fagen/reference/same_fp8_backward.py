@@ -49,8 +49,9 @@ import math
 import torch
 
 from .problem import make_problem, to_query_layout
-from .same_fp8 import P_EXPONENT
+from .same_fp8 import P_EXPONENT, descale_of
 
+CALLER = "attention_backward_same_fp8"   # its errors' prefix
 GEMMS = ("s", "dp", "dv", "dk", "dq")
 FORMAT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 DS_DTYPE = torch.float8_e4m3fn   # measured: at the same tile scale e5m2 (2 mantissa bits) errs 2x more
@@ -77,7 +78,7 @@ def attention_backward_same_fp8(q, k, v, out, dout, lse, *, q_descale=None, k_de
     prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
                         seqlens_k=seqlens_k, window_size=window_size)
     batch, kv_heads, group = prob.batch, prob.kv_heads, prob.group
-    qd, kd, vd, od, dod = (_descale(d, batch, kv_heads, name).repeat_interleave(group, 1)[:, :, None, None]
+    qd, kd, vd, od, dod = (descale_of(d, batch, kv_heads, name, CALLER).repeat_interleave(group, 1)[:, :, None, None]
                            for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"),
                                            (v_descale, "v_descale"), (o_descale, "o_descale"),
                                            (do_descale, "do_descale")))   # (B, H, 1, 1)
@@ -153,11 +154,3 @@ def _check_inputs(q, k, v, out, dout, lse, fp8_gemms, ds_dtype) -> frozenset:
         raise ValueError(f"attention_backward_same_fp8: fp8_gemms must name GEMMs of {GEMMS}, got {fp8_gemms!r}")
     return frozenset(fp8_gemms)
 
-
-def _descale(descale, batch: int, kv_heads: int, name: str) -> torch.Tensor:
-    if descale is None:
-        return torch.ones(batch, kv_heads)
-    if tuple(descale.shape) != (batch, kv_heads):
-        raise ValueError(f"attention_backward_same_fp8: {name} must be (batch, kv heads) = ({batch}, {kv_heads}), "
-                         f"got {tuple(descale.shape)}")
-    return descale.float()

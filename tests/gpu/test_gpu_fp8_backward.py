@@ -14,8 +14,6 @@ without timing.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,17 +22,11 @@ from fagen.bench.gpu_cases import FP8_FORWARD_ROW_HEAD_DIMS as HEAD_DIMS, FP8_FO
 from fagen.bench.peers import in_family
 from fagen.spec import Spec
 from fp8_backward_cases import run_fp8_backward_case
+from gpu_rows import DEVICE, ON_GPU, require_sm90, timed_ms
 from kernel_cases import Shape
 
-DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
-ON_GPU = DEVICE == "cuda"
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def require_sm90():
-    if ON_GPU and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 family's kernels are sm_90a: compute capability 9.0 only")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
@@ -44,12 +36,6 @@ def test_the_fp8_backward_meets_the_accuracy_rule(head_dim, causal):
     spec = Spec(head_dim, dtype="e4m3", arch_family="sm90", mask="causal" if causal else "none")
     shape = Shape(2, 1000, 1100, heads=8, kv_heads=2) if ON_GPU else Shape(1, 150, 300, heads=2, kv_heads=1)
     run_fp8_backward_case(spec, shape, device=DEVICE)
-
-
-def timed_ms(fn) -> float:
-    from fagen.bench.timing import time_cuda
-
-    return time_cuda(fn, warmup=2, min_repeats=5).median_ms
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

@@ -14,8 +14,6 @@ without timing or SDPA.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,18 +23,12 @@ from fagen.arch_families import sm90_tiles
 from fagen.bench.peers import in_family, make_system
 from fagen.spec import Spec
 from fp8_cases import run_fp8_case
+from gpu_rows import DEVICE, ON_GPU, require_sm90, timed_ms
 from kernel_cases import Shape
 
-DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
-ON_GPU = DEVICE == "cuda"
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PEERS = ("sdpa_cudnn", "sdpa_flash")
-
-
-def require_sm90():
-    if ON_GPU and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 family's kernels are sm_90a: compute capability 9.0 only")
 
 
 def size(head_dim: int) -> tuple[int, int, int]:
@@ -51,12 +43,6 @@ def test_the_fp8_forward_meets_the_accuracy_rule(head_dim, causal):
     spec = Spec(head_dim, dtype="e4m3", arch_family="sm90", mask="causal" if causal else "none")
     shape = Shape(2, 1000, 1100, heads=8, kv_heads=2) if ON_GPU else Shape(1, 150, 300, heads=2, kv_heads=1)
     run_fp8_case(spec, shape, device=DEVICE)
-
-
-def timed_ms(fn) -> float:
-    from fagen.bench.timing import time_cuda
-
-    return time_cuda(fn, warmup=2, min_repeats=5).median_ms
 
 
 def cudnn_fp8_sdpa(q8, k8, v8, causal: bool):

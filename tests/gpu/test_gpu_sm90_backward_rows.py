@@ -13,17 +13,14 @@ size, without timing or SDPA: a check of the tests themselves before a GPU sessi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from fagen.bench.flops import attention_flops, tflops
 from fagen.bench.gpu_cases import SM90_BACKWARD_ROW_HEAD_DIMS as HEAD_DIMS, SM90_BACKWARD_ROW_SMALL
 from fagen.bench.peers import in_family, make_system
+from gpu_rows import DEVICE, ON_GPU, require_sm90, timed_ms
 
-DEVICE = os.environ.get("FAGEN_GPU_TESTS_DEVICE", "cuda")
-ON_GPU = DEVICE == "cuda"
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PEERS = ("sdpa_cudnn", "sdpa_flash")
@@ -33,11 +30,6 @@ def size(head_dim: int) -> tuple[int, int, int]:
     """(batch, seqlen, heads): 8k tokens and a hidden size of 1024 on a GPU (about a millisecond
     of backward at d = 128); a small ragged case on the emulator."""
     return (2, 4096, 1024 // head_dim) if ON_GPU else SM90_BACKWARD_ROW_SMALL
-
-
-def require_sm90():
-    if ON_GPU and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 family's kernels are sm_90a: compute capability 9.0 only")
 
 
 def problem(head_dim: int, seed: int = 0):
@@ -55,12 +47,6 @@ def fagen_backward(family: str, inputs, dout, causal: bool, deterministic: bool 
 
     out = in_family(family, flash_attn_func, *inputs, causal=causal, deterministic=deterministic)
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
-
-
-def timed_ms(fn) -> float:
-    from fagen.bench.timing import time_cuda
-
-    return time_cuda(fn, warmup=2, min_repeats=5).median_ms
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
