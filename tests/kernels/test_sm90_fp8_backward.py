@@ -52,7 +52,8 @@ def test_the_fp8_backward_is_race_free_under_the_schedules(monkeypatch):
         run_fp8_backward_case(fp8(128, True), Shape(1, 140, 140, heads=2, kv_heads=1))
 
 
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("d", [pytest.param(64, marks=pytest.mark.slow), 128, pytest.param(192, marks=pytest.mark.slow),
+                               pytest.param(256, marks=pytest.mark.slow)])
 def test_the_fp8_backward_compiles_for_sm90a_without_spills(d):
     spec = fp8(d, True)
     compiled = compile_source(render(spec), "sm_90a")

@@ -67,7 +67,13 @@ VARIANTS = {"window": {"window_size": (40, 7)},
             "relative_bias": {"score_mod": relative_bias}}
 
 
-@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS)
+# The window, ALiBi with sinks and the softcap in the fast tier; their combinations and the mods (an
+# emulator build each) in the slow one.
+SLOW_VARIANTS = ("documents", "softcap_window_sinks", "alibi_softcap", "relative_bias")
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if name in SLOW_VARIANTS else v
+                                     for name, v in VARIANTS.items()], ids=VARIANTS)
 def test_variants_meet_the_accuracy_rule(variant):
     run_fp8_case(fp8(128, mask="causal"), Shape(2, 150, 200, heads=4, kv_heads=2), variant)
 
@@ -79,7 +85,9 @@ def test_every_schedule_is_race_free(monkeypatch, schedule):
     run_fp8_case(SPECS[1], Shape(1, 150, 300, heads=2, kv_heads=1))
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+# d 128 in the fast tier; the others' compiles (3 s each) in the slow one.
+@pytest.mark.parametrize("spec", [s if s.head_dim == 128 and not s.key_padding else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in SPECS], ids=lambda s: s.name)
 def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(spec):
     check_sm90_forward_compiles(spec)
 
