@@ -43,19 +43,21 @@ def packed_v_in_slot_order(v: torch.Tensor, cu_seqlens_k: torch.Tensor, tile: in
     """Packed sequences' V (total_k, Hk, d_v) as (V^T, starts): V^T (1, Hk, d_v, keys) holding each
     sequence's keys from starts[b] on, in `v_in_slot_order`'s order counted from the sequence's own
     first key, and zeros up to a whole number of `tile` keys (a tile's boxes never reach the next
-    sequence's keys, whose groups of 16 start elsewhere); starts int32 (B,). One pass over V."""
+    sequence's keys, whose groups of 16 start elsewhere); starts int32 (B,). One pass over V, and no
+    host sync: V^T's width is the bound total_k + B (tile - 1) in whole tiles, not the exact sum,
+    and v's rows are the sequences' (cu_seqlens_k[-1] = total_k, as the varlen ops take it)."""
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
     padded = (lengths + tile - 1) // tile * tile
     starts = torch.cumsum(padded, 0) - padded
-    total = int(padded.sum()) if lengths.numel() else 0
     keys, heads, columns = v.shape
-    vt = torch.zeros(1, heads, columns, max(total, tile), dtype=v.dtype, device=v.device)
-    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=v.device), lengths)
+    width = -(-(keys + lengths.numel() * (tile - 1)) // tile) * tile
+    vt = torch.zeros(1, heads, columns, max(width, tile), dtype=v.dtype, device=v.device)
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=v.device), lengths, output_size=keys)
     local = torch.arange(keys, device=v.device) - cu_seqlens_k[:-1].long()[sequence]
     order = torch.tensor(SLOT_OF_KEY, device=v.device)
     slots = starts[sequence] + local // GROUP * GROUP + order[local % GROUP]
     raw = (lambda t: t.view(torch.uint8)) if v.element_size() == 1 else (lambda t: t)   # float8 has no index_put
-    raw(vt)[0, :, :, slots] = raw(v[:int(cu_seqlens_k[-1])].permute(1, 2, 0))
+    raw(vt)[0, :, :, slots] = raw(v.permute(1, 2, 0))
     return vt, starts.to(torch.int32)
 
 

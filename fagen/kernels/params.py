@@ -118,16 +118,18 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
                + [_tensor(n, "float") for n in ("dk_out_fp32", "dv_out_fp32")])
     return tuple(maps + rows + outputs + _sizes(spec) + _strides("dk", "dv")
                  + [Param("softmax_scale", "float", "float32"), Param("softmax_scale_log2", "float", "float32")]
-                 + _dropout(spec) + _variant(spec, grads=True)
-                 + [_tensor(f"{name}_descale", "float", const=True) for name in FP8_BACKWARD_DESCALES if spec.fp8])
+                 + _dropout(spec) + _variant(spec, grads=True) + (_descales(*FP8_BACKWARD_DESCALES) if spec.fp8 else []))
 
 
 def _fp8_descales(spec: Spec) -> list[Param]:
     """An 8-bit spec's descales (FlashAttention-3's q_descale, k_descale, v_descale): fp32, one per
     (batch entry, K/V head), the real tensors being the e4m3 ones times them."""
-    if not spec.fp8:
-        return []
-    return [_tensor(f"{name}_descale", "float", const=True) for name in ("q", "k", "v")]
+    return _descales("q", "k", "v") if spec.fp8 else []
+
+
+def _descales(*names: str) -> list[Param]:
+    """Descale tensors by the name of what they scale: fp32, one per (batch entry, K/V head)."""
+    return [_tensor(f"{name}_descale", "float", const=True) for name in names]
 
 
 FP8_BACKWARD_DESCALES = ("q", "k", "v", "do")   # the sm90 main kernel's (hopper_bwd_walk.j2)
@@ -136,9 +138,7 @@ FP8_BACKWARD_DESCALES = ("q", "k", "v", "do")   # the sm90 main kernel's (hopper
 def _fp8_backward_descales(spec: Spec, *names: str) -> list[Param]:
     """A row kernel's descales of an 8-bit spec's backward (bwd_rows.j2), with kv_heads to index
     them by (batch entry, K/V head)."""
-    if not spec.fp8:
-        return []
-    return [_tensor(f"{name}_descale", "float", const=True) for name in names] + [Param("kv_heads", "int", "int32")]
+    return _descales(*names) + [Param("kv_heads", "int", "int32")] if spec.fp8 else []
 
 
 def _kv_cache(spec: Spec) -> list[Param]:
@@ -169,7 +169,7 @@ def cache_ctype(spec: Spec) -> str:
 def _cache_descales(spec: Spec) -> list[Param]:
     """An 8-bit cache's descales (Spec.cache_dtype): fp32 (batch, Hk), the cached K and V being the
     e4m3 values times them; the append divides the new rows by them."""
-    return [_tensor(f"{name}_descale", "float", const=True) for name in ("k", "v")] if spec.cache_fp8 else []
+    return _descales("k", "v") if spec.cache_fp8 else []
 
 
 def _guard() -> list[Param]:

@@ -129,7 +129,8 @@ def test_packed_v_in_slot_order_starts_each_sequence_on_a_whole_tile_in_its_own_
     v = torch.randn(37 + 0 + 70, 2, 32).to(torch.float8_e4m3fn)
     cu = torch.tensor([0, 37, 37, 107], dtype=torch.int32)
     vt, starts = fp8_operands.packed_v_in_slot_order(v, cu, 32)
-    assert starts.tolist() == [0, 64, 64] and vt.shape == (1, 2, 32, 160)
+    assert starts.tolist() == [0, 64, 64] and vt.shape == (1, 2, 32, 224)   # 107 + 3 x 31 keys, in whole tiles
+    assert not vt[..., 160:].view(torch.uint8).any()
     for b, length in enumerate((37, 0, 70)):
         own = fp8_operands.v_in_slot_order(v[int(cu[b]):int(cu[b + 1])][None], 32)
         got = vt[..., int(starts[b]):int(starts[b]) + own.shape[-1]]
