@@ -48,11 +48,13 @@ FEATURES = (
     ("varlen_paged", FAMILIES, lambda s: s.kv_cache == "paged" and s.varlen),
     ("pack_gqa", FAMILIES, lambda s: s.pack_gqa),
     ("mla", FAMILIES, lambda s: s.v_from_k),
+    ("fp8", ("sm90",), lambda s: s.fp8),                     # the e4m3 forward and its backward
+    ("fp8_cache", ("sm80",), lambda s: s.cache_fp8),         # decoding from an e4m3 KV cache
     ("fa1", ("sm80",), lambda s: s.version == 1),
     ("deterministic", ("sm80",), lambda s: s.deterministic),
     # A family's own backward where it lists another's after it (sm90: its backward takes some specs).
     ("backward", tuple(name for name, family in KERNEL_FAMILIES.items() if len(family.backward) > 1),
-     lambda s: s.kv_cache is None and backward_family(s) == s.arch_family),
+     lambda s: not s.forward_only and backward_family(s) == s.arch_family),
 )
 
 
@@ -76,7 +78,7 @@ def templates_of(spec) -> tuple[str, ...]:
     family's (sm90 runs sm80's where its own does not take the spec) that family's templates of
     the same features."""
     found = list(_family_templates(spec, spec.arch_family))
-    backward = None if spec.kv_cache is not None else backward_family(spec)
+    backward = None if spec.forward_only else backward_family(spec)
     if backward not in (None, spec.arch_family):
         found += _family_templates(spec, backward)
     return tuple(found)

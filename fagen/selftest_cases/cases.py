@@ -20,6 +20,7 @@ import torch
 from ..arch_families import ARCH_FAMILIES, FAMILIES
 from ..selftest.templates import all_templates, fallback_backward_family
 from .decoding import Decoding, PagedPacked, check_decoding, check_paged_packed
+from .fp8 import check_fp8
 from .training import Packed, Training, check_packed, check_training
 
 
@@ -71,6 +72,9 @@ def _features(family: str) -> dict:
         "mla": partial(check_decoding, Decoding(mla=True, heads=(16, 1), nq=1, new=1, seqlens=(37, 90),
                                                 capacity=128, page=64, splits=(1, 2))),
         "fa1": train(version=1, causal=True),
+        "fp8": partial(_every, tuple(partial(check_fp8, d) for d in (64, 128))),
+        "fp8_cache": partial(check_decoding, Decoding(cache_fp8=True, heads=(4, 2), page=16, seqlens=(37, 130),
+                                                      capacity=160, splits=(1, 2))),
         # ... and with a bias table's gradient, in an exact sum: repeated bit for bit
         "deterministic": partial(_every, (train(deterministic=True, dropout=True),
                                           train(deterministic=True, mods=True))),

@@ -37,6 +37,7 @@ class Decoding:
     mla: bool = False               # one cache of 576-wide rows, V its first 512 columns
     softcap: float = 0.0
     seed: int = 0
+    cache_fp8: bool = False         # the cache in e4m3 with descales, appended rows quantised
 
 
 def check_decoding(call: Decoding, device: torch.device) -> list[str]:
@@ -61,6 +62,11 @@ def _check_step(call: Decoding, splits: int, device: torch.device, checks: Check
     q = torch.randn(batch, call.nq, heads, width, generator=generator) * 0.5
     k_new, v_new = (torch.randn(batch, call.new, kv_heads, width, generator=generator) * 0.5 for _ in range(2))
     k_cache, v_cache, q, k_new, v_new = (t.to(device, dtype) for t in (k_cache, v_cache, q, k_new, v_new))
+    descales, appended = {}, (k_new, v_new)
+    if call.cache_fp8:   # an 8-bit cache: K = e4m3 * k_descale; new rows stored as e4m3(x / descale)
+        descales = {name: torch.full((batch, kv_heads), 0.0625, device=device) for name in ("k_descale", "v_descale")}
+        k_cache, v_cache = (t.to(torch.float8_e4m3fn) for t in (k_cache * 16, v_cache * 16))
+        appended = tuple((t.float() * 16).clamp(-448, 448).to(torch.float8_e4m3fn) for t in (k_new, v_new))
     before_k, before_v = k_cache.clone(), v_cache.clone()
     if call.mla:   # V is K's first 512 columns: one cache, appended through k alone
         v_cache, v_new = k_cache[..., :MLA_HEAD_DIM_V], k_new[..., :MLA_HEAD_DIM_V]
@@ -68,25 +74,33 @@ def _check_step(call: Decoding, splits: int, device: torch.device, checks: Check
     out, lse = ops.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens.to(device),
                                            block_table=None if table is None else table.to(device),
                                            causal=call.causal, softcap=call.softcap, num_splits=splits,
-                                           return_softmax_lse=True)
+                                           return_softmax_lse=True, **descales)
     rows = _rows_of(table)
     for b in range(batch):
         start, stop = call.seqlens[b], call.seqlens[b] + call.new
         label = f"{splits} split(s), entry {b}"
-        for name, cache, old, appended in (("k_cache", k_cache, before_k, k_new), ("v_cache", v_cache, before_v, v_new)):
+        for name, cache, old, new in (("k_cache", k_cache, before_k, appended[0]),
+                                      ("v_cache", v_cache, before_v, appended[1])):
             if call.mla and name == "v_cache":
                 continue
-            got, was = rows(cache, b), rows(old, b)
+            got, was = _bits(rows(cache, b)), _bits(rows(old, b))
             checks.equal(f"{label}: {name} outside the appended rows", torch.cat([got[:start], got[stop:]]),
                          torch.cat([was[:start], was[stop:]]))
-            checks.equal(f"{label}: {name}'s appended rows", got[start:stop], appended[b])
+            checks.equal(f"{label}: {name}'s appended rows", got[start:stop], _bits(new[b]))
         keys, values = rows(k_cache, b)[None, :stop], rows(v_cache, b)[None, :stop]
+        if call.cache_fp8:   # the keys the cache holds, in q's dtype for the same-dtype yardstick
+            keys, values = ((t.float() * 0.0625).to(dtype) for t in (keys, values))
         one_q = q[b:b + 1]
         variant = {"softcap": call.softcap} if call.softcap else {}
         oracle_out, oracle_lse = attention_forward(one_q.cpu(), keys.cpu(), values.cpu(), causal=call.causal, **variant)
         same = attention_same_dtype(one_q, keys, values, torch.zeros_like(out[b:b + 1]), causal=call.causal, **variant)
         checks.output(f"{label}: O", out[b:b + 1], oracle_out, same[0])
         checks.lse(f"{label}: L", lse[b:b + 1], oracle_lse)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit tensor as its bytes (float8 has no equality of its own), others as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _rows_of(table: torch.Tensor | None):

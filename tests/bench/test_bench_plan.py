@@ -44,7 +44,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    f"small case per kernel template (sm80 {len(all_templates('sm80'))}, sm90 {len(all_templates('sm90'))};",
                    "[     ok] the self-test's cases for sm_90 (recorded as its child records them): "
                    f"{len(all_templates('sm80')) + len(all_templates('sm90'))} templates, each "
-                   "case loading kernels of its family: sm80 22 kernels, sm90 31 kernels",
+                   "case loading kernels of its family: sm80 23 kernels, sm90 33 kernels",
                    "[     ok] the self-test's last sm90 kernel compiles for sm_90: ",
                    "fagen v2, fagen sm90, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
                    "[     ok] precompile's kernels for sm_90 (recorded from the calls): ",
@@ -121,7 +121,7 @@ def test_dry_run_prints_the_plan_and_exits_zero(tmp_path):
                    "zigzag 3, contiguous 1; zigzag pairs per step at W = 2: 2, 4: 2, 8: 2"):
         assert needle in out, needle
     assert " models 40, ring 5, memory 20," in out.split("estimated seconds:")[1].splitlines()[0]
-    assert " peak 5, selftest 31, correctness 60," in out.split("estimated seconds:")[1].splitlines()[0]
+    assert " peak 5, selftest 33, correctness 60," in out.split("estimated seconds:")[1].splitlines()[0]
 
 
 def test_main_runs_by_path_from_elsewhere(tmp_path):

@@ -107,7 +107,7 @@ def test_a_failed_template_fails_the_check_and_is_shown_last_in_the_short_table(
                           "  FAILED sm90.mla: O: max error 0.5 against the float64 oracle (x 2 rule)"]
     md = report.markdown(results)
     assert "## Self-test (`fagen selftest`)" in md and "| sm90.mla | failed | 0.30 | O: max error 0.5" in md
-    assert md.index("## Self-test") < md.index("## Correctness") and md.count("| sm80.") == 21
+    assert md.index("## Self-test") < md.index("## Correctness") and md.count("| sm80.") == N80
 
 
 def test_a_step_stopped_at_its_cap_keeps_what_it_printed_and_fails_the_check(capsys):

@@ -1,0 +1,53 @@
+"""The self-test's 8-bit case (the sm90 family's `sm90.fp8`): e4m3 q, k and v with descales per
+(batch, K/V head), GQA, causal with ragged tiles, through `flash_attn_func` (the forward) and
+`fp8_attention_backward`, each held to the fp8 rule (fagen.selftest_cases.rule's factor) against
+the float64 oracle on the dequantised inputs, the rounding models (fagen/reference/same_fp8*.py)
+standing in for a same-dtype PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..ops.fp8_inputs import quantize_qkv
+from ..ops.fp8_training import fp8_attention_backward
+from ..reference import attention_forward, attention_gradients
+from ..reference.same_fp8 import attention_same_fp8
+from ..reference.same_fp8_backward import RECOMMENDED_FP8_GEMMS, attention_backward_same_fp8
+from .rule import Checks
+
+SHAPE = (1, 150, 200, 4, 2)   # batch, Nq, Nk, heads, K/V heads
+
+
+def check_fp8(head_dim: int, device: torch.device) -> list[str]:
+    checks = Checks()
+    batch, nq, nk, heads, kv_heads = SHAPE
+    generator = torch.Generator().manual_seed(45)
+    q, k, v, dout = (torch.randn(batch, n, h, head_dim, generator=generator)
+                     for n, h in ((nq, heads), (nk, kv_heads), (nk, kv_heads), (nq, heads)))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    scales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    on = {name: t.to(device) for name, t in scales.items()}
+    out, lse = ops.flash_attn_func(q8.to(device), k8.to(device), v8.to(device), causal=True, return_lse=True, **on)
+    dout = dout.to(torch.bfloat16)
+    grads = fp8_attention_backward(dout.to(device), q8.to(device), k8.to(device), v8.to(device), out, lse,
+                                       causal=True, **on)
+    out, lse = out.cpu(), lse.cpu()
+    exact = [_dequantised(x8, s) for x8, s in ((q8, qd), (k8, kd), (v8, vd))]
+    oracle_out, oracle_lse = attention_forward(*exact, causal=True)
+    checks.output("O", out, oracle_out, attention_same_fp8(q8, k8, v8, causal=True, **scales))
+    checks.lse("L", lse, oracle_lse)
+    # D from the bf16 O the backward reads: the oracle's dlse carries its difference from the exact O's.
+    dlse = ((dout.double() * oracle_out).sum(-1) - (dout.double() * out.double()).sum(-1)).transpose(1, 2)
+    oracle = attention_gradients(*exact, dout.double(), dlse=dlse, causal=True)
+    model = attention_backward_same_fp8(q8, k8, v8, out, dout, lse, **scales, causal=True,
+                                        fp8_gemms=RECOMMENDED_FP8_GEMMS)
+    for name, got, modelled in zip(("dq", "dk", "dv"), grads, model):
+        checks.output(name, got.cpu(), oracle[name], modelled)
+    return checks.problems
+
+
+def _dequantised(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    group = x8.shape[2] // descale.shape[1]
+    return x8.double() * descale.double().repeat_interleave(group, 1)[:, None, :, None]
