@@ -47,7 +47,11 @@ def check_descales_for(q, q_descale, k_descale, v_descale) -> None:
 def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, return_lse=False, dropout_p=0.0,
                   deterministic=False, variant=None, descales=NO_DESCALES):
     """O (B, Nq, H, d_v) bf16, and L (B, H, Nq) with `return_lse`, of float8_e4m3fn q (B, Nq, H, d) and
-    k, v (B, Nk, Hk, d / d_v); `descales` by name (`DESCALES`), each (B, Hk) fp32 or None (1)."""
+    k, v (B, Nk, Hk, d / d_v); `descales` by name (`DESCALES`), each (B, Hk) fp32 or None (1). Under
+    torch.compile the call is one custom op (fagen::fp8_forward), which takes causal, a window and
+    seqlens_k."""
+    if torch.compiler.is_compiling():
+        return _traced(q, k, v, softmax_scale, causal, seqlens_k, return_lse, dropout_p, variant, descales)
     _check_fp8_inputs(q, k, v)
     if dropout_p:
         raise InputError(f"dropout_p must be 0 for float8_e4m3fn inputs (the fp8 forward has no dropout, as "
@@ -71,6 +75,41 @@ def fp8_attention(q, k, v, *, softmax_scale=None, causal=False, seqlens_k=None, 
     return (out, lse) if return_lse else out
 
 
+def _traced(q, k, v, softmax_scale, causal, seqlens_k, return_lse, dropout_p, variant, descales):
+    """The call as torch.compile traces it: fagen::fp8_forward, its options as plain values."""
+    window = (variant or {}).get("window_size", (-1, -1))
+    others = {name: value for name, value in (variant or {}).items() if name != "window_size"
+              and value is not None and value != 0.0}
+    if others or dropout_p:
+        raise InputError(f"under torch.compile, the fp8 forward takes causal, window_size and seqlens_k; "
+                         f"{', '.join(others) or 'dropout_p'} given: call it outside the compiled region")
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+        raise InputTypeError(f"under torch.compile, window_size must be a pair of Python ints, got {window!r}")
+    out, lse = fp8_forward(q, k, v, descales.get("q_descale"), descales.get("k_descale"), descales.get("v_descale"),
+                           seqlens_k, -1.0 if softmax_scale is None else float(softmax_scale), bool(causal),
+                           int(window[0]), int(window[1]))
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("fagen::fp8_forward", mutates_args=())
+def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
+                k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, seqlens_k: torch.Tensor | None,
+                scale: float, causal: bool, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_attention, eagerly, as the compiled graph calls it (scale -1: the default)."""
+    variant = {"window_size": (left, right)} if (left, right) != (-1, -1) else None
+    out, lse = fp8_attention(q, k, v, softmax_scale=None if scale < 0 else scale, causal=causal, seqlens_k=seqlens_k,
+                             return_lse=True, variant=variant,
+                             descales={"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+    return out, lse
+
+
+@fp8_forward.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, seqlens_k, scale, causal, left, right):
+    batch, seqlen_q, heads, _ = q.shape
+    return (q.new_empty(batch, seqlen_q, heads, v.shape[-1], dtype=torch.bfloat16),
+            q.new_empty(batch, heads, seqlen_q, dtype=torch.float32))
+
+
 def _check_fp8_inputs(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_dense_tensor(name, t)
@@ -79,6 +118,7 @@ def _check_fp8_inputs(q, k, v) -> None:
     check_inputs(q, k, v, dtypes=(FP8,))
 
 
+@torch.compiler.disable   # packed fp8 sequences run eagerly under torch.compile (a graph break, said in usage.md)
 def fp8_varlen_attention(q, k, v, varlen, *, softmax_scale, causal: bool, dropout_p, call, descales):
     """Packed sequences' fp8 forward (flash_attn_varlen_func's e4m3 path, its arguments checked there but
     for these): q (total_q, H, d), k, v (total_k, Hk, d / d_v) in float8_e4m3fn, `varlen` = (cu_seqlens_q,

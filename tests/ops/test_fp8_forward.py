@@ -107,6 +107,22 @@ def test_fp8_packed_sequences_refuse_a_block_table_and_stray_descales():
                                      block_table=torch.tensor([[0, 1]], dtype=torch.int32))
 
 
+def test_the_fp8_forward_compiles_without_graph_breaks_and_equals_eager():
+    """Under torch.compile the call is one custom op (fagen::fp8_forward): fullgraph, bit for bit eager's."""
+    torch._dynamo.reset()
+    q8, k8, v8, qd, kd, vd = quantize_qkv(*_inputs(d=64, nq=96, nk=96))
+
+    def call(q, k, v, qd, kd, vd):
+        return fagen.flash_attn_func(q, k, v, causal=True, window_size=(40, 0), return_lse=True, q_descale=qd,
+                                     k_descale=kd, v_descale=vd)
+
+    explained = torch._dynamo.explain(call)(q8, k8, v8, qd, kd, vd)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q8, k8, v8, qd, kd, vd)
+    eager = call(q8, k8, v8, qd, kd, vd)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
 def test_missing_descales_are_one():
     q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs())
     ones = torch.ones(2, 2)
