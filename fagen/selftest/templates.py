@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..arch_families import ARCH_FAMILIES, FAMILIES as FAMILY_FACTS, SM80
+from ..arch_families import ARCH_FAMILIES, FAMILIES as FAMILY_FACTS, FP8_FAMILY, SM80
 from ..kernels.families import KERNEL_FAMILIES
 
 FAMILIES = ARCH_FAMILIES
@@ -48,7 +48,7 @@ FEATURES = (
     ("varlen_paged", FAMILIES, lambda s: s.kv_cache == "paged" and s.varlen),
     ("pack_gqa", FAMILIES, lambda s: s.pack_gqa),
     ("mla", FAMILIES, lambda s: s.v_from_k),
-    ("fp8", ("sm90",), lambda s: s.fp8),                     # the e4m3 forward and its backward
+    ("fp8", (FP8_FAMILY.name,), lambda s: s.fp8),            # the e4m3 forward and its backward
     ("fp8_cache", ("sm80",), lambda s: s.cache_fp8),         # decoding from an e4m3 KV cache
     ("fa1", ("sm80",), lambda s: s.version == 1),
     ("deterministic", ("sm80",), lambda s: s.deterministic),
