@@ -19,13 +19,13 @@ from .ops import (attention, flash_attn_func, flash_attn_kvpacked_func, flash_at
                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                   flash_attn_with_kvcache, flex_attention, merge_attention)
 from .ops.fp8_inputs import quantize_qkv  # noqa: E402  (e4m3 q, k, v and their descales for flash_attn_func)
-from .ops.fp8_training import fp8_attention_backward, fp8_attention_func  # noqa: E402  (fp8 training)
+from .ops.fp8_training import FP8Gradients, fp8_attention_backward, fp8_attention_func  # noqa: E402  (fp8 training)
 from .ops.sdpa import sdpa  # noqa: E402
 from .spec import Spec  # noqa: E402
 from .tuning import autotune  # noqa: E402
 from .variants import ModError, exp, log, maximum, minimum, sigmoid, sqrt, tanh, where  # noqa: E402
 
-__all__ = ["ModError", "Spec", "attention", "autotune", "distributed", "exp", "flash_attn_func",
+__all__ = ["FP8Gradients", "ModError", "Spec", "attention", "autotune", "distributed", "exp", "flash_attn_func",
            "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
            "flex_attention", "fp8_attention_backward", "fp8_attention_func", "log", "maximum", "merge_attention",

@@ -9,6 +9,12 @@ dV's, dK's and dQ's GEMMs past the accuracy rule (7-11x the bf16 GEMMs' error), 
 give the same values either way, so every GEMM reads bf16. It takes causal, key padding and a
 window (arch_families.fp8_backward_refusal says what else, by name).
 
+For a delayed-scaling recipe, `grad_dtype=torch.float8_e4m3fn` (or e5m2) returns the gradients in fp8
+instead, each times its scale (`dq_scale`, `dk_scale`, `dv_scale`: one fp32 value each, the recipe's
+per-tensor scale, None meaning 1) and saturated, with the amax of each before scaling, as cuDNN's fp8
+backward returns them to Transformer Engine (`FP8Gradients`). The kernels still write bf16; the
+scaling, the cast and the amax are torch's, one pass over each gradient after them.
+
 `fp8_attention_func(q, k, v, ...)` is a training step's attention in fp8 from 16- or 32-bit q, k
 and v: each is quantised per (batch, K/V head) (`quantize_qkv`), the fp8 forward runs, and the
 backward runs on the same e4m3 tensors with O and dO in bf16 (the kernel widens them anyway, so
@@ -18,6 +24,8 @@ fagen::fp8_attention_bwd), so torch.compile traces a step without a graph break.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,16 +40,32 @@ from .fp8_inputs import quantize_qkv
 from .variant_args import variant_call
 
 OUTPUT_DTYPES = (FP8, torch.bfloat16)                          # O as the backward takes it
-GRADIENT_DTYPES = (FP8, torch.float8_e5m2, torch.bfloat16)     # dO
+GRADIENT_DTYPES = (FP8, torch.float8_e5m2, torch.bfloat16)     # dO, and dQ, dK, dV (grad_dtype)
+GRADIENT_SCALES = ("dq_scale", "dk_scale", "dv_scale")
+
+
+class FP8Gradients(NamedTuple):
+    """fp8_attention_backward's result under an fp8 `grad_dtype`: each gradient times its scale, in
+    that dtype (saturated), and its amax (fp32, 0-dim) before the scale."""
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dq_amax: torch.Tensor
+    dk_amax: torch.Tensor
+    dv_amax: torch.Tensor
 
 
 def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None,
                            o_descale=None, do_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           seqlens_k=None, deterministic=False):
+                           seqlens_k=None, deterministic=False, grad_dtype=torch.bfloat16, dq_scale=None,
+                           dk_scale=None, dv_scale=None):
     """(dq, dk, dv) in bf16 of the fp8 attention O = softmax(q k^T tau) v: q (B, Nq, H, d), k, v
     (B, Nk, Hk, d / d_v) in float8_e4m3fn; out (B, Nq, H, d_v) in e4m3 or bf16; dout likewise or
     in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1).
-    `deterministic`: dQ summed in a fixed order, repeated calls bit-identical (the sm90 backward's)."""
+    `deterministic`: dQ summed in a fixed order, repeated calls bit-identical (the sm90 backward's).
+    `grad_dtype` e4m3 or e5m2: an FP8Gradients of the gradients times dq_scale, dk_scale and
+    dv_scale (module docstring)."""
+    scales = _gradient_scales(grad_dtype, dict(zip(GRADIENT_SCALES, (dq_scale, dk_scale, dv_scale))), q.device)
     _check_fp8_inputs(q, k, v)
     for name, t, dtypes in (("out", out, OUTPUT_DTYPES), ("dout", dout, GRADIENT_DTYPES)):
         check_dense_tensor(name, t)
@@ -66,9 +90,47 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
     if spec.forward_only:
         raise InputError(f"no fp8 backward for this call: {fp8_backward_refusal(spec)}")
     _check_device(q, spec)
-    return attention_kernels.backward(source_for(spec), q, k, v, out, (lse.contiguous(),), dout.contiguous(),
-                                      softmax_scale=softmax_scale, seqlens_k=seqlens_k,
-                                      variant_values=call.values if call else None, descales=descales)
+    grads = attention_kernels.backward(source_for(spec), q, k, v, out, (lse.contiguous(),), dout.contiguous(),
+                                       softmax_scale=softmax_scale, seqlens_k=seqlens_k,
+                                       variant_values=call.values if call else None, descales=descales)
+    if scales is None:
+        return grads
+    scaled = [scaled_fp8(grad, scale, grad_dtype) for grad, scale in zip(grads, scales)]
+    return FP8Gradients(*(t for t, _ in scaled), *(amax for _, amax in scaled))
+
+
+def _gradient_scales(grad_dtype, given: dict, device) -> list[torch.Tensor] | None:
+    """The three scales as fp32 0-dim tensors on `device` under an fp8 grad_dtype (None: 1); None
+    under bf16, where a scale given is an error. Checked before the kernels run."""
+    if grad_dtype not in GRADIENT_DTYPES:
+        raise InputTypeError(f"grad_dtype must be torch.bfloat16, torch.float8_e4m3fn or torch.float8_e5m2, "
+                             f"got {grad_dtype}")
+    if grad_dtype == torch.bfloat16:
+        named = [name for name, scale in given.items() if scale is not None]
+        if named:
+            raise InputError(f"{', '.join(named)} scale fp8 gradients: pass grad_dtype=torch.float8_e4m3fn or "
+                             f"torch.float8_e5m2 with them (the gradients are bf16 here)")
+        return None
+    scales = []
+    for name, scale in given.items():
+        if scale is None:
+            scale = 1.0
+        elif isinstance(scale, torch.Tensor):
+            if scale.numel() != 1 or not scale.is_floating_point() or scale.device != device:
+                raise InputError(f"{name} must be one floating-point value on {device} (a per-tensor scale), got "
+                                 f"{tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        elif not isinstance(scale, (int, float)):
+            raise InputTypeError(f"{name} must be a float or a one-element tensor, got {type(scale).__name__}")
+        scales.append(torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(()))
+    return scales
+
+
+def scaled_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t times `scale` in the fp8 `dtype`, saturated at its largest finite value as cuDNN's and
+    cvt's .satfinite are (NaN stays NaN), the amax of t before the scale, fp32 0-dim)."""
+    largest = torch.finfo(dtype).max
+    wide = t.float()
+    return (wide * scale).clamp(-largest, largest).to(dtype), wide.abs().amax()
 
 
 def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False):

@@ -106,6 +106,10 @@ def _bad_backward_calls():
         ({**base, "dout": out[:, :5]}, "dout must be \\(batch, seqlen_q, heads, head_dim_v\\)"),
         ({**base, "lse": lse[..., :5]}, "lse must be float32 \\(batch, heads, seqlen_q\\)"),
         ({**base, "o_descale": torch.ones(2, 3)}, "o_descale must be float32 of shape \\(batch, kv_heads\\)"),
+        ({**base, "grad_dtype": torch.float16}, "grad_dtype must be torch.bfloat16, torch.float8_e4m3fn"),
+        ({**base, "dq_scale": 2.0}, "dq_scale scale fp8 gradients: pass grad_dtype"),
+        ({**base, "grad_dtype": E4M3, "dk_scale": torch.ones(2)}, "dk_scale must be one floating-point value"),
+        ({**base, "grad_dtype": E4M3, "dv_scale": "2"}, "dv_scale must be a float or a one-element tensor"),
     ]
 
 
@@ -113,6 +117,31 @@ def _bad_backward_calls():
 def test_bad_backward_calls_name_the_argument(call, message):
     with pytest.raises((InputError, TypeError), match=message):
         fagen.fp8_attention_backward(**call)
+
+
+def test_fp8_gradients_for_delayed_scaling_are_the_bf16_ones_scaled_saturated_with_their_amax():
+    """grad_dtype e4m3 / e5m2: each gradient is the bf16 call's times its scale, cast with saturation
+    (dq's scale puts its largest values past 448), byte for byte, and its amax the bf16 one's."""
+    q, k, v = inputs(seed=7, nq=64, nk=80, grad=False)
+    q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q, k, v)
+    out, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd,
+                                     v_descale=vd)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).bfloat16()
+    call = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    bf16 = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **call)
+    amaxes = [g.float().abs().amax() for g in bf16]
+    for dtype in (E4M3, torch.float8_e5m2):
+        largest = torch.finfo(dtype).max
+        scales = [2 * largest / amaxes[0], torch.tensor([0.5]), None]   # a tensor, a one-element tensor, 1
+        got = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **call, grad_dtype=dtype,
+                                           dq_scale=scales[0], dk_scale=scales[1], dv_scale=scales[2])
+        assert isinstance(got, fagen.FP8Gradients)
+        for grad, scale, fp8, amax in zip(bf16, scales, got[:3], got[3:]):
+            scale = 1.0 if scale is None else scale.reshape(())
+            expected = (grad.float() * scale).clamp(-largest, largest).to(dtype)
+            assert fp8.dtype == dtype and torch.equal(fp8.view(torch.uint8), expected.view(torch.uint8))
+            assert amax.dtype == torch.float32 and amax.dim() == 0 and torch.equal(amax, grad.float().abs().amax())
+        assert got.dq.float().abs().max() == largest   # saturated, not inf or NaN
 
 
 def test_the_fp8_forward_s_own_gradient_refusal_points_to_the_training_entry():
