@@ -69,7 +69,7 @@ from pathlib import Path
 
 from fagen.arch_families import sm90_backward_refusal
 from fagen.cache_files import cache_dir
-from fagen.kernels.compile import compile_source
+from fagen.kernels.compile import compile_source, nvrtc_version
 from fagen.kernels.render import render
 from fagen.sass.cfg import build_graph
 from fagen.sass.classes import TENSOR_CLASSES, tensor_equivalents
@@ -421,7 +421,10 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = parser.parse_args()
     rows = peer_rows()
-    print("non-tensor instructions per HMMA-equivalent, main loop steady state (fagen.sass), sm_90(a)")
+    # ptxas's version decides some of fagen's figures (12.9 joins the e4m3 forward's packed P with 28
+    # PRMT at d 128 that 13.x folds into F2FP ... MERGE_C): say which compiled them.
+    print(f"non-tensor instructions per HMMA-equivalent, main loop steady state (fagen.sass), sm_90(a); fagen's "
+          f"kernels compiled by NVRTC {nvrtc_version()}")
     print("fagen = the sm80 family (mma.sync, the fallback tiles); sm90 = fagen's sm90 family (wgmma, TMA);"
           " exp2 in wgmma: FA3's / the sm90 family's")
     print(f"{'wheel':<16} {'kernel':<18} {'FA3 tile':<9} {'HMMA-eq':>8} {'FA3':>6} {'fagen':>6} {'fagen/FA3':>9}"
