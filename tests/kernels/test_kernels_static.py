@@ -85,9 +85,23 @@ def cache(tmp_path_factory):
         os.environ["FAGEN_CACHE_DIR"] = old
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", SPECS + [pytest.param(s, marks=pytest.mark.slow) for s in WIDE_ONLY],
-                         ids=lambda s: s.name)
+# The default tier compiles every FlashAttention-2 spec above for sm_80, and the shipped set with
+# its FlashAttention-1 twins for sm_90 too (the same mma.sync source, recompiled); the slow tier
+# adds the rest for sm_90, FlashAttention-1's variant and packed combinations, and the wide set.
+SHIPPED = SPECS[:2 * len(default_specs())]
+
+
+def _compile_params():
+    params = []
+    for arch in ARCHS:
+        for spec in SPECS + WIDE_ONLY:
+            default = spec in SHIPPED or (spec not in WIDE_ONLY and arch == "sm_80" and spec.version == 2)
+            params.append(pytest.param(spec, arch, id=f"{spec.name}-{arch}",
+                                       marks=() if default else pytest.mark.slow))
+    return params
+
+
+@pytest.mark.parametrize("spec, arch", _compile_params())
 def test_compiles_without_spills(spec, arch):
     source = render(spec)
     compiled = compile_source(source, arch)
@@ -98,9 +112,15 @@ def test_compiles_without_spills(spec, arch):
         assert report.registers <= 255
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (128, False), (256, False), (64, True),
-                                                     (256, True)])
+# Every case for sm_80; for sm_90 (the same source) one in the default tier, the rest in the slow.
+CUSTOM_MOD_CASES = [pytest.param(head_dim, deterministic, arch, id=f"{head_dim}-{deterministic}-{arch}",
+                                 marks=() if arch == "sm_80" or (head_dim, deterministic) == (128, False)
+                                 else pytest.mark.slow)
+                    for arch in ARCHS for head_dim, deterministic in ((64, False), (128, False), (256, False),
+                                                                      (64, True), (256, True))]
+
+
+@pytest.mark.parametrize("head_dim, deterministic, arch", CUSTOM_MOD_CASES)
 def test_custom_mods_compile(head_dim, deterministic, arch):
     """A custom score_mod with a captured tensor's gradient (atomics; deterministic, an order-free
     sum's integer atomics) beside a document mask compiles for both archs. (Per-element loads cost
