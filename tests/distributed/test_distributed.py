@@ -213,7 +213,8 @@ def test_pairs_outside_every_window_are_skipped(layout, causal, window):
     assert dropped > 0
 
 
-@pytest.mark.parametrize("layout, world", [("zigzag", 2), ("contiguous", 4), ("zigzag", 4)])
+@pytest.mark.parametrize("layout, world", [("zigzag", 2), pytest.param("contiguous", 4, marks=pytest.mark.slow),
+                                           pytest.param("zigzag", 4, marks=pytest.mark.slow)])
 def test_the_sharded_dropout_mask_is_the_single_device_mask(layout, world):
     """Every chunk pair a ring computes, run with its global coordinates (Spec.coord_offsets) and
     its keep mask recorded, forward and backward: put together they are the single-device mask

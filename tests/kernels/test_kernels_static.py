@@ -85,9 +85,10 @@ def cache(tmp_path_factory):
         os.environ["FAGEN_CACHE_DIR"] = old
 
 
-# The default tier compiles every FlashAttention-2 spec above for sm_80, and the shipped set with
-# its FlashAttention-1 twins for sm_90 too (the same mma.sync source, recompiled); the slow tier
-# adds the rest for sm_90, FlashAttention-1's variant and packed combinations, and the wide set.
+# The default tier compiles the shipped set with its FlashAttention-1 twins for sm_80 and sm_90,
+# and FlashAttention-2's variant, packed and d_v combinations above at d = 128, 192/128 and 512
+# for sm_80; the slow tier adds the rest of them, sm_90 (the same mma.sync source, recompiled),
+# FlashAttention-1's combinations and the wide set.
 SHIPPED = SPECS[:2 * len(default_specs())]
 
 
@@ -95,7 +96,8 @@ def _compile_params():
     params = []
     for arch in ARCHS:
         for spec in SPECS + WIDE_ONLY:
-            default = spec in SHIPPED or (spec not in WIDE_ONLY and arch == "sm_80" and spec.version == 2)
+            sampled = spec not in WIDE_ONLY and spec.version == 2 and spec.head_dim in (128, 192, 512)
+            default = spec in SHIPPED or (arch == "sm_80" and sampled)
             params.append(pytest.param(spec, arch, id=f"{spec.name}-{arch}",
                                        marks=() if default else pytest.mark.slow))
     return params
@@ -184,10 +186,15 @@ def test_decoding_tiles_fit_the_99_kb_parts_without_spills(fields, arch):
 needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
 
 
+# sm_80 in the default tier, and for sm_90 (the same source) d = 128 causal bf16; the rest slow.
+SASS_CASES = [pytest.param(spec, arch, id=f"{spec.name}-{arch}",
+                           marks=() if arch == "sm_80" or spec.name == "fa2_d128_causal_bf16" else pytest.mark.slow)
+              for arch in ARCHS for spec in default_specs() + [Spec(64, version=1, mask="causal"),
+                                                               Spec(128, version=1, dtype="bf16")]]
+
+
 @needs_cuobjdump
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", default_specs() + [Spec(64, version=1, mask="causal"),
-                                                  Spec(128, version=1, dtype="bf16")], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec, arch", SASS_CASES)
 def test_sass_uses_tensor_cores_ldmatrix_and_wide_accesses(spec, arch):
     source = render(spec)
     reports = sass_reports(disassemble(*compile_source(source, arch).cubins))
@@ -246,8 +253,15 @@ def shipped_variants():
     return pairs
 
 
+# Every pair for sm_80; for sm_90 the causal bf16 ones (the default and fallback tiles), the rest slow.
+MAIN_LOOP_CASES = [pytest.param(spec, arch, id=f"{spec.name}-{arch}",
+                                marks=() if arch == "sm_80" or (spec.mask == "causal" and spec.dtype == "bf16")
+                                else pytest.mark.slow)
+                   for spec, arch in shipped_variants()]
+
+
 @needs_cuobjdump
-@pytest.mark.parametrize(("spec", "arch"), shipped_variants(), ids=lambda x: x if isinstance(x, str) else x.name)
+@pytest.mark.parametrize("spec, arch", MAIN_LOOP_CASES)
 def test_main_loops_run_only_useful_tensor_core_work_and_no_division(spec, arch):
     """A structural check of the machine code, not a timing (fagen/sass): each kernel's main
     loop is straight-line work per iteration (no nested loop; with dropout only the

@@ -140,9 +140,9 @@ PREFIX = sp.Function("mask_cap0", integer=True)
 
 @pytest.mark.parametrize("mask", [
     _mask(Spec(64, mask="causal", window=True)),
-    _mask(Spec(64, window=True)),
+    pytest.param(_mask(Spec(64, window=True)), marks=pytest.mark.slow),   # the causal window's two bounds, one here
     sp.And(KV_IDX < KEYS, sp.Or(KV_IDX <= Q_IDX, KV_IDX < PREFIX(B))),   # prefix-LM
-    sp.And(KV_IDX < KEYS, sp.Not(sp.Eq(Q_IDX, KV_IDX))),
+    pytest.param(sp.And(KV_IDX < KEYS, sp.Not(sp.Eq(Q_IDX, KV_IDX))), marks=pytest.mark.slow),
 ], ids=["causal_window", "window", "prefix_lm", "not_diagonal"])
 def test_tile_classes_and_ranges_are_sound_on_small_tiles(mask):
     """Exhaustively over random small problems and tiles: a tile classified full has every
