@@ -108,8 +108,8 @@ def _gradient_scales(grad_dtype, given: dict, device) -> list[torch.Tensor] | No
     if grad_dtype == torch.bfloat16:
         named = [name for name, scale in given.items() if scale is not None]
         if named:
-            raise InputError(f"{', '.join(named)} scale fp8 gradients: pass grad_dtype=torch.float8_e4m3fn or "
-                             f"torch.float8_e5m2 with them (the gradients are bf16 here)")
+            raise InputError(f"{', '.join(named)}: only fp8 gradients take a scale; pass "
+                             f"grad_dtype=torch.float8_e4m3fn or torch.float8_e5m2 (the gradients are bf16 here)")
         return None
     scales = []
     for name, scale in given.items():

@@ -107,7 +107,7 @@ def _bad_backward_calls():
         ({**base, "lse": lse[..., :5]}, "lse must be float32 \\(batch, heads, seqlen_q\\)"),
         ({**base, "o_descale": torch.ones(2, 3)}, "o_descale must be float32 of shape \\(batch, kv_heads\\)"),
         ({**base, "grad_dtype": torch.float16}, "grad_dtype must be torch.bfloat16, torch.float8_e4m3fn"),
-        ({**base, "dq_scale": 2.0}, "dq_scale scale fp8 gradients: pass grad_dtype"),
+        ({**base, "dq_scale": 2.0}, "dq_scale: only fp8 gradients take a scale; pass grad_dtype"),
         ({**base, "grad_dtype": E4M3, "dk_scale": torch.ones(2)}, "dk_scale must be one floating-point value"),
         ({**base, "grad_dtype": E4M3, "dv_scale": "2"}, "dv_scale must be a float or a one-element tensor"),
     ]

@@ -45,7 +45,8 @@ __device__ __forceinline__ uint16_t e5m2x2(float lo, float hi) {
 // conversions into 16-bit registers and mov.b32 {lo, hi}, which ptxas folds into one
 // F2FP.SATFINITE...MERGE_C per pair (e4m3x2's results joined by a shift and an or cost a PRMT per
 // register besides). ptxas 12.9 folds it outside the forward's loop only, and joins the pairs with
-// a PRMT inside it whatever the PTX's form (benchmarks/RESULTS.md); 13.x folds it there too. The operands' order, by the PTX ISA: cvt.rn.satfinite.e4m3x2.f32 d, a, b puts
+// a PRMT inside it whatever the PTX's form (benchmarks/RESULTS.md); 13.x folds it there too. The
+// operands' order, by the PTX ISA: cvt.rn.satfinite.e4m3x2.f32 d, a, b puts
 // a's byte in d's upper half and b's in its lower (as cuda_fp8.hpp's own cvt, `%0, %2, %1` for
 // (x, y), reads it), and mov.b32's vector {lo, hi} puts its first element in the low bits. The
 // emulator joins e4m3x2's halves by that arithmetic: the twin.
