@@ -44,7 +44,21 @@ def quantize(x: torch.Tensor, group: int = 1, name: str = "x") -> tuple[torch.Te
     amax = x.detach().abs().float().amax(dim=(1, 3)).view(batch, heads // group, group).amax(-1)
     descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     scaled = x.float() / descale.repeat_interleave(group, 1)[:, None, :, None]
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), descale
+    return saturated(scaled), descale
+
+
+def saturated(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """x in the fp8 `dtype`, clamped first to its largest finite value as cvt's .satfinite and
+    cuDNN's fp8 outputs are (torch's cast alone would give NaN or inf past it); NaN stays NaN."""
+    largest = torch.finfo(dtype).max
+    return x.clamp(-largest, largest).to(dtype)
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """`quantize`'s inverse, exactly, in float64: x8 (B, N, heads, d) times its (B, heads / group)
+    descale, each descale shared by its group of consecutive heads."""
+    group = x8.shape[2] // descale.shape[1]
+    return x8.double() * descale.double().repeat_interleave(group, 1)[:, None, :, None]
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rotate: bool = False, seed: int = 0):

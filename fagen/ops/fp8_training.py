@@ -36,7 +36,7 @@ from ..kernels.fp8_operands import BACKWARD_DESCALES
 from ..kernels.render import source_for
 from .common import check_dense_tensor, check_options
 from .fp8 import FP8, _check_device, _check_fp8_inputs, _checked_descale, _spec, fp8_attention
-from .fp8_inputs import quantize_qkv
+from .fp8_inputs import quantize_qkv, saturated
 from .variant_args import variant_call
 
 OUTPUT_DTYPES = (FP8, torch.bfloat16)                          # O as the backward takes it
@@ -126,11 +126,9 @@ def _gradient_scales(grad_dtype, given: dict, device) -> list[torch.Tensor] | No
 
 
 def scaled_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t times `scale` in the fp8 `dtype`, saturated at its largest finite value as cuDNN's and
-    cvt's .satfinite are (NaN stays NaN), the amax of t before the scale, fp32 0-dim)."""
-    largest = torch.finfo(dtype).max
+    """(t times `scale` in the fp8 `dtype`, saturated, the amax of t before the scale, fp32 0-dim)."""
     wide = t.float()
-    return (wide * scale).clamp(-largest, largest).to(dtype), wide.abs().amax()
+    return saturated(wide * scale, dtype), wide.abs().amax()
 
 
 def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False):

@@ -13,8 +13,11 @@ import torch
 
 from .. import ops
 from ..dtypes import TORCH_DTYPE
+from ..ops.fp8_inputs import saturated
 from ..reference import attention_forward, attention_same_dtype
 from .rule import Checks
+
+CACHE_FP8_SCALE = 16.0   # an 8-bit cache holds 16 x (descale 1/16, a power of two: exact)
 
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
@@ -64,9 +67,10 @@ def _check_step(call: Decoding, splits: int, device: torch.device, checks: Check
     k_cache, v_cache, q, k_new, v_new = (t.to(device, dtype) for t in (k_cache, v_cache, q, k_new, v_new))
     descales, appended = {}, (k_new, v_new)
     if call.cache_fp8:   # an 8-bit cache: K = e4m3 * k_descale; new rows stored as e4m3(x / descale)
-        descales = {name: torch.full((batch, kv_heads), 0.0625, device=device) for name in ("k_descale", "v_descale")}
-        k_cache, v_cache = (t.to(torch.float8_e4m3fn) for t in (k_cache * 16, v_cache * 16))
-        appended = tuple((t.float() * 16).clamp(-448, 448).to(torch.float8_e4m3fn) for t in (k_new, v_new))
+        descales = {name: torch.full((batch, kv_heads), 1 / CACHE_FP8_SCALE, device=device)
+                    for name in ("k_descale", "v_descale")}
+        k_cache, v_cache = (t.to(torch.float8_e4m3fn) for t in (k_cache * CACHE_FP8_SCALE, v_cache * CACHE_FP8_SCALE))
+        appended = tuple(saturated(t.float() * CACHE_FP8_SCALE) for t in (k_new, v_new))
     before_k, before_v = k_cache.clone(), v_cache.clone()
     if call.mla:   # V is K's first 512 columns: one cache, appended through k alone
         v_cache, v_new = k_cache[..., :MLA_HEAD_DIM_V], k_new[..., :MLA_HEAD_DIM_V]
@@ -89,7 +93,7 @@ def _check_step(call: Decoding, splits: int, device: torch.device, checks: Check
             checks.equal(f"{label}: {name}'s appended rows", got[start:stop], _bits(new[b]))
         keys, values = rows(k_cache, b)[None, :stop], rows(v_cache, b)[None, :stop]
         if call.cache_fp8:   # the keys the cache holds, in q's dtype for the same-dtype yardstick
-            keys, values = ((t.float() * 0.0625).to(dtype) for t in (keys, values))
+            keys, values = ((t.float() / CACHE_FP8_SCALE).to(dtype) for t in (keys, values))
         one_q = q[b:b + 1]
         variant = {"softcap": call.softcap} if call.softcap else {}
         oracle_out, oracle_lse = attention_forward(one_q.cpu(), keys.cpu(), values.cpu(), causal=call.causal, **variant)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ops.fp8_inputs import quantize_qkv
+from ..ops.fp8_inputs import dequantize, quantize_qkv
 from ..ops.fp8_training import fp8_attention_backward
 from ..reference import attention_forward, attention_gradients
 from ..reference.same_fp8 import attention_same_fp8
@@ -32,9 +32,9 @@ def check_fp8(head_dim: int, device: torch.device) -> list[str]:
     out, lse = ops.flash_attn_func(q8.to(device), k8.to(device), v8.to(device), causal=True, return_lse=True, **on)
     dout = dout.to(torch.bfloat16)
     grads = fp8_attention_backward(dout.to(device), q8.to(device), k8.to(device), v8.to(device), out, lse,
-                                       causal=True, **on)
+                                   causal=True, **on)
     out, lse = out.cpu(), lse.cpu()
-    exact = [_dequantised(x8, s) for x8, s in ((q8, qd), (k8, kd), (v8, vd))]
+    exact = [dequantize(x8, s) for x8, s in ((q8, qd), (k8, kd), (v8, vd))]
     oracle_out, oracle_lse = attention_forward(*exact, causal=True)
     checks.output("O", out, oracle_out, attention_same_fp8(q8, k8, v8, causal=True, **scales))
     checks.lse("L", lse, oracle_lse)
@@ -47,7 +47,3 @@ def check_fp8(head_dim: int, device: torch.device) -> list[str]:
         checks.output(name, got.cpu(), oracle[name], modelled)
     return checks.problems
 
-
-def _dequantised(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    group = x8.shape[2] // descale.shape[1]
-    return x8.double() * descale.double().repeat_interleave(group, 1)[:, None, :, None]

@@ -10,10 +10,10 @@ import torch
 
 import fagen
 from fagen.errors import InputError
-from fagen.ops.fp8_inputs import quantize_qkv
+from fagen.ops.fp8_inputs import dequantize, quantize_qkv
 from fagen.reference import attention_forward
 from fagen.reference.same_fp8 import attention_same_fp8
-from fp8_cases import FP8_OUTPUT_FACTOR, LSE_TOLERANCE, dequantise
+from fp8_cases import FP8_OUTPUT_FACTOR, LSE_TOLERANCE
 from kernel_cases import ABS_FLOOR, max_error
 
 
@@ -29,7 +29,7 @@ def _inputs(d=128, d_v=None, batch=2, nq=130, nk=170, heads=4, kv_heads=2, seed=
 
 
 def _check_rule(out, lse, q8, k8, v8, qd, kd, vd, **kwargs):
-    ref, ref_lse = attention_forward(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), **kwargs)
+    ref, ref_lse = attention_forward(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), **kwargs)
     same = attention_same_fp8(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
     assert out.dtype == torch.bfloat16 and out.shape == same.shape
     assert max_error(out, ref) <= FP8_OUTPUT_FACTOR * max_error(same, ref) + ABS_FLOOR
@@ -54,7 +54,7 @@ def test_attention_takes_it_in_pytorchs_layout_and_the_variants_too():
                                   v_descale=vd)
     assert torch.equal(out.transpose(1, 2), flash)
     same = attention_same_fp8(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, window_size=window)
-    ref, _ = attention_forward(dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd), causal=True,
+    ref, _ = attention_forward(dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd), causal=True,
                                window_size=window)
     assert max_error(flash, ref) <= FP8_OUTPUT_FACTOR * max_error(same, ref) + ABS_FLOOR
 

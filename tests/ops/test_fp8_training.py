@@ -7,11 +7,10 @@ import torch
 
 import fagen
 from fagen.errors import InputError
-from fagen.ops.fp8_inputs import quantize
+from fagen.ops.fp8_inputs import dequantize, quantize
 from fagen.reference import attention_forward, attention_gradients
 from fagen.reference.same_fp8_backward import RECOMMENDED_FP8_GEMMS, attention_backward_same_fp8
 from fp8_backward_cases import FP8_GRAD_FACTOR
-from fp8_cases import dequantise
 from kernel_cases import ABS_FLOOR, max_error
 
 E4M3 = torch.float8_e4m3fn
@@ -34,7 +33,7 @@ def test_fp8_attention_backward_with_the_forward_s_outputs_is_within_the_rule():
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     dq, dk, dv = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **scales, causal=True)
-    qx, kx, vx = dequantise(q8, qd), dequantise(k8, kd), dequantise(v8, vd)
+    qx, kx, vx = dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)
     exact, _ = attention_forward(qx, kx, vx, causal=True)
     dlse = ((dout.double() * exact).sum(-1) - (dout.double() * out.double()).sum(-1)).transpose(1, 2)
     oracle = attention_gradients(qx, kx, vx, dout.double(), dlse=dlse, causal=True)
@@ -155,5 +154,5 @@ def test_a_per_head_quantisation_round_trips_within_e4m3():
     e4m3's half ulp at most (2^-4 relative)."""
     x = inputs(grad=False, dtype=torch.float32)[0]
     x8, descale = quantize(x, 2)
-    err = (dequantise(x8, descale) - x.double()).abs()
+    err = (dequantize(x8, descale) - x.double()).abs()
     assert bool((err <= 2.0 ** -4 * x.double().abs() + 2.0 ** -9 * descale.max().item()).all())

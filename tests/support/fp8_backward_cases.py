@@ -18,11 +18,11 @@ import torch
 
 from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
-from fagen.ops.fp8_inputs import quantize
+from fagen.ops.fp8_inputs import dequantize, quantize
 from fagen.reference import attention_forward, attention_gradients
 from fagen.reference.same_fp8_backward import RECOMMENDED_FP8_GEMMS, attention_backward_same_fp8
 from fagen.spec import Spec
-from fp8_cases import dequantise, fp8_inputs
+from fp8_cases import fp8_inputs
 from kernel_cases import ABS_FLOOR, Shape, key_lengths, max_error
 
 FP8_GRAD_FACTOR = 2.0
@@ -54,7 +54,7 @@ def run_fp8_backward_case(spec: Spec, shape: Shape, *, device: str = "cpu", sour
     dout = torch.randn(*exact_out.shape, generator=torch.Generator().manual_seed(seed + 1))
     o8, od = _in_format(exact_out.float(), out_format, group)
     do8, dod = _in_format(dout, do_format, group)
-    o, do = dequantise(o8, od), dequantise(do8, dod)
+    o, do = dequantize(o8, od), dequantize(do8, dod)
     scales = {**descales, "o_descale": od, "do_descale": dod}
     source = render(spec) if source is None else source
     on = lambda t: None if t is None else t.to(device)

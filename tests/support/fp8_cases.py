@@ -19,7 +19,7 @@ import torch
 from fagen.kernels import attention_kernels
 from fagen.kernels.render import render
 from fagen.emulate import assert_written
-from fagen.ops.fp8_inputs import quantize_qkv
+from fagen.ops.fp8_inputs import dequantize, quantize_qkv
 from fagen.reference import attention_forward
 from fagen.reference.same_fp8 import attention_same_fp8
 from fagen.spec import Spec
@@ -51,14 +51,8 @@ def fp8_inputs(spec: Spec, shape: Shape, seed: int = 0, outliers: float = 0.0, d
         (q8, k8, v8), (qd, kd, vd) = ((x.to(torch.float8_e4m3fn) for x in (q, k, v)),
                                       (torch.ones(shape.batch, shape.kv_heads) for _ in range(3)))
     descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
-    dequantised = tuple(dequantise(x, s) for x, s in ((q8, qd), (k8, kd), (v8, vd)))
+    dequantised = tuple(dequantize(x, s) for x, s in ((q8, qd), (k8, kd), (v8, vd)))
     return q8, k8, v8, descales, dequantised
-
-
-def dequantise(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """e4m3 (B, N, heads, d) times its (B, Hk) descale, each K/V head's shared by its query heads."""
-    group = x8.shape[2] // descale.shape[1]
-    return x8.double() * descale.double().repeat_interleave(group, 1)[:, None, :, None]
 
 
 def run_fp8_case(spec: Spec, shape: Shape, variant: dict | None = None, *, device: str = "cpu", source=None,
