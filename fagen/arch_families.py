@@ -318,7 +318,11 @@ class Sm90BackwardTiles:
     `paired` (templates/sm90/hopper_bwd_paired.cu.j2; `sm90_backward_tiles` says for which specs:
     past d = 128 one warpgroup's dK and dV would take d registers a thread): two consumer
     warpgroups share the block's 64 keys, each computing S^T and dP^T for half the queries, and
-    one accumulates dK, the other dV."""
+    one accumulates dK, the other dV. `fp8_scores` (an 8-bit spec with an 8-bit dO, Spec.dout_dtype;
+    unpaired only): S^T and dP^T by 8-bit wgmma from e4m3 K_j, V_j, Q_i and 8-bit dO_i, loaded beside
+    the bf16 K_j, Q_i and dO_i that dQ's, dK's and dV's GEMMs read; V_j's bf16 tile gives way to the
+    8-bit K_j and V_j (the same bytes), and one stage of 8-bit Q_i and dO_i (a bf16 Q tile's bytes)
+    joins: two would not fit at d = 128 (242 KB) or, with the barriers, at d = 64."""
 
     head_dim: int
     block_m: int = 64
@@ -326,6 +330,7 @@ class Sm90BackwardTiles:
     stages: int = 2
     paired: bool = False
     head_dim_v: int | None = None   # V's, dO's and dV's (the paired form's), if not d
+    fp8_scores: bool = False
 
     @property
     def consumers(self) -> int:
@@ -347,7 +352,8 @@ class Sm90BackwardTiles:
             v_tile, do_tile = self.block_n * v_cols * 2, self.block_m * v_cols * 2
             return (1024 + k_tile + v_tile + self.stages * (q_tile + do_tile) + 2 * 64 * self.block_m * 2 + q_tile * 2
                     + rows)
-        return 1024 + 2 * k_tile + self.stages * 2 * q_tile + self.consumers * per_consumer + rows
+        eight_bit_stage = q_tile if self.fp8_scores else 0   # 8-bit Q_i and dO_i: one stage
+        return 1024 + 2 * k_tile + self.stages * 2 * q_tile + eight_bit_stage + self.consumers * per_consumer + rows
 
 
 SM90_BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
@@ -375,7 +381,8 @@ def sm90_backward_tiles(spec) -> Sm90BackwardTiles:
         return two if two.shared_bytes <= 227 * 1024 else replace(two, stages=1)
     lean = not (spec.dropout or spec.softcap or spec.alibi or spec.score_mod is not None or spec.mask_mod is not None
                 or spec.varlen or (spec.deterministic and spec.window))
-    return Sm90BackwardTiles(spec.head_dim, block_m=128 if spec.head_dim == 64 and lean else 64)
+    return Sm90BackwardTiles(spec.head_dim, block_m=128 if spec.head_dim == 64 and lean else 64,
+                             fp8_scores=spec.fp8 and spec.dout_dtype is not None)
 
 
 def sm90_backward_refusal(spec) -> str | None:

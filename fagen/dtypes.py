@@ -11,3 +11,5 @@ import torch
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16,
                "e4m3": torch.float8_e4m3fn}                         # a Spec's dtype name -> torch dtype
 DTYPE_NAME = {dtype: name for name, dtype in TORCH_DTYPE.items()}  # torch dtype -> a Spec's dtype name
+FP8_TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}   # Spec.dout_dtype's names ...
+FP8_DTYPE_NAME = {dtype: name for name, dtype in FP8_TORCH_DTYPE.items()}        # ... and back

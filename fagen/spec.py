@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from .arch_families import (ARCH_FAMILIES, DEFAULT_FAMILY, family_of, fp8_backward_refusal, sm80_backward_problem,
                              sm90_block_n_problem)
 from .arch import DEFAULT_ARCHS, SMEM_LIMIT_BYTES, base_arch, smem_limit  # noqa: F401  (re-exported)
-from .spec_fp8 import (CACHE_FP8_ROW_MULTIPLE, FP8_DTYPES, FP8_OUTPUT_DTYPE,  # noqa: F401  (re-exported)
-                       cache_fp8_layout, check_cache_dtype, check_fp8)
+from .spec_fp8 import (CACHE_FP8_ROW_MULTIPLE, FP8_DTYPES, FP8_GRADIENT_DTYPES,  # noqa: F401  (re-exported)
+                       FP8_OUTPUT_DTYPE, cache_fp8_layout, check_cache_dtype, check_fp8)
 from .tile_shapes import (ELEMENT_BYTES, MMA_K, MMA_M, SMEM_ROW_PAD, SPLIT_O_ABOVE, BackwardLayout,  # noqa: F401
                           BackwardTiles, SharedLayout, backward_block_n_choices, backward_layout, backward_tiles,
                           default_tiles, dq_layout, smaller_kv_cache_tiles)
@@ -110,7 +110,8 @@ class Spec:
 
     head_dim     d, a multiple of 8 up to 512 (Q's and K's head dim)
     dtype        "fp16" or "bf16" (inputs and outputs; accumulation is fp32), or "e4m3" (8-bit q, k
-                 and v with their descales, output in bf16: the sm90 family's forward, forward only)
+                 and v with their descales, output in bf16: the sm90 family's forward, and its
+                 backward where arch_families.fp8_backward_refusal lets the variants through)
     version      1 = FlashAttention-1 (m, l statistics), 2 = FlashAttention-2 (L)
     block_m      rows of Q per tile (B_r)
     block_n      rows of K/V per tile (B_c)
@@ -156,6 +157,10 @@ class Spec:
     cache_dtype  kv_cache only: the cache's dtype where it is not `dtype`: "e4m3" (an 8-bit cache with
                  k/v descales per (batch entry, K/V head), as vLLM and FlashInfer serve; q and O stay
                  dtype, and the sm80 family's kernels widen each K/V tile to dtype in shared memory)
+    dout_dtype   an 8-bit spec's backward only: dO's dtype where it is 8-bit, "e4m3" or "e5m2" (as
+                 Transformer Engine passes it to cuDNN): S and dP then run as 8-bit wgmma where the
+                 sm90 backward's tiles allow (Sm90BackwardTiles.fp8_scores); unset, dO arrives in bf16
+                 (or is widened to it) and every GEMM reads bf16
     sm80_backward  an sm90 training spec only: the backward is the sm80 family's even where
                  sm90's own takes the spec (the self-test's gate sets it where sm90.backward did not
                  pass on this GPU but the forward's templates did: fagen.selftest.gate)
@@ -190,6 +195,7 @@ class Spec:
     sm90_block_n: int | None = None
     sm80_backward: bool = False
     cache_dtype: str | None = None
+    dout_dtype: str | None = None
 
     def __post_init__(self):
         self._check_head_dim()
@@ -514,6 +520,8 @@ class Spec:
             parts.append("vfromk")
         if self.cache_dtype:
             parts.append("kv" + self.cache_dtype)
+        if self.dout_dtype:
+            parts.append("do" + self.dout_dtype)
         if self.arch_family != "sm80":
             parts.append(self.arch_family)
         if self.sm80_backward:
@@ -547,7 +555,7 @@ class Spec:
             del data["head_dim_v"]
         if data["arch_family"] == "sm80":
             del data["arch_family"]
-        for field in ("sm90_block_n", "cache_dtype"):
+        for field in ("sm90_block_n", "cache_dtype", "dout_dtype"):
             if data[field] is None:
                 del data[field]
         for field in ("score_mod", "mask_mod", "kv_cache"):
@@ -584,6 +592,7 @@ class Spec:
                  "coords": ("coord_offsets", True), "packgqa": ("pack_gqa", True), "vfromk": ("v_from_k", True),
                  "bwdsm80": ("sm80_backward", True),
                  **{"kv" + dtype: ("cache_dtype", dtype) for dtype in FP8_DTYPES},
+                 **{"do" + dtype: ("dout_dtype", dtype) for dtype in FP8_GRADIENT_DTYPES},
                  **{family: ("arch_family", family) for family in ARCH_FAMILIES if family != DEFAULT_FAMILY.name},
                  **{flag: (flag, True) for flag in BUILTIN_MODS}}
         tiles = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)", parts[-1]) if parts else None

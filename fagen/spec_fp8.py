@@ -15,12 +15,21 @@ from __future__ import annotations
 from .tile_shapes import SharedLayout
 
 FP8_DTYPES = ("e4m3",)
+FP8_GRADIENT_DTYPES = ("e4m3", "e5m2")   # dO's, where 8-bit (Spec.dout_dtype): Transformer Engine's two
 FP8_OUTPUT_DTYPE = "bf16"
 CACHE_FP8_ROW_MULTIPLE = 16   # an 8-bit cache's head dims: its rows are copied in 16-byte chunks
 
 
 def check_fp8(spec) -> None:
-    """An e4m3 spec refuses, by name, what its kernels have no meaning for."""
+    """An e4m3 spec refuses, by name, what its kernels have no meaning for; dout_dtype is an e4m3
+    spec's alone."""
+    if spec.dout_dtype is not None:
+        if spec.dout_dtype not in FP8_GRADIENT_DTYPES:
+            raise ValueError(f"unknown dout_dtype {spec.dout_dtype!r}; expected None (dO in bf16) or one of "
+                             f"{FP8_GRADIENT_DTYPES}")
+        if spec.dtype not in FP8_DTYPES:
+            raise ValueError(f"dout_dtype={spec.dout_dtype!r} is the fp8 backward's dO: it needs dtype='e4m3', got "
+                             f"dtype={spec.dtype!r}")
     if spec.dtype not in FP8_DTYPES:
         return
     refused = [what for what, on in (("dropout=True", spec.dropout), ("sm80_backward=True", spec.sm80_backward),

@@ -206,10 +206,10 @@ def sanitizer_workload(device: str) -> list[str]:
 
 def gpu_test_calls() -> list[tuple[str, object]]:
     """The fagen calls of tests/gpu/test_gpu_kernels.py, test_gpu_decode.py, test_gpu_sm90_features.py,
-    test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py, test_gpu_fp8_decode.py and
-    test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
+    test_gpu_sm90_backward_rows.py, test_gpu_fp8_forward.py, test_gpu_fp8_backward.py,
+    test_gpu_fp8_decode.py and test_gpu_distributed.py, small (gpu_cases holds their parameters)."""
     return (_kernel_test_calls() + _decode_test_calls() + _sm90_feature_test_calls() + _sm90_backward_row_calls()
-            + _fp8_forward_row_calls() + _fp8_decode_calls() + _ring_test_calls())
+            + _fp8_forward_row_calls() + _fp8_backward_row_calls() + _fp8_decode_calls() + _ring_test_calls())
 
 
 def _dense(dtype: str, head_dim: int, shape=(1, SMALL_N, SMALL_N, 2, 2), seqlens_k: bool = False, **kwargs) -> None:
@@ -328,6 +328,16 @@ def _fp8_forward_row_calls() -> list:
 
     return [(f"fp8 forward rows d{d} causal={causal}",
              Spec(d, dtype="e4m3", arch_family=SM90.name, mask="causal" if causal else "none"))
+            for d, causal in itertools.product(cases.FP8_FORWARD_ROW_HEAD_DIMS, (False, True))]
+
+
+def _fp8_backward_row_calls() -> list:
+    """tests/gpu/test_gpu_fp8_backward.py's with an e4m3 dO (Spec.dout_dtype), at the forward rows'
+    head dims: its accuracy rule and its e4m3-dO timing (the bf16 dO's is the forward rows' spec)."""
+    from fagen.spec import Spec
+
+    return [(f"fp8 backward rows d{d} causal={causal} dO e4m3",
+             Spec(d, dtype="e4m3", arch_family=SM90.name, mask="causal" if causal else "none", dout_dtype="e4m3"))
             for d, causal in itertools.product(cases.FP8_FORWARD_ROW_HEAD_DIMS, (False, True))]
 
 

@@ -412,7 +412,8 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
              memo=None, descales=None):
     """Launch `source`'s backward kernels. Returns (dq, dk, dv) in q's dtype (bf16 for an 8-bit
     spec, whose q, k and v are e4m3, O and dO e4m3, e5m2 or bf16, widened to bf16 exactly, with
-    `descales` {"q_descale": (B, Hk) fp32, ..., "o_descale", "do_descale"}, one missing 1).
+    `descales` {"q_descale": (B, Hk) fp32, ..., "o_descale", "do_descale"}, one missing 1; where the
+    spec names dO's 8-bit dtype (Spec.dout_dtype), dout must be in it).
 
     dK and dV are computed per query head; with GQA/MQA the kernel writes them in fp32 and
     the query heads that share a K/V head are summed here, then rounded once. `dlse` (B, H, Nq), the gradient of the
@@ -422,6 +423,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     own plans (`Memo`).
     """
     spec = source.spec
+    eight_bit = fp8_operands.eight_bit_scores(spec, q, k, v, dout)   # S^T's and dP^T's operands, if 8-bit
     if spec.fp8:
         q, k, v, out, dout = (fp8_operands.widened(t) for t in (q, k, v, out, dout))
     drop = dropout_args or {}
@@ -441,7 +443,7 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     dq, dk, dv = plan.take_results(tensors)
     tensors["q"], tensors["k"], tensors["v"], tensors["out"], tensors["dout"] = q, k, v, out, dout
     if spec.fp8:
-        tensors.update(fp8_operands.backward_tensors(k, descales, varlen))
+        tensors.update(fp8_operands.backward_tensors(k, descales, varlen), **eight_bit)
     _add_stats(tensors, stats)
     grads = _capture_gradients(spec, variant_tensors, q, k, varlen) if variant_values else {}
     _call_values(tensors, seqlens_k, drop.get("seed", 0), drop.get("philox_offset", 0), coord_offsets,

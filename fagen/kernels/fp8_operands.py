@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..arch_families import sm90_tiles
+from ..arch_families import sm90_backward_tiles, sm90_tiles
+from ..dtypes import FP8_TORCH_DTYPE
+from ..errors import InputTypeError
 from ..spec import Spec
 
 DESCALES = ("q_descale", "k_descale", "v_descale")   # the kernel's parameters (params._fp8_descales)
@@ -96,6 +98,20 @@ def widened(t: torch.Tensor) -> torch.Tensor:
     fp8 in dV's, dK's and dQ's GEMMs past the accuracy rule, and S's and dP's the same values in
     either). Others pass as they are (a bf16 O or dO)."""
     return t.to(torch.bfloat16) if t.dtype in EIGHT_BIT else t
+
+
+def eight_bit_scores(spec: Spec, q, k, v, dout) -> dict:
+    """The 8-bit tensors that S^T's and dP^T's 8-bit wgmmas read (Sm90BackwardTiles.fp8_scores), by
+    kernel parameter name (q8, k8, v8, dout8: as the caller passed them, beside the widened ones the
+    other GEMMs read); none where the spec's backward reads bf16 alone. dout must be in the spec's
+    dout_dtype (the kernel's wgmma reads its bytes as that type)."""
+    if not (spec.fp8 and spec.dout_dtype is not None and sm90_backward_tiles(spec).fp8_scores):
+        return {}
+    expected = FP8_TORCH_DTYPE[spec.dout_dtype]
+    if dout.dtype != expected:
+        raise InputTypeError(f"dout must be {str(expected).removeprefix('torch.')} for {spec.name} (its "
+                             f"dout_dtype={spec.dout_dtype!r}: S and dP by 8-bit wgmma), got {dout.dtype}")
+    return {"q8": q, "k8": k, "v8": v, "dout8": dout}
 
 
 def backward_tensors(k: torch.Tensor, descales: dict | None, varlen=None) -> dict:

@@ -106,12 +106,19 @@ def sm90_backward_params(spec: Spec) -> tuple[Param, ...]:
     TMA tensor maps (one 64-column box of a tile's rows, 128B swizzle), and the preprocess's rows
     of L in log2 units and D, (B, H, padded Nq) fp32, as maps of one query block's 64 floats (no
     swizzle); dQ's fp32 accumulator in whole query blocks (`dq_blocks`), summed into by bulk
-    reductions; dK and dV per query head (in fp32 under GQA, as the sm80 backward's)."""
+    reductions; dK and dV per query head (in fp32 under GQA, as the sm80 backward's). With
+    8-bit S^T and dP^T (Sm90BackwardTiles.fp8_scores), q8, k8, v8 and dout8 too, the 8-bit tensors
+    (a box of d bytes a row), and no bf16 v."""
     tiles = sm90_backward_tiles(spec)
     elem = ELEM_CTYPE[spec.output_dtype]
     maps = [Param(name, TENSOR_MAP, "tensor_map", box=(1, rows, 1, BOX_COLUMNS))
             for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n),
-                               ("dout", tiles.block_m))]
+                               ("dout", tiles.block_m)) if not (tiles.fp8_scores and name == "v")]
+    if tiles.fp8_scores:   # S^T's and dP^T's 8-bit operands: a row of d bytes, one box (V's bf16 is not read)
+        swizzle = Swizzle.B128 if spec.head_dim == 128 else Swizzle.B64
+        maps += [Param(name + "8", TENSOR_MAP, "tensor_map", box=(1, rows, 1, spec.head_dim), swizzle=swizzle)
+                 for name, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n),
+                                    ("dout", tiles.block_m))]
     rows = [Param(name, TENSOR_MAP, "tensor_map", box=(1, 1, tiles.block_m), swizzle=Swizzle.NONE)
             for name in ("lse_log2", "delta")]
     outputs = ([_tensor("dq_blocks", "float")] + dq_order(spec) + [_tensor(n, elem) for n in ("dk_out", "dv_out")]

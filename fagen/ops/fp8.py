@@ -160,12 +160,13 @@ def _checked_descale(name: str, descale, shape: tuple, device):
     return descale.contiguous()
 
 
-def _spec(q, v, causal: bool, key_padding: bool, call, deterministic: bool = False) -> Spec:
+def _spec(q, v, causal: bool, key_padding: bool, call, deterministic: bool = False, dout_dtype: str | None = None
+          ) -> Spec:
     d, d_v = q.shape[-1], v.shape[-1]
     try:
         return Spec(d, head_dim_v=None if d_v == d else d_v, dtype="e4m3", arch_family=FP8_FAMILY.name,
                     mask="causal" if causal else "none", key_padding=key_padding, deterministic=deterministic,
-                    **(call.spec_fields if call else {}))
+                    dout_dtype=dout_dtype, **(call.spec_fields if call else {}))
     except ValueError as refusal:
         raise InputError(f"float8_e4m3fn q (head_dim {d}), v (head_dim {d_v}): {refusal}") from None
 

@@ -3,11 +3,13 @@
 `fp8_attention_backward(dout, q, k, v, out, lse, ...)` takes Transformer Engine's contract with
 cuDNN's fp8 attention: q, k, v and O in e4m3 (O may be bf16), dO in e4m3, e5m2 or bf16, an fp32
 descale each per (batch, K/V head), None meaning 1; it returns dQ, dK and dV in bf16. The kernels
-are the sm90 backward's on those tensors widened to bf16 exactly, the descales applied in fp32
-(templates/sm90/hopper_bwd_walk.j2): fagen/reference/same_fp8_backward.py measured fp8 operands in
-dV's, dK's and dQ's GEMMs past the accuracy rule (7-11x the bf16 GEMMs' error), and S's and dP's
-give the same values either way, so every GEMM reads bf16. It takes causal, key padding and a
-window (arch_families.fp8_backward_refusal says what else, by name).
+are the sm90 backward's, the descales applied in fp32 (templates/sm90/hopper_bwd_walk.j2):
+fagen/reference/same_fp8_backward.py measured fp8 operands in dV's, dK's and dQ's GEMMs past the
+accuracy rule (7-11x the bf16 GEMMs' error), so those read q, k and dO widened to bf16 exactly,
+while S's and dP's give the same values either way. Where dO is 8-bit and the head dim 64 or 128,
+S and dP run as 8-bit wgmma on the tensors as given (Spec.dout_dtype, Sm90BackwardTiles.fp8_scores);
+a bf16 dO, or a wider head, has every GEMM read bf16. It takes causal, key padding and a window
+(arch_families.fp8_backward_refusal says what else, by name).
 
 For a delayed-scaling recipe, `grad_dtype=torch.float8_e4m3fn` (or e5m2) returns the gradients in fp8
 instead, each times its scale (`dq_scale`, `dk_scale`, `dv_scale`: one fp32 value each, the recipe's
@@ -30,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ..arch_families import fp8_backward_refusal
+from ..dtypes import FP8_DTYPE_NAME
 from ..errors import InputError, InputTypeError
 from ..kernels import attention_kernels
 from ..kernels.fp8_operands import BACKWARD_DESCALES
@@ -86,7 +89,8 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
     descales = {name: _checked_descale(name, descale, (k.shape[0], k.shape[2]), q.device)
                 for name, descale in given.items()}
     call = variant_call(q, k, causal=causal, window_size=window_size)
-    spec = _spec(q, v, causal, seqlens_k is not None, call, deterministic)
+    # An 8-bit dO (Transformer Engine's e4m3 or e5m2): S and dP by 8-bit wgmma (Spec.dout_dtype).
+    spec = _spec(q, v, causal, seqlens_k is not None, call, deterministic, FP8_DTYPE_NAME.get(dout.dtype))
     if spec.forward_only:
         raise InputError(f"no fp8 backward for this call: {fp8_backward_refusal(spec)}")
     _check_device(q, spec)

@@ -3,9 +3,14 @@ transposed, and P truncated where it is rounded; each killed by `fp8_check`, the
 GQA shape whose descales differ per (batch, K/V head). And the 8-bit KV cache's (part 2): a descale
 dropped, the bytes widened as e5m2, the append truncating or not saturating; each killed by
 fp8_cache_cases.fp8_cache_kernels_check. And the fp8 backward's (part 3): each descale it applies
-left out, killed by `fp8_backward_check`. Joined to tests/support/kernel_mutants.py's."""
+left out, killed by `fp8_backward_check`; with 8-bit S and dP, dO's type misread, V's tile from K,
+and the 8-bit stage's barriers broken, killed by `fp8_scores_check`. Joined to
+tests/support/kernel_mutants.py's."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import torch
 
@@ -15,16 +20,29 @@ from fp8_backward_cases import run_fp8_backward_case
 from fp8_cache_cases import fp8_cache_kernels_check
 from fp8_cases import run_fp8_case
 from kernel_cases import Shape
+from kernel_checks import SM90_SCHEDULES
 from kernel_mutant import Edit, KernelMutant
 
 FP8 = Spec(128, dtype="e4m3", mask="causal", arch_family="sm90")
 FP8_CACHE = Spec.for_kv_cache(64, "bf16", causal=False, page_size=32, cache_dtype="e4m3")
 FP8_BACKWARD = Spec(64, dtype="e4m3", mask="causal", arch_family="sm90")
+FP8_SCORES = FP8_BACKWARD.replace(dout_dtype="e5m2")   # S and dP by 8-bit wgmma (Sm90BackwardTiles.fp8_scores)
 
 
 def fp8_backward_check(spec: Spec, source=None) -> None:
     """GQA, ragged tiles, descales that differ per (batch, K/V head): the fp8 backward's rule."""
     run_fp8_backward_case(spec, Shape(2, 100, 140, heads=4, kv_heads=2), source=source)
+
+
+def fp8_scores_check(spec: Spec, source=None) -> None:
+    """The 8-bit S^T and dP^T (an e5m2 dO): three query blocks of 128 through the bf16 stages' two and
+    the 8-bit stage's one (each reused, both parities), two key blocks (the last ragged), GQA, under
+    the schedules that reorder the producer and the consumers, with the racecheck; the rule each time."""
+    for schedule in SM90_SCHEDULES:
+        with mock.patch.dict(os.environ, {"FAGEN_EMULATE_SCHEDULE": schedule, "FAGEN_EMULATE_SEED": "0",
+                                          "FAGEN_EMULATE_RACECHECK": "1"}):
+            run_fp8_backward_case(spec, Shape(1, 300, 200, heads=2, kv_heads=1), source=source,
+                                  do_format=spec.dout_dtype)
 
 
 def fp8_check(spec: Spec, source=None) -> None:
@@ -103,3 +121,21 @@ MUTANTS = [
                  (Edit("softmax_scale *= do_descale[descale_at] * v_descale[descale_at] * k_descale[descale_at];",
                        "softmax_scale *= do_descale[descale_at] * v_descale[descale_at];"),), (fp8_backward_check,)),
 ]
+# The 8-bit S^T and dP^T (FP8_SCORES): dO's type, and the 8-bit stage's ring.
+MUTANTS += [KernelMutant(f"fp8 backward, 8-bit S and dP: {name}", FP8_SCORES, (Edit(old, new),), (fp8_scores_check,))
+            for name, old, new in [
+    ("dO's e5m2 bytes read as e4m3", "constexpr bool kDoE5m2 = true;", "constexpr bool kDoE5m2 = false;"),
+    ("V's 8-bit tile loaded from K's tensor", "load_row_box(tiles + kV8Offset, v_map,", "load_row_box(tiles + kV8Offset, k8_map,"),
+    ("the consumers' wait for the 8-bit stage deleted",
+     "    fagen::mbarrier_wait_parity(&bars->full8[s8], static_cast<uint32_t>(it / kStages8) & 1);\n", ""),
+    ("the producer's wait for the 8-bit stage to empty deleted",
+     "    fagen::mbarrier_wait_parity(&bars->empty8[s8], (static_cast<uint32_t>(it / kStages8) & 1) ^ 1);\n", ""),
+    ("the 8-bit stage given back before dP^T's wgmma group retires",
+     "    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n    fagen::wgmma_fence_operands<kBlockM>(dpt);\n"
+     "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty8[s8]);",
+     "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty8[s8]);\n"
+     "    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n    fagen::wgmma_fence_operands<kBlockM>(dpt);"),
+    ("the 8-bit stage's bytes expected one tile short",
+     "fagen::mbarrier_arrive_expect_tx(&bars->full8[s8], 2 * kQ8Bytes);",
+     "fagen::mbarrier_arrive_expect_tx(&bars->full8[s8], kQ8Bytes);"),
+]]
