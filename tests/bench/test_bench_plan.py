@@ -45,7 +45,7 @@ def test_dry_run_prints_the_plan_and_exits_zero():
                    f"small case per kernel template (sm80 {len(all_templates('sm80'))}, sm90 {len(all_templates('sm90'))};",
                    "[     ok] the self-test's cases for sm_90 (recorded as its child records them): "
                    f"{len(all_templates('sm80')) + len(all_templates('sm90'))} templates, each "
-                   "case loading kernels of its family: sm80 23 kernels, sm90 33 kernels",
+                   "case loading kernels of its family: sm80 23 kernels, sm90 35 kernels",
                    "[     ok] the self-test's last sm90 kernel compiles for sm_90: ",
                    "fagen v2, fagen sm90, fagen v1, SDPA flash, SDPA cuDNN, SDPA efficient, SDPA math, FlexAttention",
                    "[     ok] precompile's kernels for sm_90 (recorded from the calls): ",

@@ -38,6 +38,12 @@ def test_s_and_dp_by_8_bit_wgmma_meet_the_rule(d, causal, do_format):
     run_fp8_backward_case(spec, GQA, do_format=do_format)
 
 
+def test_a_window_meets_the_rule():
+    """A sliding window (left 50, right 20) against the oracle with the same window, S and dP by
+    8-bit wgmma: the window's masked blocks and the ones it skips, in fp8."""
+    run_fp8_backward_case(fp8(128, dout_dtype="e4m3"), GQA, {"window_size": (50, 20)})
+
+
 def test_s_and_dp_by_8_bit_wgmma_are_race_free_under_the_schedules():
     """The 8-bit stage's ring (full8 / empty8) beside the bf16 one: both parities, the producer first
     and the warps one at a time, under the racecheck (fp8_mutants.fp8_scores_check)."""

@@ -24,6 +24,7 @@ from fagen.reference.same_fp8_backward import RECOMMENDED_FP8_GEMMS, attention_b
 from fagen.spec import Spec
 from fp8_cases import fp8_inputs
 from kernel_cases import ABS_FLOOR, Shape, key_lengths, max_error
+from variant_cases import variant_spec
 
 FP8_GRAD_FACTOR = 2.0
 
@@ -42,34 +43,40 @@ def _in_format(x: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, tor
     return scaled.clamp(-57344.0, 57344.0).to(torch.float8_e5m2), descale
 
 
-def run_fp8_backward_case(spec: Spec, shape: Shape, *, device: str = "cpu", source=None, out_format: str = "e4m3",
-                          do_format: str = "e4m3", seed: int = 0) -> tuple[dict, tuple]:
-    """The backward of `spec` (an 8-bit spec with a backward) on `shape`, run on `device`, held to the
-    rule above; O and dO arrive in `out_format` / `do_format`. Returns ({name: (kernel's error,
-    model's)}, (dq, dk, dv) on the CPU). `source`: another rendering of the spec (the mutants)."""
+def run_fp8_backward_case(spec: Spec, shape: Shape, variant: dict | None = None, *, device: str = "cpu", source=None,
+                          out_format: str = "e4m3", do_format: str = "e4m3", seed: int = 0) -> tuple[dict, tuple]:
+    """The backward of `spec` (an 8-bit spec with a backward; with `variant`'s values, a window) on
+    `shape`, run on `device`, held to the rule above; O and dO arrive in `out_format` / `do_format`.
+    Returns ({name: (kernel's error, model's)}, (dq, dk, dv) on the CPU). `source`: another
+    rendering of the case's spec (the mutants)."""
+    variant = dict(variant or {})
     q8, k8, v8, descales, (q, k, v) = fp8_inputs(spec, shape, seed=seed)
+    case_spec, call = variant_spec(spec, q, k, variant) if variant else (spec, None)
     group = shape.heads // shape.kv_heads
     lengths = torch.tensor(key_lengths(spec, shape), dtype=torch.int32) if spec.key_padding else None
-    exact_out, lse = attention_forward(q, k, v, causal=spec.causal, seqlens_k=lengths)
+    kwargs = dict(causal=spec.causal, seqlens_k=lengths, **variant)
+    exact_out, lse = attention_forward(q, k, v, **kwargs)
     dout = torch.randn(*exact_out.shape, generator=torch.Generator().manual_seed(seed + 1))
     o8, od = _in_format(exact_out.float(), out_format, group)
     do8, dod = _in_format(dout, do_format, group)
     o, do = dequantize(o8, od), dequantize(do8, dod)
     scales = {**descales, "o_descale": od, "do_descale": dod}
-    source = render(spec) if source is None else source
+    source = render(case_spec) if source is None else source
+    assert source.spec == case_spec, f"the source is {source.spec.name}'s, the case {case_spec.name}'s"
     on = lambda t: None if t is None else t.to(device)
     dq, dk, dv = attention_kernels.backward(source, on(q8), on(k8), on(v8), on(o8), (on(lse.float()),), on(do8),
-                                            seqlens_k=on(lengths), descales={n: on(s) for n, s in scales.items()})
+                                            seqlens_k=on(lengths), descales={n: on(s) for n, s in scales.items()},
+                                            variant_values=None if call is None else call.values)
     # D from the O the kernel reads: dS = P (dP - (D(exact O) - dlse)).
     dlse = ((do * exact_out).sum(-1) - (do * o).sum(-1)).transpose(1, 2)
-    oracle = attention_gradients(q, k, v, do, dlse=dlse, causal=spec.causal, seqlens_k=lengths)
-    model = attention_backward_same_fp8(q8, k8, v8, o8, do8, lse.float(), **scales, causal=spec.causal,
-                                        seqlens_k=lengths, fp8_gemms=RECOMMENDED_FP8_GEMMS)
+    oracle = attention_gradients(q, k, v, do, dlse=dlse, **kwargs)
+    model = attention_backward_same_fp8(q8, k8, v8, o8, do8, lse.float(), **scales, **kwargs,
+                                        fp8_gemms=RECOMMENDED_FP8_GEMMS)
     errors, grads = {}, tuple(t.cpu() for t in (dq, dk, dv))
     for name, got, modelled in zip(("dq", "dk", "dv"), grads, model):
-        assert got.dtype == torch.bfloat16 and not got.isnan().any(), f"{spec.name}: {name}"
+        assert got.dtype == torch.bfloat16 and not got.isnan().any(), f"{case_spec.name}: {name}"
         errors[name] = kernel_err, model_err = max_error(got, oracle[name]), max_error(modelled, oracle[name])
         assert kernel_err <= FP8_GRAD_FACTOR * model_err + ABS_FLOOR, (
-            f"{spec.name} {shape} O {out_format} dO {do_format}: {name}'s error {kernel_err:.3g} exceeds "
+            f"{case_spec.name} {shape} O {out_format} dO {do_format}: {name}'s error {kernel_err:.3g} exceeds "
             f"{FP8_GRAD_FACTOR}x the model's {model_err:.3g}")
     return errors, grads
