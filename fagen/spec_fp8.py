@@ -7,6 +7,8 @@ Two places hold e4m3 values:
   cache_dtype="e4m3"  a decoding step's KV cache under fp16 or bf16 queries, with k/v descales, as
                       vLLM and FlashInfer serve it; the sm80 family's decoding kernels widen each
                       tile in shared memory (`cache_fp8_layout`, templates/include/fagen/fp8_cache.cuh).
+And an e4m3 spec's backward may name dO's 8-bit type, dout_dtype="e4m3" or "e5m2" (Transformer
+Engine's): S and dP then run as 8-bit wgmma (arch_families.Sm90BackwardTiles.fp8_scores).
 The checks take the Spec being validated (below fagen.spec: it imports this module).
 """
 

@@ -1,8 +1,8 @@
 """The self-test's 8-bit case (the sm90 family's `sm90.fp8`): e4m3 q, k and v with descales per
 (batch, K/V head), GQA, causal with ragged tiles, through `flash_attn_func` (the forward) and
-`fp8_attention_backward` with dO in bf16 and in e4m3 (S and dP by 8-bit wgmma), each held to the fp8 rule (fagen.selftest_cases.rule's factor) against
-the float64 oracle on the dequantised inputs, the rounding models (fagen/reference/same_fp8*.py)
-standing in for a same-dtype PyTorch.
+`fp8_attention_backward` with dO in bf16 and in e4m3 (S and dP by 8-bit wgmma), each held to the
+fp8 rule (fagen.selftest_cases.rule's factor) against the float64 oracle on the dequantised
+inputs, the rounding models (fagen/reference/same_fp8*.py) standing in for a same-dtype PyTorch.
 """
 
 from __future__ import annotations

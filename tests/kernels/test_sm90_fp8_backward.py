@@ -88,8 +88,9 @@ def test_deterministic_repeats_bit_for_bit_within_the_rule():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-@pytest.mark.slow   # its pipeline is the bf16 sm90 backward's (kernel_checks.sm90_backward_check, the default tier's);
-                   # the 8-bit stage's ring runs there too (test_s_and_dp_by_8_bit_wgmma_are_race_free_under_the_schedules)
+# Slow: its pipeline is the bf16 sm90 backward's (kernel_checks.sm90_backward_check runs in the default
+# tier), and the 8-bit stage's ring has a race test of its own there (fp8_scores_check).
+@pytest.mark.slow
 def test_the_fp8_backward_is_race_free_under_the_schedules(monkeypatch):
     monkeypatch.setenv("FAGEN_EMULATE_RACECHECK", "1")
     for schedule in ("warp-serial", "producer-first"):

@@ -122,19 +122,21 @@ MUTANTS = [
                        "softmax_scale *= do_descale[descale_at] * v_descale[descale_at];"),), (fp8_backward_check,)),
 ]
 # The 8-bit S^T and dP^T (FP8_SCORES): dO's type, and the 8-bit stage's ring.
+_DP_RETIRED = ("    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n"
+               "    fagen::wgmma_fence_operands<kBlockM>(dpt);\n")
+_RELEASE = ("    // This warp's S^T and dP^T wgmmas have read the 8-bit stage: the producer may refill it.\n"
+            "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty8[s8]);\n")
+_WAIT_THEN_RELEASE, _RELEASE_THEN_WAIT = _DP_RETIRED + _RELEASE, _RELEASE + _DP_RETIRED
 MUTANTS += [KernelMutant(f"fp8 backward, 8-bit S and dP: {name}", FP8_SCORES, (Edit(old, new),), (fp8_scores_check,))
             for name, old, new in [
     ("dO's e5m2 bytes read as e4m3", "constexpr bool kDoE5m2 = true;", "constexpr bool kDoE5m2 = false;"),
-    ("V's 8-bit tile loaded from K's tensor", "load_row_box(tiles + kV8Offset, v_map,", "load_row_box(tiles + kV8Offset, k8_map,"),
+    ("V's 8-bit tile loaded from K's tensor", "load_row_box(tiles + kV8Offset, v_map,",
+     "load_row_box(tiles + kV8Offset, k8_map,"),
     ("the consumers' wait for the 8-bit stage deleted",
      "    fagen::mbarrier_wait_parity(&bars->full8[s8], static_cast<uint32_t>(it / kStages8) & 1);\n", ""),
     ("the producer's wait for the 8-bit stage to empty deleted",
      "    fagen::mbarrier_wait_parity(&bars->empty8[s8], (static_cast<uint32_t>(it / kStages8) & 1) ^ 1);\n", ""),
-    ("the 8-bit stage given back before dP^T's wgmma group retires",
-     "    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n    fagen::wgmma_fence_operands<kBlockM>(dpt);\n"
-     "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty8[s8]);",
-     "    __syncwarp();\n    if (fagen::elect_one_sync()) fagen::mbarrier_arrive(&bars->empty8[s8]);\n"
-     "    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n    fagen::wgmma_fence_operands<kBlockM>(dpt);"),
+    ("the 8-bit stage given back before dP^T's wgmma group retires", _WAIT_THEN_RELEASE, _RELEASE_THEN_WAIT),
     ("the 8-bit stage's bytes expected one tile short",
      "fagen::mbarrier_arrive_expect_tx(&bars->full8[s8], 2 * kQ8Bytes);",
      "fagen::mbarrier_arrive_expect_tx(&bars->full8[s8], kQ8Bytes);"),
