@@ -106,16 +106,17 @@ def _fp8_refusals(spec) -> list[str]:
 
 def fp8_backward_refusal(spec) -> str | None:
     """Why an 8-bit spec (Spec.fp8) has no backward yet, naming the fields; None if the sm90
-    backward takes it (its tensors widened to bf16 exactly, the descales in fp32:
-    hopper_bwd_walk.j2). It takes causal, key padding and a window; the variants whose scores read
-    the softmax's scale (softcap, ALiBi, sinks, mods) are refused for now."""
-    refused = [name for name in ("softcap", "alibi", "sinks") if getattr(spec, name)]
+    backward takes it (the descales in fp32: hopper_bwd_walk.j2). It takes causal, key padding, a
+    window, a softcap and ALiBi (their chain on tau S in true units); sinks and mods are refused for
+    now: their gradients (dsinks, a captured tensor's) would come out in dS's scaled units."""
+    refused = [name for name in ("sinks",) if getattr(spec, name)]
     refused += [name for name in ("score_mod", "mask_mod") if getattr(spec, name) is not None]
     found = sm90_backward_refusal(spec)
     if found:
         return f"the fp8 backward is the sm90 family's, which says: {found}"
     if refused:
-        return f"the fp8 backward takes causal, key padding and a window for now, not {', '.join(refused)}"
+        return (f"the fp8 backward takes causal, key padding, a window, a softcap and ALiBi for now, not "
+                f"{', '.join(refused)}")
     return None
 
 

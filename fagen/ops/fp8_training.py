@@ -8,8 +8,9 @@ fagen/reference/same_fp8_backward.py measured fp8 operands in dV's, dK's and dQ'
 accuracy rule (7-11x the bf16 GEMMs' error), so those read q, k and dO widened to bf16 exactly,
 while S's and dP's give the same values either way. Where dO is 8-bit and the head dim 64 or 128,
 S and dP run as 8-bit wgmma on the tensors as given (Spec.dout_dtype, Sm90BackwardTiles.fp8_scores);
-a bf16 dO, or a wider head, has every GEMM read bf16. It takes causal, key padding and a window
-(arch_families.fp8_backward_refusal says what else, by name).
+a bf16 dO, or a wider head, has every GEMM read bf16. It takes causal, key padding, a window, a
+softcap and ALiBi (arch_families.fp8_backward_refusal refuses sinks and mods, by name);
+`fp8_attention_func` takes a window.
 
 For a delayed-scaling recipe, `grad_dtype=torch.float8_e4m3fn` (or e5m2) returns the gradients in fp8
 instead, each times its scale (`dq_scale`, `dk_scale`, `dv_scale`: one fp32 value each, the recipe's
@@ -60,11 +61,12 @@ class FP8Gradients(NamedTuple):
 
 def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale=None, v_descale=None,
                            o_descale=None, do_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           seqlens_k=None, deterministic=False, grad_dtype=torch.bfloat16, dq_scale=None,
-                           dk_scale=None, dv_scale=None):
+                           softcap=0.0, alibi_slopes=None, seqlens_k=None, deterministic=False,
+                           grad_dtype=torch.bfloat16, dq_scale=None, dk_scale=None, dv_scale=None):
     """(dq, dk, dv) in bf16 of the fp8 attention O = softmax(q k^T tau) v: q (B, Nq, H, d), k, v
     (B, Nk, Hk, d / d_v) in float8_e4m3fn; out (B, Nq, H, d_v) in e4m3 or bf16; dout likewise or
-    in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1).
+    in e5m2; lse (B, H, Nq) fp32, the forward's (natural log); descales (B, Hk) fp32 or None (1);
+    `window_size`, `softcap` and `alibi_slopes` as flash_attn_func's (the forward's own).
     `deterministic`: dQ summed in a fixed order, repeated calls bit-identical (the sm90 backward's).
     `grad_dtype` e4m3 or e5m2: an FP8Gradients of the gradients times dq_scale, dk_scale and
     dv_scale (module docstring)."""
@@ -88,7 +90,7 @@ def fp8_attention_backward(dout, q, k, v, out, lse, *, q_descale=None, k_descale
     given = dict(zip(BACKWARD_DESCALES, (q_descale, k_descale, v_descale, o_descale, do_descale)))
     descales = {name: _checked_descale(name, descale, (k.shape[0], k.shape[2]), q.device)
                 for name, descale in given.items()}
-    call = variant_call(q, k, causal=causal, window_size=window_size)
+    call = variant_call(q, k, causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     # An 8-bit dO (Transformer Engine's e4m3 or e5m2): S and dP by 8-bit wgmma (Spec.dout_dtype).
     spec = _spec(q, v, causal, seqlens_k is not None, call, deterministic, FP8_DTYPE_NAME.get(dout.dtype))
     if spec.forward_only:

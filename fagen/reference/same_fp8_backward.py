@@ -68,15 +68,16 @@ def fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def attention_backward_same_fp8(q, k, v, out, dout, lse, *, q_descale=None, k_descale=None, v_descale=None,
                                 o_descale=None, do_descale=None, softmax_scale=None, causal=False,
-                                seqlens_k=None, window_size=(-1, -1), fp8_gemms=GEMMS, ds_dtype=DS_DTYPE,
-                                ds_block=DS_BLOCK, p_exponent: int = P_EXPONENT):
+                                seqlens_k=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, fp8_gemms=GEMMS,
+                                ds_dtype=DS_DTYPE, ds_block=DS_BLOCK, p_exponent: int = P_EXPONENT):
     """(dq, dk, dv) in bf16, shaped like q, k, v, from e4m3 q (B, Nq, H, d), k, v (B, Nk, Hk, d / d_v),
     out (B, Nq, H, d_v) in e4m3 or bf16, dout like out in e4m3, e5m2 or bf16, lse (B, H, Nq) (natural
-    log, taken as fp32); descales (B, Hk) fp32 or None (1); key padding and a window as the oracle
-    takes them. `fp8_gemms` names the GEMMs (GEMMS) whose operands are 8-bit; the rest take bf16 ones."""
+    log, taken as fp32); descales (B, Hk) fp32 or None (1); key padding, a window, a softcap and
+    ALiBi as the oracle takes them (the score chain in fp32 on the scaled scores, dS through its
+    derivative). `fp8_gemms` names the GEMMs (GEMMS) whose operands are 8-bit; the rest take bf16 ones."""
     gemms = _check_inputs(q, k, v, out, dout, lse, fp8_gemms, ds_dtype)
     prob = make_problem(q.float(), k.float(), v.float(), softmax_scale=softmax_scale, causal=causal,
-                        seqlens_k=seqlens_k, window_size=window_size)
+                        seqlens_k=seqlens_k, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     batch, kv_heads, group = prob.batch, prob.kv_heads, prob.group
     qd, kd, vd, od, dod = (descale_of(d, batch, kv_heads, name, CALLER).repeat_interleave(group, 1)[:, :, None, None]
                            for d, name in ((q_descale, "q_descale"), (k_descale, "k_descale"),
@@ -84,17 +85,29 @@ def attention_backward_same_fp8(q, k, v, out, dout, lse, *, q_descale=None, k_de
                                            (do_descale, "do_descale")))   # (B, H, 1, 1)
     qh, oh, doh = (t.float().transpose(1, 2) for t in (q, out, dout))
     kh, vh = (t.float().transpose(1, 2).repeat_interleave(group, 1) for t in (k, v))
-    scores = (qh @ kh.transpose(-1, -2)) * (qd * kd * prob.scale)
+    scores, chain = _score_chain(prob, (qh @ kh.transpose(-1, -2)) * (qd * kd * prob.scale))
     probs = torch.exp(scores - lse.float()[..., None]).masked_fill(~prob.visible_all(), 0.0)
     dp = (doh @ vh.transpose(-1, -2)) * (dod * vd)
     delta = (doh * oh).sum(-1, keepdim=True) * (dod * od)
-    ds = probs * (dp - delta)
+    ds = probs * (dp - delta) * chain
     p_operand = _p_operand(probs, "dv" in gemms, p_exponent)
     ds_for_k, ds_for_q = (_ds_operand(ds, name in gemms, ds_dtype, ds_block) for name in ("dk", "dq"))
     dv = _sum_group((p_operand.transpose(-1, -2) @ doh) * dod, group)
     dk = _sum_group((ds_for_k.transpose(-1, -2) @ qh) * (qd * prob.scale), group)
     dq = (ds_for_q @ kh) * (kd * prob.scale)
     return tuple(to_query_layout(t).to(torch.bfloat16) for t in (dq, dk, dv))
+
+
+def _score_chain(prob, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """The scaled scores through the problem's chain (softcap, then ALiBi), and ds'/dx elementwise
+    (1. without one), both fp32."""
+    if not prob.has_score_mods:
+        return scores, 1.0
+    with torch.enable_grad():
+        x = scores.detach().requires_grad_()
+        modified = prob.modify_scores(x)
+        (grad,) = torch.autograd.grad(modified.sum(), x)
+    return modified.detach().float(), grad.float()
 
 
 def _p_operand(probs: torch.Tensor, in_fp8: bool, p_exponent: int) -> torch.Tensor:

@@ -93,14 +93,14 @@ def test_nvrtc_compiles_the_source_for_sm_90a_without_spills_within_the_budgets(
 
 
 def test_the_source_is_the_forward_and_the_sm90_backward_with_its_key_tiles():
-    """The forward and the sm90 family's backward (a softcap's spec the forward alone:
+    """The forward and the sm90 family's backward (a spec with sinks the forward alone:
     arch_families.fp8_backward_refusal), 128 e4m3 columns a box (64 at d = 64 and 192), FlashAttention-3's
     224-key tile at d = 128 and 128 at d = 256, and bf16 O (Spec.output_dtype)."""
     spec = fp8(128)
     source = render(spec)
     assert [e.name.rsplit("_", 1)[-1] for e in source.kernels.backward] == ["preprocess", "bwd", "convert"]
     assert "namespace hopper_bwd" in source.code and not spec.forward_only
-    assert render(fp8(128, softcap=True)).kernels.backward == () and fp8(128, softcap=True).forward_only
+    assert render(fp8(128, sinks=True)).kernels.backward == () and fp8(128, sinks=True).forward_only
     assert sm90_tiles(spec).box_columns == 128 and sm90_tiles(spec).block_n == 224 and sm90_tiles(fp8(256)).block_n == 128
     assert sm90_tiles(fp8(64)).box_columns == sm90_tiles(fp8(192)).box_columns == 64
     assert "typedef __nv_bfloat16 elem_t;" in source.code and "wgmma_rs_fp8" in source.code

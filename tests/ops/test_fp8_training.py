@@ -14,6 +14,7 @@ from fp8_backward_cases import FP8_GRAD_FACTOR
 from kernel_cases import ABS_FLOOR, max_error
 
 E4M3 = torch.float8_e4m3fn
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])   # ALiBi's, one per query head of `inputs`
 
 
 def inputs(seed=0, b=2, nq=96, nk=96, h=4, hk=2, d=64, dtype=torch.bfloat16, grad=True):
@@ -22,25 +23,27 @@ def inputs(seed=0, b=2, nq=96, nk=96, h=4, hk=2, d=64, dtype=torch.bfloat16, gra
             for n, heads in ((nq, h), (nk, hk), (nk, hk))]
 
 
-@pytest.mark.parametrize("dout_dtype", [torch.bfloat16, torch.float8_e5m2])
-def test_fp8_attention_backward_with_the_forward_s_outputs_is_within_the_rule(dout_dtype):
+@pytest.mark.parametrize("dout_dtype, chain", [(torch.bfloat16, {}), (torch.float8_e5m2, {}),
+                                               (torch.float8_e5m2, {"softcap": 20.0, "alibi_slopes": SLOPES})],
+                         ids=["bf16", "e5m2", "e5m2-softcap-alibi"])
+def test_fp8_attention_backward_with_the_forward_s_outputs_is_within_the_rule(dout_dtype, chain):
     """The functional backward on the forward's own O (bf16) and L, against the float64 oracle on
     the dequantised inputs: within FP8_GRAD_FACTOR times the rounding model's error
     (tests/support/fp8_backward_cases.py's rule). An e5m2 dO (N(0, 1) needs no descale there) takes
-    S and dP by 8-bit wgmma (Spec.dout_dtype)."""
+    S and dP by 8-bit wgmma (Spec.dout_dtype); a softcap with ALiBi, both passes' score chain."""
     q, k, v = inputs(grad=False)
     q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q, k, v)
     out, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd,
-                                     v_descale=vd)
+                                     v_descale=vd, **chain)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dout_dtype)
     scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    dq, dk, dv = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **scales, causal=True)
+    dq, dk, dv = fagen.fp8_attention_backward(dout, q8, k8, v8, out, lse, **scales, causal=True, **chain)
     qx, kx, vx = dequantize(q8, qd), dequantize(k8, kd), dequantize(v8, vd)
-    exact, _ = attention_forward(qx, kx, vx, causal=True)
+    exact, _ = attention_forward(qx, kx, vx, causal=True, **chain)
     dlse = ((dout.double() * exact).sum(-1) - (dout.double() * out.double()).sum(-1)).transpose(1, 2)
-    oracle = attention_gradients(qx, kx, vx, dout.double(), dlse=dlse, causal=True)
+    oracle = attention_gradients(qx, kx, vx, dout.double(), dlse=dlse, causal=True, **chain)
     model = attention_backward_same_fp8(q8, k8, v8, out, dout, lse, **scales, causal=True,
-                                        fp8_gemms=RECOMMENDED_FP8_GEMMS)
+                                        fp8_gemms=RECOMMENDED_FP8_GEMMS, **chain)
     for name, got, modelled in zip(("dq", "dk", "dv"), (dq, dk, dv), model):
         assert got.dtype == torch.bfloat16 and got.shape == oracle[name].shape
         assert max_error(got, oracle[name]) <= FP8_GRAD_FACTOR * max_error(modelled, oracle[name]) + ABS_FLOOR, name

@@ -49,12 +49,12 @@ def _bias(score, b, h, q_idx, kv_idx):
      ("sm80.causal", "sm80.decode", "sm80.mla")),
     (Spec(128, dtype="e4m3", arch_family="sm90", mask="causal"),   # the fp8 forward and its sm90 backward
      ("sm90.d128", "sm90.causal", "sm90.fp8", "sm90.backward")),
-    (Spec(128, dtype="e4m3", arch_family="sm90", softcap=True), ("sm90.d128", "sm90.softcap", "sm90.fp8")),   # no backward
+    (Spec(128, dtype="e4m3", arch_family="sm90", sinks=True), ("sm90.d128", "sm90.sinks", "sm90.fp8")),   # no backward
     (Spec.for_kv_cache(128, "bf16", causal=False, page_size=64, pack_gqa=True, cache_dtype="e4m3"),
      ("sm80.d128", "sm80.paged", "sm80.pack_gqa", "sm80.fp8_cache")),
 ], ids=["sm90 plain", "sm90 sm80 backward", "sm90 dropout", "sm90 d128 dropout", "sm90 softcap causal",
         "sm90 d320 dropout", "sm80 d_v dropout", "fa1", "mods varlen", "sm90 paged packed", "varlen paged", "mla",
-        "fp8 causal", "fp8 softcap", "fp8 cache"])
+        "fp8 causal", "fp8 sinks", "fp8 cache"])
 def test_a_spec_uses_the_templates_of_its_features(spec, expected):
     assert templates_of(spec) == expected
 

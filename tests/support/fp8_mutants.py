@@ -45,6 +45,15 @@ def fp8_scores_check(spec: Spec, source=None) -> None:
                                   do_format=spec.dout_dtype)
 
 
+def fp8_chain_check(spec: Spec, source=None) -> None:
+    """The score chain (a softcap of 20, ALiBi with slopes 2^-1 .. 2^-4, as `spec` has them) on GQA,
+    ragged tiles, descales that differ per (batch, K/V head): the fp8 backward's rule."""
+    variant = {**({"softcap": 20.0} if spec.softcap else {}),
+               **({"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])} if spec.alibi else {})}
+    run_fp8_backward_case(spec.replace(softcap=False, alibi=False), Shape(2, 100, 140, heads=4, kv_heads=2), variant,
+                          source=source, do_format=spec.dout_dtype or "e4m3")
+
+
 def fp8_check(spec: Spec, source=None) -> None:
     """Four key tiles through the two stages (224 keys each), a ragged last one, GQA: the fp8 accuracy rule; then V
     about 3, so that O is too, and a bias in P's rounding moves it by as much (a rounding that is
@@ -120,6 +129,15 @@ MUTANTS = [
     KernelMutant("fp8 backward: dQ's conversion without k's descale", FP8_BACKWARD,
                  (Edit("softmax_scale *= do_descale[descale_at] * v_descale[descale_at] * k_descale[descale_at];",
                        "softmax_scale *= do_descale[descale_at] * v_descale[descale_at];"),), (fp8_backward_check,)),
+]
+# The score chain's descales (a softcap's tau / c, ALiBi's -slope / tau): q's and k's joined.
+MUTANTS += [
+    KernelMutant("fp8 backward: the softcap's argument without q's and k's descales",
+                 FP8_SCORES.replace(dout_dtype="e4m3", softcap=True),
+                 (Edit("  softcap_scale *= q_descale[descale_at] * k_descale[descale_at];", ""),), (fp8_chain_check,)),
+    KernelMutant("fp8 backward: ALiBi's scale without q's and k's descales", FP8_SCORES.replace(alibi=True),
+                 (Edit("  softmax_scale *= q_descale[descale_at] * k_descale[descale_at];\n", ""),),
+                 (fp8_chain_check,)),
 ]
 # The 8-bit S^T and dP^T (FP8_SCORES): dO's type, and the 8-bit stage's ring.
 _DP_RETIRED = ("    fagen::wgmma_fence_operands<kBlockM>(dpt);\n    fagen::wgmma_wait<0>();\n"
