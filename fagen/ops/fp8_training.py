@@ -9,8 +9,8 @@ accuracy rule (7-11x the bf16 GEMMs' error), so those read q, k and dO widened t
 while S's and dP's give the same values either way. Where dO is 8-bit and the head dim 64 or 128,
 S and dP run as 8-bit wgmma on the tensors as given (Spec.dout_dtype, Sm90BackwardTiles.fp8_scores);
 a bf16 dO, or a wider head, has every GEMM read bf16. It takes causal, key padding, a window, a
-softcap and ALiBi (arch_families.fp8_backward_refusal refuses sinks and mods, by name);
-`fp8_attention_func` takes a window.
+softcap and ALiBi (arch_families.fp8_backward_refusal refuses sinks and mods, by name), as
+`fp8_attention_func` does.
 
 For a delayed-scaling recipe, `grad_dtype=torch.float8_e4m3fn` (or e5m2) returns the gradients in fp8
 instead, each times its scale (`dq_scale`, `dk_scale`, `dv_scale`: one fp32 value each, the recipe's
@@ -38,6 +38,7 @@ from ..errors import InputError, InputTypeError
 from ..kernels import attention_kernels
 from ..kernels.fp8_operands import BACKWARD_DESCALES
 from ..kernels.render import source_for
+from ..variants.builtins import check_softcap
 from .common import check_dense_tensor, check_options
 from .fp8 import FP8, _check_device, _check_fp8_inputs, _checked_descale, _spec, fp8_attention
 from .fp8_inputs import quantize_qkv, saturated
@@ -137,10 +138,12 @@ def scaled_fp8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tupl
     return saturated(wide * scale, dtype), wide.abs().amax()
 
 
-def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False):
+def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, deterministic=False):
     """O (B, Nq, H, d_v), in q's dtype, of q, k and v (fp32, fp16 or bf16) quantised to e4m3 per
     (batch, K/V head), with gradients for q, k and v from the fp8 backward (module docstring);
-    `deterministic` as fp8_attention_backward's."""
+    `window_size`, `softcap` and `alibi_slopes` as flash_attn_func's; `deterministic` as
+    fp8_attention_backward's."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_dense_tensor(name, t)
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -148,14 +151,16 @@ def fp8_attention_func(q, k, v, *, softmax_scale=None, causal=False, window_size
                                  f"got {t.dtype}")
     left, right = window_size
     scale = -1.0 if softmax_scale is None else float(softmax_scale)
-    out = fp8_attention_fwd(q, k, v, scale, bool(causal), int(left), int(right), bool(deterministic))[0]
+    out = fp8_attention_fwd(q, k, v, scale, bool(causal), int(left), int(right), float(check_softcap(softcap)),
+                            alibi_slopes, bool(deterministic))[0]
     return out.to(q.dtype)
 
 
 # -- the custom ops ---------------------------------------------------------------------------------
 
-def _options(scale: float, causal: bool, left: int, right: int) -> dict:
-    return dict(softmax_scale=None if scale < 0 else scale, causal=causal, window_size=(left, right))
+def _options(scale: float, causal: bool, left: int, right: int, softcap: float, alibi_slopes) -> dict:
+    return dict(softmax_scale=None if scale < 0 else scale, causal=causal, window_size=(left, right), softcap=softcap,
+                alibi_slopes=alibi_slopes)
 
 
 # The custom ops take the call's options as plain values (scale -1: the default), so that a compiled
@@ -164,19 +169,21 @@ def _options(scale: float, causal: bool, left: int, right: int) -> dict:
 
 @torch.library.custom_op("fagen::fp8_attention_fwd", mutates_args=())
 def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, left: int,
-                      right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O bf16, L, q8, k8, v8, q_descale, k_descale, v_descale): the forward, and what its backward reads."""
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
-    variant = {"window_size": (left, right)} if (left, right) != (-1, -1) else None
-    options = _options(scale, causal, left, right)
-    out, lse = fp8_attention(q8, k8, v8, softmax_scale=options["softmax_scale"], causal=causal, return_lse=True,
-                             variant=variant, descales={"q_descale": qd, "k_descale": kd, "v_descale": vd})
+    variant = {**({"window_size": (left, right)} if (left, right) != (-1, -1) else {}),
+               **({"softcap": softcap} if softcap else {}),
+               **({"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {})}
+    out, lse = fp8_attention(q8, k8, v8, softmax_scale=None if scale < 0 else scale, causal=causal, return_lse=True,
+                             variant=variant or None, descales={"q_descale": qd, "k_descale": kd, "v_descale": vd})
     return out, lse, q8, k8, v8, qd, kd, vd
 
 
 @fp8_attention_fwd.register_fake
-def _(q, k, v, scale, causal, left, right, deterministic):
+def _(q, k, v, scale, causal, left, right, softcap, alibi_slopes, deterministic):
     batch, seqlen_q, heads, _ = q.shape
     f32 = dict(dtype=torch.float32)
     descale = (batch, k.shape[2])
@@ -188,32 +195,33 @@ def _(q, k, v, scale, causal, left, right, deterministic):
 @torch.library.custom_op("fagen::fp8_attention_bwd", mutates_args=())
 def fp8_attention_bwd(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, scale: float,
-                      causal: bool, left: int, right: int,
+                      causal: bool, left: int, right: int, softcap: float, alibi_slopes: torch.Tensor | None,
                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in bf16 for fp8_attention_fwd's outputs; O and dO in bf16 (descales 1)."""
     return fp8_attention_backward(dout.to(torch.bfloat16).contiguous(), q8, k8, v8, out, lse, q_descale=qd,
                                   k_descale=kd, v_descale=vd, deterministic=deterministic,
-                                  **_options(scale, causal, left, right))
+                                  **_options(scale, causal, left, right, softcap, alibi_slopes))
 
 
 @fp8_attention_bwd.register_fake
-def _(dout, q8, k8, v8, out, lse, qd, kd, vd, scale, causal, left, right, deterministic):
+def _(dout, q8, k8, v8, out, lse, qd, kd, vd, scale, causal, left, right, softcap, alibi_slopes, deterministic):
     fresh = dict(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
     return torch.empty_like(q8, **fresh), torch.empty_like(k8, **fresh), torch.empty_like(v8, **fresh)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, left, right, deterministic = inputs
+    q, k, v, scale, causal, left, right, softcap, alibi_slopes, deterministic = inputs
     out, lse, q8, k8, v8, qd, kd, vd = output
-    ctx.save_for_backward(out, lse, q8, k8, v8, qd, kd, vd)
-    ctx.options = (scale, causal, left, right, deterministic)
+    ctx.save_for_backward(out, lse, q8, k8, v8, qd, kd, vd, alibi_slopes)
+    ctx.options = (scale, causal, left, right, softcap)
+    ctx.deterministic = deterministic
     ctx.dtypes = (q.dtype, k.dtype, v.dtype)
 
 
 def _backward(ctx, dout, *unused):
-    out, lse, q8, k8, v8, qd, kd, vd = ctx.saved_tensors
-    grads = fp8_attention_bwd(dout, q8, k8, v8, out, lse, qd, kd, vd, *ctx.options)
-    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None, None)
+    out, lse, q8, k8, v8, qd, kd, vd, alibi_slopes = ctx.saved_tensors
+    grads = fp8_attention_bwd(dout, q8, k8, v8, out, lse, qd, kd, vd, *ctx.options, alibi_slopes, ctx.deterministic)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), *([None] * 7))
 
 
 torch.library.register_autograd("fagen::fp8_attention_fwd", _backward, setup_context=_setup_context)

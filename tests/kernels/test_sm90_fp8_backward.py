@@ -98,6 +98,7 @@ def test_key_padding_and_mqa():
     run_fp8_backward_case(fp8(64, True, key_padding=True), Shape(3, 70, 190, heads=4, kv_heads=1))
 
 
+@pytest.mark.slow   # tests/ops/test_fp8_training.py repeats a deterministic training step by default
 def test_deterministic_repeats_bit_for_bit_within_the_rule():
     """deterministic=True: dQ's reductions in key-block order (the sm90 backward's), three runs equal."""
     spec, shape = fp8(128, True, deterministic=True), Shape(1, 300, 300, heads=2, kv_heads=1)

@@ -51,17 +51,18 @@ def test_fp8_attention_backward_with_the_forward_s_outputs_is_within_the_rule(do
 
 def test_a_training_step_s_gradients_are_the_fp8_backward_s_on_the_quantised_inputs():
     """fp8_attention_func: O and the gradients in q's dtype, equal (bit for bit) to the forward and
-    backward called by hand on the same quantised tensors; the gradient passes straight through the
-    quantisation."""
+    backward called by hand on the same quantised tensors, with a window, a softcap and ALiBi; the
+    gradient passes straight through the quantisation."""
     q, k, v = inputs(seed=1)
-    out = fagen.fp8_attention_func(q, k, v, causal=True, window_size=(40, 0))
+    chain = dict(window_size=(40, 0), softcap=20.0, alibi_slopes=SLOPES)
+    out = fagen.fp8_attention_func(q, k, v, causal=True, **chain)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).bfloat16()
     out.backward(dout)
     q8, k8, v8, qd, kd, vd = fagen.quantize_qkv(q.detach(), k.detach(), v.detach())
-    by_hand, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, window_size=(40, 0), return_lse=True,
-                                         q_descale=qd, k_descale=kd, v_descale=vd)
+    by_hand, lse = fagen.flash_attn_func(q8, k8, v8, causal=True, return_lse=True, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, **chain)
     grads = fagen.fp8_attention_backward(dout, q8, k8, v8, by_hand, lse, q_descale=qd, k_descale=kd,
-                                         v_descale=vd, causal=True, window_size=(40, 0))
+                                         v_descale=vd, causal=True, **chain)
     assert torch.equal(out, by_hand)
     for tensor, expected in zip((q, k, v), grads):
         assert tensor.grad.dtype == tensor.dtype and torch.equal(tensor.grad, expected)
@@ -70,8 +71,8 @@ def test_a_training_step_s_gradients_are_the_fp8_backward_s_on_the_quantised_inp
 def test_a_training_step_compiles_without_graph_breaks_and_equals_eager():
     torch._dynamo.reset()
 
-    def step(q, k, v):
-        out = fagen.fp8_attention_func(q, k, v, causal=True)
+    def step(q, k, v):   # ALiBi's slopes: an optional tensor argument of the custom ops
+        out = fagen.fp8_attention_func(q, k, v, causal=True, alibi_slopes=SLOPES)
         return out.float().square().sum()
 
     eager_inputs, compiled_inputs = inputs(seed=2, d=128), inputs(seed=2, d=128)
@@ -90,6 +91,14 @@ def test_deterministic_training_repeats_its_gradients_bit_for_bit():
         fagen.fp8_attention_func(q, k, v, causal=True, deterministic=True).float().sum().backward()
         grads.append((q.grad, k.grad, v.grad))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_fp8_attention_func_names_a_bad_softcap_or_alibi_slopes():
+    q, k, v = inputs(nq=40, nk=50)
+    with pytest.raises(InputError, match="softcap must be a float >= 0"):
+        fagen.fp8_attention_func(q, k, v, softcap="x")
+    with pytest.raises(InputError, match="alibi_slopes must have shape"):
+        fagen.fp8_attention_func(q, k, v, alibi_slopes=torch.ones(3))
 
 
 def test_fp32_inputs_get_fp32_gradients():
@@ -114,6 +123,8 @@ def _bad_backward_calls():
         ({**base, "dq_scale": 2.0}, "dq_scale: only fp8 gradients take a scale; pass grad_dtype"),
         ({**base, "grad_dtype": E4M3, "dk_scale": torch.ones(2)}, "dk_scale must be one floating-point value"),
         ({**base, "grad_dtype": E4M3, "dv_scale": "2"}, "dv_scale must be a float or a one-element tensor"),
+        ({**base, "softcap": -1.0}, "softcap must be a float >= 0"),
+        ({**base, "alibi_slopes": torch.ones(3)}, "alibi_slopes must have shape"),
     ]
 
 
