@@ -424,8 +424,9 @@ def backward(source: Source, q, k, v, out, stats, dout, *, softmax_scale=None, s
     """
     spec = source.spec
     eight_bit = fp8_operands.eight_bit_scores(spec, q, k, v, dout)   # S^T's and dP^T's operands, if 8-bit
-    if spec.fp8:
-        q, k, v, out, dout = (fp8_operands.widened(t) for t in (q, k, v, out, dout))
+    if spec.fp8:   # where dP^T reads the 8-bit V, no kernel reads a widened one: not made
+        q, k, out, dout = (fp8_operands.widened(t) for t in (q, k, out, dout))
+        v = v if eight_bit else fp8_operands.widened(v)
     drop = dropout_args or {}
     variant_tensors, variant_scalars = (split_variant(spec, variant_values, _scale(softmax_scale, q))
                                         if variant_values else ({}, ()))

@@ -174,11 +174,10 @@ def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O bf16, L, q8, k8, v8, q_descale, k_descale, v_descale): the forward, and what its backward reads."""
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
-    variant = {**({"window_size": (left, right)} if (left, right) != (-1, -1) else {}),
-               **({"softcap": softcap} if softcap else {}),
-               **({"alibi_slopes": alibi_slopes} if alibi_slopes is not None else {})}
-    out, lse = fp8_attention(q8, k8, v8, softmax_scale=None if scale < 0 else scale, causal=causal, return_lse=True,
-                             variant=variant or None, descales={"q_descale": qd, "k_descale": kd, "v_descale": vd})
+    options = _options(scale, causal, left, right, softcap, alibi_slopes)
+    variant = {name: options.pop(name) for name in ("window_size", "softcap", "alibi_slopes")}   # unset: no variant
+    out, lse = fp8_attention(q8, k8, v8, **options, return_lse=True, variant=variant,
+                             descales={"q_descale": qd, "k_descale": kd, "v_descale": vd})
     return out, lse, q8, k8, v8, qd, kd, vd
 
 
